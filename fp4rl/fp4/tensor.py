@@ -1,0 +1,84 @@
+"""NVFP4Tensor: packed E2M1 codes with their E4M3 block scales and FP32 global scales.
+
+This module owns the container and its layout invariants; the arithmetic that fills it lives in
+`fp4rl.fp4.reference` (the specification) and `fp4rl.kernels` (its bit-exact GPU twins).
+
+Shapes, for a logical tensor ``[..., K]`` quantized with a global scale shared over its trailing
+``group_ndim`` dimensions:
+
+- ``codes``         uint8             ``[..., K // 2]``   two E2M1 codes per byte, even element low
+- ``block_scale``   float8_e4m3fn     ``[..., K // 16]``  one scale per 16 values along K
+- ``global_scale``  float32           ``shape[:-group_ndim] + (1,) * group_ndim``
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fp4rl.fp4.format import BLOCK_SIZE
+
+
+@dataclass(frozen=True, slots=True)
+class NVFP4Tensor:
+    codes: torch.Tensor  # uint8 [..., K/2]
+    block_scale: torch.Tensor  # float8_e4m3fn [..., K/16]
+    global_scale: torch.Tensor  # float32, broadcastable to [..., 1]
+
+    def __post_init__(self) -> None:
+        if self.codes.dtype != torch.uint8:
+            raise TypeError(f"codes must be uint8, got {self.codes.dtype}")
+        if self.block_scale.dtype != torch.float8_e4m3fn:
+            raise TypeError(f"block_scale must be float8_e4m3fn, got {self.block_scale.dtype}")
+        if self.global_scale.dtype != torch.float32:
+            raise TypeError(f"global_scale must be float32, got {self.global_scale.dtype}")
+        lead, half_k = self.codes.shape[:-1], self.codes.shape[-1]
+        if self.block_scale.shape != (*lead, half_k * 2 // BLOCK_SIZE) or half_k % 8:
+            raise ValueError(
+                f"codes {tuple(self.codes.shape)} and block_scale "
+                f"{tuple(self.block_scale.shape)} do not describe [..., K] with K % 16 == 0"
+            )
+        if self.global_scale.dim() != self.codes.dim():
+            raise ValueError(
+                f"global_scale {tuple(self.global_scale.shape)} must have one entry per dim of "
+                f"codes {tuple(self.codes.shape)}"
+            )
+        try:
+            torch.broadcast_shapes(self.global_scale.shape, (*lead, 1))
+        except RuntimeError as err:
+            raise ValueError(
+                f"global_scale {tuple(self.global_scale.shape)} does not broadcast to "
+                f"{(*lead, 1)}"
+            ) from err
+
+    @property
+    def shape(self) -> torch.Size:
+        """The logical (unpacked) shape ``[..., K]``."""
+        return torch.Size((*self.codes.shape[:-1], self.codes.shape[-1] * 2))
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: 4 bits per value, 8 bits per 16-value block, 32 bits per global scale."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.codes, self.block_scale, self.global_scale
+
+    def map(self, fn) -> NVFP4Tensor:
+        """Apply ``fn`` to each member tensor (indexing along leading dims, ``.to(device)``)."""
+        return NVFP4Tensor(
+            codes=fn(self.codes), block_scale=fn(self.block_scale), global_scale=fn(self.global_scale)
+        )
+
+    def equal(self, other: NVFP4Tensor) -> bool:
+        """Bitwise equality of codes, block scales and global scales (NaN patterns included)."""
+        return (
+            torch.equal(self.codes, other.codes)
+            and torch.equal(self.block_scale.view(torch.uint8), other.block_scale.view(torch.uint8))
+            and torch.equal(self.global_scale.view(torch.int32), other.global_scale.view(torch.int32))
+        )
