@@ -1,0 +1,134 @@
+"""Routed experts: one computation, three ways to hold the weights.
+
+All three run the same SwiGLU over tokens sorted by expert (a grouped GEMM):
+
+- `Experts`: BF16 parameters, BF16 compute (boundary layers, or the whole model in BF16).
+- `QatExperts`: BF16 parameters, W4A4 fake quantization (the trainer): weights quantized with one
+  global scale per expert shared by W1 and W3 and another for W2; the expert input quantized
+  once per token and the intermediate once per token-expert row; gradients straight through.
+- `PackedExperts`: weights stored as `NVFP4Tensor` (4.5 bits per weight; the rollout), the same
+  activation sites, dequantized to the compute dtype for BF16 tensor-core math.
+
+The weight values the GEMMs see are bitwise equal between QAT and packed experts built from the
+same BF16 weights; only the accumulation order of the GEMM kernel may differ.
+
+Legend: T tokens, k experts per token, A = T*k assignments, E experts, H hidden, I intermediate.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fp4rl.fp4 import NVFP4Tensor, dequantize, quantize
+from fp4rl.model.sites import Capture, Fp4Site, GuidanceMap, straight_through
+
+
+def grouped_mm(x_AK: torch.Tensor, w_ENK: torch.Tensor, counts_E: list[int]) -> torch.Tensor:
+    """``x`` rows grouped by expert (``counts_E`` rows each) times each expert's ``w.T``."""
+    if x_AK.is_cuda and x_AK.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+        offsets = torch.tensor(counts_E, device=x_AK.device).cumsum(0).to(torch.int32)
+        return torch._grouped_mm(x_AK, w_ENK.transpose(-2, -1), offs=offsets)
+    outs = [x.matmul(w.t()) for x, w in zip(x_AK.split(counts_E), w_ENK, strict=True) if x.numel()]
+    return torch.cat(outs) if outs else x_AK.new_zeros(0, w_ENK.shape[1])
+
+
+class Experts(nn.Module):
+    """BF16 routed experts; the base class holds the dispatch shared by all three variants."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_experts, self.intermediate = num_experts, intermediate
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(w13 [E, 2I, H], w2 [E, H, I])`` as the GEMMs see them."""
+        return self.w13, self.w2
+
+    def input_site(self, x_TH, guidance, capture):
+        return x_TH
+
+    def hidden_site(self, h_AI, row_order_Tk, guidance, capture):
+        return h_AI
+
+    def forward(
+        self,
+        x_TH: torch.Tensor,
+        topk_ids_Tk: torch.Tensor,
+        topk_weights_Tk: torch.Tensor,
+        guidance: GuidanceMap | None = None,
+        capture: Capture | None = None,
+    ) -> torch.Tensor:
+        T, k = topk_ids_Tk.shape
+        w13, w2 = self.weights()
+        x_TH = self.input_site(x_TH, guidance, capture)
+        # Sort the T*k assignments by expert so each expert's rows are contiguous.
+        order_A = torch.argsort(topk_ids_Tk.flatten(), stable=True)
+        counts_E = torch.bincount(topk_ids_Tk.flatten(), minlength=self.num_experts).tolist()
+        x_AH = x_TH[order_A // k]
+        gate_up_A2I = grouped_mm(x_AH, w13, counts_E)
+        h_AI = F.silu(gate_up_A2I[:, : self.intermediate]) * gate_up_A2I[:, self.intermediate :]
+        # row_order[t, j]: the sorted row that holds assignment (t, j).
+        row_order_Tk = torch.empty_like(order_A).scatter_(0, order_A, torch.arange(T * k, device=order_A.device)).view(T, k)
+        h_AI = self.hidden_site(h_AI, row_order_Tk, guidance, capture)
+        y_AH = grouped_mm(h_AI, w2, counts_E)
+        # Weighted sum over each token's k experts, back in token order.
+        y_TkH = y_AH[row_order_Tk.flatten()].view(T, k, -1)
+        return (y_TkH * topk_weights_Tk.unsqueeze(-1).to(y_TkH.dtype)).sum(1)
+
+
+class QatExperts(Experts):
+    """Fake-quantized W4A4 experts for training (straight-through gradients)."""
+
+    def __init__(self, num_experts, hidden, intermediate, layer, *, guided: bool = True) -> None:
+        super().__init__(num_experts, hidden, intermediate, layer)
+        self._input = Fp4Site(layer, "expert_input", guided)
+        self._hidden = Fp4Site(layer, "expert_hidden", guided)
+
+    def weights(self):
+        return tuple(
+            straight_through(w, dequantize(quantize(w.detach(), scaling=2), w.dtype))
+            for w in (self.w13, self.w2)
+        )
+
+    def input_site(self, x_TH, guidance, capture):
+        return self._input(x_TH, guidance, capture)
+
+    def hidden_site(self, h_AI, row_order_Tk, guidance, capture):
+        return self._hidden(h_AI, guidance, capture, row_order=row_order_Tk)
+
+
+class PackedExperts(QatExperts):
+    """Rollout experts: weights held packed as NVFP4 and quantized when they are loaded."""
+
+    def __init__(self, num_experts, hidden, intermediate, layer, *, guided: bool = True) -> None:
+        nn.Module.__init__(self)
+        self.layer = layer
+        self.num_experts, self.intermediate = num_experts, intermediate
+        self._input = Fp4Site(layer, "expert_input", guided)
+        self._hidden = Fp4Site(layer, "expert_hidden", guided)
+        self.compute_dtype = torch.bfloat16
+        self.w13_packed: NVFP4Tensor | None = None
+        self.w2_packed: NVFP4Tensor | None = None
+
+    @torch.no_grad()
+    def load_bf16(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """Quantize BF16 expert weights (W1/W3 sharing one global scale per expert)."""
+        shapes = {"w13": (self.num_experts, 2 * self.intermediate), "w2": (self.num_experts,)}
+        for name, w in (("w13", w13), ("w2", w2)):
+            if tuple(w.shape[: len(shapes[name])]) != shapes[name]:
+                raise ValueError(f"layers.{self.layer}.mlp.experts.{name}: got shape {tuple(w.shape)}")
+        self.compute_dtype = w13.dtype
+        self.w13_packed = quantize(w13.contiguous(), scaling=2)
+        self.w2_packed = quantize(w2.contiguous(), scaling=2)
+
+    def weights(self):
+        if self.w13_packed is None or self.w2_packed is None:
+            raise RuntimeError(f"layers.{self.layer}.mlp.experts: no weights loaded")
+        return (
+            dequantize(self.w13_packed, self.compute_dtype),
+            dequantize(self.w2_packed, self.compute_dtype),
+        )

@@ -1,0 +1,72 @@
+"""The sparse MoE block: an FP32 top-k softmax router with replay, routed experts, shared expert.
+
+Router replay: given the rollout's top-k expert ids per token, the router keeps its own FP32
+probabilities but takes the recorded ids, so both sides run the same experts while the gate
+weights (and the router's gradient) still come from the trainer's logits. Tokens without a
+record (id -1) are routed live and counted.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fp4rl.model.layers import MLP
+
+
+class Router(nn.Module):
+    def __init__(self, hidden: int, num_experts: int, top_k: int, norm_topk_prob: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+
+    def forward(
+        self, x_TH: torch.Tensor, replay_Tk: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Return ``(weights [T, k] FP32, ids [T, k] int64, number of tokens routed live)``.
+
+        ``replay_Tk`` (int, -1 = no record) forces the experts of the tokens it covers.
+        """
+        probs_TE = F.softmax(F.linear(x_TH.float(), self.weight.float()), dim=-1)
+        live_w, live_ids = torch.topk(probs_TE, self.top_k, dim=-1)
+        if replay_Tk is None:
+            ids, weights, fallback = live_ids, live_w, x_TH.shape[0]
+        else:
+            if replay_Tk.shape != live_ids.shape:
+                raise ValueError(
+                    f"replayed routing has shape {tuple(replay_Tk.shape)}, expected "
+                    f"{tuple(live_ids.shape)} (tokens, top_k)"
+                )
+            missing_T = (replay_Tk < 0).any(-1)
+            ids = torch.where(missing_T[:, None], live_ids, replay_Tk.long())
+            weights = probs_TE.gather(1, ids)
+            fallback = int(missing_T.sum())
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights, ids, fallback
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, config, experts: nn.Module) -> None:
+        super().__init__()
+        self.router = Router(
+            config.hidden_size, config.num_experts, config.num_experts_per_tok, config.norm_topk_prob
+        )
+        self.experts = experts
+        if config.shared_expert_intermediate_size:
+            self.shared_expert = MLP(config.hidden_size, config.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
+
+    def forward(self, x_TH, *, replay_Tk=None, guidance=None, capture=None, stats=None):
+        weights_Tk, ids_Tk, fallback = self.router(x_TH, replay_Tk)
+        if capture is not None:
+            capture.record_routing(self.experts.layer, ids_Tk.to(torch.int32))
+        if stats is not None and replay_Tk is not None:
+            stats["replay_fallback_tokens"] = stats.get("replay_fallback_tokens", 0) + fallback
+        y_TH = self.experts(x_TH, ids_Tk, weights_Tk.to(x_TH.dtype), guidance, capture)
+        if self.shared_expert is not None:
+            y_TH = y_TH + torch.sigmoid(self.shared_expert_gate(x_TH)) * self.shared_expert(x_TH)
+        return y_TH

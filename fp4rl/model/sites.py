@@ -1,0 +1,110 @@
+"""One FP4 quantization site: quantize rows, follow the rollout's guidance, record, pass through.
+
+Every FP4 activation in fp4rl (routed-expert input, expert intermediate, K and V entries) goes
+through `Fp4Site`, in the trainer and in the rollout alike, so the two sides share one
+quantization path. Rows are quantized independently (one FP32 global scale per row), which makes
+a site's record sliceable by token: the rollout splits it per sequence, the trainer concatenates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from fp4rl.fp4 import CompactCodes, NVFP4Tensor, dequantize, quantize_site
+
+SiteKey = tuple[int, str]  # (decoder layer index, site name)
+GuidanceMap = Mapping[SiteKey, NVFP4Tensor | CompactCodes]
+
+
+class Capture(Protocol):
+    """Receives what the rollout computed, for the trainer to align with later."""
+
+    def record(self, layer: int, site: str, t: NVFP4Tensor) -> None: ...
+
+    def record_routing(self, layer: int, topk_ids_Tk: torch.Tensor) -> None: ...
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Forward returns the quantized value; backward hands the gradient to the original."""
+
+    @staticmethod
+    def forward(ctx, x, x_quantized):
+        return x_quantized
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def straight_through(x: torch.Tensor, x_quantized: torch.Tensor) -> torch.Tensor:
+    if not x.requires_grad:
+        return x_quantized
+    return _StraightThrough.apply(x, x_quantized)
+
+
+@dataclass(frozen=True, slots=True)
+class Fp4Site:
+    layer: int
+    name: str
+    guided: bool  # the precision policy lets this site follow the rollout's codes
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        guidance: GuidanceMap | None = None,
+        capture: Capture | None = None,
+        *,
+        row_order: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Quantize-dequantize ``x [..., K]`` per row.
+
+        Callers that compute rows in another order (the experts, sorted by expert) pass
+        ``x [R, K]`` and ``row_order``, a long tensor shaped like the site's canonical leading
+        dims (``[T, top_k]``) holding, for each canonical row, its row in ``x``. Guidance arrives
+        and captures leave in the canonical layout.
+        """
+        g = self._guidance(guidance)
+        if g is not None and row_order is not None:
+            g = _rows(g, torch.argsort(row_order.flatten()))
+        t = quantize_site(x.detach(), scaling="row", guidance=g)
+        if capture is not None:
+            record = t
+            if row_order is not None:
+                lead = row_order.shape
+                record = _rows(t, row_order.flatten()).map(lambda m: m.view(*lead, m.shape[-1]))
+            capture.record(self.layer, self.name, record)
+        return straight_through(x, dequantize(t, x.dtype))
+
+    def _guidance(self, guidance: GuidanceMap | None):
+        if guidance is None or not self.guided:
+            return None
+        try:
+            return guidance[(self.layer, self.name)]
+        except KeyError:
+            raise ValueError(
+                f"guidance was given but has no entry for layers.{self.layer} site "
+                f"'{self.name}'; refusing to fall back to nearest rounding silently"
+            ) from None
+
+
+def _rows(t, index: torch.Tensor):
+    """Select rows of a site record laid out ``[R, ...]`` after flattening its leading dims."""
+    if isinstance(t, NVFP4Tensor):
+        return NVFP4Tensor(
+            codes=_flat_rows(t.codes, index),
+            block_scale=_flat_rows(t.block_scale, index),
+            global_scale=_flat_rows(t.global_scale, index),
+        )
+    return CompactCodes(
+        mantissa_bits=_flat_rows(t.mantissa_bits, index),
+        block_scale=_flat_rows(t.block_scale, index),
+        global_scale=_flat_rows(t.global_scale, index),
+    )
+
+
+def _flat_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])[index]

@@ -1,0 +1,138 @@
+"""The one MoE transformer (Qwen3-MoE, and Qwen2-MoE with its shared expert).
+
+`build_model` reads the precision plan once and picks each layer's expert class; ``forward``
+never looks at precision. Routing records, guidance, captures and the attention backend (which
+owns the KV) are arguments of the forward.
+
+Legend: T tokens (sequences flattened), H hidden, V vocab, L decoder layers, k experts per token.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fp4rl.model.attention import Attention, AttentionBackend
+from fp4rl.model.experts import Experts, PackedExperts, QatExperts
+from fp4rl.model.layers import MLP, RMSNorm
+from fp4rl.model.moe import SparseMoeBlock
+from fp4rl.model.precision import EXPERT_SITES, PrecisionConfig, PrecisionPlan, resolve_plan
+from fp4rl.model.sites import Capture, GuidanceMap
+
+EXPERT_CLASSES = {"qat": QatExperts, "packed": PackedExperts}
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer: int, mlp: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(self, x_TH, backend, *, replay_Tk, guidance, capture, stats):
+        x_TH = x_TH + self.self_attn(self.input_layernorm(x_TH), backend)
+        h_TH = self.post_attention_layernorm(x_TH)
+        if isinstance(self.mlp, SparseMoeBlock):
+            h_TH = self.mlp(h_TH, replay_Tk=replay_Tk, guidance=guidance, capture=capture, stats=stats)
+        else:
+            h_TH = self.mlp(h_TH)
+        return x_TH + h_TH
+
+
+class MoETransformer(nn.Module):
+    def __init__(self, config, plan: PrecisionPlan, fp4_experts: str = "qat") -> None:
+        """``fp4_experts``: how FP4 layers hold their experts, "qat" (trainer) or "packed"."""
+        super().__init__()
+        if fp4_experts not in ("qat", "packed"):
+            raise ValueError(f"fp4_experts must be 'qat' or 'packed', got {fp4_experts!r}")
+        self.config, self.plan = config, plan
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, p.index, self._mlp(config, plan, p, fp4_experts)) for p in plan.layers
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.moe_layers = tuple(p.index for p in plan.layers if p.moe)
+
+    @staticmethod
+    def _mlp(config, plan, p, fp4_experts):
+        if not p.moe:
+            return MLP(config.hidden_size, config.intermediate_size)
+        args = (config.num_experts, config.hidden_size, config.moe_intermediate_size, p.index)
+        if not p.fp4:
+            return SparseMoeBlock(config, Experts(*args))
+        guided = bool(set(EXPERT_SITES) & set(plan.guided_sites))
+        return SparseMoeBlock(config, EXPERT_CLASSES[fp4_experts](*args, guided=guided))
+
+    def hidden_states(
+        self,
+        tokens_T: torch.Tensor,
+        attn: AttentionBackend,
+        *,
+        routing: torch.Tensor | None = None,
+        guidance: GuidanceMap | None = None,
+        capture: Capture | None = None,
+        stats: dict | None = None,
+    ) -> torch.Tensor:
+        """Final-normed hidden states ``[T, H]``.
+
+        ``routing``: replayed top-k ids, int ``[num_moe_layers, T, k]`` (-1 = no record), in
+        the order of ``self.moe_layers``. ``stats`` (optional dict) receives counters such as
+        ``replay_fallback_tokens``.
+        """
+        if routing is not None and routing.shape[:2] != (len(self.moe_layers), tokens_T.shape[0]):
+            raise ValueError(
+                f"routing has shape {tuple(routing.shape)}; expected "
+                f"({len(self.moe_layers)}, {tokens_T.shape[0]}, top_k)"
+            )
+        replay = dict(zip(self.moe_layers, routing, strict=True)) if routing is not None else {}
+        x_TH = self.embed_tokens(tokens_T)
+        for layer in self.layers:
+            x_TH = layer(
+                x_TH,
+                attn,
+                replay_Tk=replay.get(layer.layer),
+                guidance=guidance,
+                capture=capture,
+                stats=stats,
+            )
+        return self.norm(x_TH)
+
+    def logits(self, h_NH: torch.Tensor) -> torch.Tensor:
+        """FP32 logits ``[N, V]`` of the given rows."""
+        return self.lm_head(h_NH).float()
+
+    def forward(self, tokens_T, attn, **kwargs) -> torch.Tensor:
+        return self.logits(self.hidden_states(tokens_T, attn, **kwargs))
+
+
+def build_model(
+    config,
+    precision: PrecisionConfig | None = None,
+    *,
+    fp4_experts: str = "qat",
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+) -> MoETransformer:
+    """Construct the model with parameters uninitialized (load a checkpoint or call `init_weights`)."""
+    plan = resolve_plan(config, precision or PrecisionConfig())
+    with torch.device(device):
+        model = MoETransformer(config, plan, fp4_experts)
+    return model.to(dtype)
+
+
+@torch.no_grad()
+def init_weights(model: MoETransformer, *, std: float = 0.02, seed: int = 0) -> None:
+    """Random init (tests, benchmarks): normal(0, std) matrices, unit norms, zero biases."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith("bias"):
+            p.zero_()
+        else:
+            p.copy_(torch.randn(p.shape, generator=gen) * std)
