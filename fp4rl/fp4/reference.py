@@ -201,9 +201,7 @@ def quantize(
     block_scale = torch.where(bad, torch.full_like(block_scale, math.nan), block_scale)
     y, live = scaled_values(x_blocks, block_scale, s)
     codes = torch.where(live.unsqueeze(-1), e2m1_rne(y), torch.zeros_like(y, dtype=torch.uint8))
-    return NVFP4Tensor(
-        codes=pack_e2m1(codes.flatten(-2)), block_scale=block_scale, global_scale=s
-    )
+    return NVFP4Tensor(codes=pack_e2m1(codes.flatten(-2)), block_scale=block_scale, global_scale=s)
 
 
 def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

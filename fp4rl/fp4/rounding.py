@@ -65,7 +65,7 @@ class CompactCodes:
 
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     """``[..., K]`` 0/1 uint8 -> ``[..., K/8]``, element 8j+b in bit b."""
-    weights = (1 << torch.arange(8, device=bits.device, dtype=torch.uint8))
+    weights = 1 << torch.arange(8, device=bits.device, dtype=torch.uint8)
     return (bits.unflatten(-1, (-1, 8)) * weights).sum(-1, dtype=torch.uint8)
 
 
@@ -139,7 +139,9 @@ def round_guided_full(x: torch.Tensor, rollout: NVFP4Tensor) -> NVFP4Tensor:
 def round_guided_compact(x: torch.Tensor, guidance: CompactCodes) -> NVFP4Tensor:
     """Quantize ``x`` with the rollout's scales, taking the neighbour with its mantissa bit."""
     if guidance.shape != x.shape:
-        raise ValueError(f"compact guidance of shape {tuple(guidance.shape)} for x {tuple(x.shape)}")
+        raise ValueError(
+            f"compact guidance of shape {tuple(guidance.shape)} for x {tuple(x.shape)}"
+        )
     bit = unpack_bits(guidance.mantissa_bits).unflatten(-1, (-1, BLOCK_SIZE))
 
     def choose(lo: torch.Tensor, hi: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:

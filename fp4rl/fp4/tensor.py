@@ -48,8 +48,7 @@ class NVFP4Tensor:
             torch.broadcast_shapes(self.global_scale.shape, (*lead, 1))
         except RuntimeError as err:
             raise ValueError(
-                f"global_scale {tuple(self.global_scale.shape)} does not broadcast to "
-                f"{(*lead, 1)}"
+                f"global_scale {tuple(self.global_scale.shape)} does not broadcast to {(*lead, 1)}"
             ) from err
 
     @property
@@ -72,7 +71,9 @@ class NVFP4Tensor:
     def map(self, fn) -> NVFP4Tensor:
         """Apply ``fn`` to each member tensor (indexing along leading dims, ``.to(device)``)."""
         return NVFP4Tensor(
-            codes=fn(self.codes), block_scale=fn(self.block_scale), global_scale=fn(self.global_scale)
+            codes=fn(self.codes),
+            block_scale=fn(self.block_scale),
+            global_scale=fn(self.global_scale),
         )
 
     def equal(self, other: NVFP4Tensor) -> bool:
@@ -80,5 +81,7 @@ class NVFP4Tensor:
         return (
             torch.equal(self.codes, other.codes)
             and torch.equal(self.block_scale.view(torch.uint8), other.block_scale.view(torch.uint8))
-            and torch.equal(self.global_scale.view(torch.int32), other.global_scale.view(torch.int32))
+            and torch.equal(
+                self.global_scale.view(torch.int32), other.global_scale.view(torch.int32)
+            )
         )

@@ -92,7 +92,9 @@ class CausalAttention:
         # Right-padded [B, S] layout: padding sits after each sequence's last token, so under
         # a causal mask no real token attends to it.
         S = max(lens)
-        self._valid_BS = torch.arange(S, device=device)[None, :] < torch.tensor(lens, device=device)[:, None]
+        self._valid_BS = (
+            torch.arange(S, device=device)[None, :] < torch.tensor(lens, device=device)[:, None]
+        )
 
     def attend(self, layer, q_THD, k_TKD, v_TKD):
         if layer in self._kv_sites:

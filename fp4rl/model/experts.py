@@ -72,7 +72,11 @@ class Experts(nn.Module):
         gate_up_A2I = grouped_mm(x_AH, w13, counts_E)
         h_AI = F.silu(gate_up_A2I[:, : self.intermediate]) * gate_up_A2I[:, self.intermediate :]
         # row_order[t, j]: the sorted row that holds assignment (t, j).
-        row_order_Tk = torch.empty_like(order_A).scatter_(0, order_A, torch.arange(T * k, device=order_A.device)).view(T, k)
+        row_order_Tk = (
+            torch.empty_like(order_A)
+            .scatter_(0, order_A, torch.arange(T * k, device=order_A.device))
+            .view(T, k)
+        )
         h_AI = self.hidden_site(h_AI, row_order_Tk, guidance, capture)
         y_AH = grouped_mm(h_AI, w2, counts_E)
         # Weighted sum over each token's k experts, back in token order.
@@ -120,7 +124,9 @@ class PackedExperts(QatExperts):
         shapes = {"w13": (self.num_experts, 2 * self.intermediate), "w2": (self.num_experts,)}
         for name, w in (("w13", w13), ("w2", w2)):
             if tuple(w.shape[: len(shapes[name])]) != shapes[name]:
-                raise ValueError(f"layers.{self.layer}.mlp.experts.{name}: got shape {tuple(w.shape)}")
+                raise ValueError(
+                    f"layers.{self.layer}.mlp.experts.{name}: got shape {tuple(w.shape)}"
+                )
         self.compute_dtype = w13.dtype
         self.w13_packed = quantize(w13.contiguous(), scaling=2)
         self.w2_packed = quantize(w2.contiguous(), scaling=2)

@@ -51,7 +51,10 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, config, experts: nn.Module) -> None:
         super().__init__()
         self.router = Router(
-            config.hidden_size, config.num_experts, config.num_experts_per_tok, config.norm_topk_prob
+            config.hidden_size,
+            config.num_experts,
+            config.num_experts_per_tok,
+            config.norm_topk_prob,
         )
         self.experts = experts
         if config.shared_expert_intermediate_size:

@@ -30,7 +30,9 @@ class PrecisionConfig:
     def __post_init__(self) -> None:
         for key in ("experts", "kv_cache"):
             if getattr(self, key) not in _FORMATS:
-                raise ValueError(f"precision.{key} must be one of {_FORMATS}, got {getattr(self, key)!r}")
+                raise ValueError(
+                    f"precision.{key} must be one of {_FORMATS}, got {getattr(self, key)!r}"
+                )
         for key in ("bf16_first_layers", "bf16_last_layers"):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 0:
@@ -64,7 +66,9 @@ class PrecisionPlan:
     def __str__(self) -> str:
         rows = ["layer  mlp    experts  kv_cache"]
         for p in self.layers:
-            rows.append(f"{p.index:>5}  {'moe' if p.moe else 'dense':<5}  {p.experts:<7}  {p.kv_cache}")
+            rows.append(
+                f"{p.index:>5}  {'moe' if p.moe else 'dense':<5}  {p.experts:<7}  {p.kv_cache}"
+            )
         return "\n".join(rows)
 
 

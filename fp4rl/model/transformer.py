@@ -35,7 +35,9 @@ class DecoderLayer(nn.Module):
         x_TH = x_TH + self.self_attn(self.input_layernorm(x_TH), backend)
         h_TH = self.post_attention_layernorm(x_TH)
         if isinstance(self.mlp, SparseMoeBlock):
-            h_TH = self.mlp(h_TH, replay_Tk=replay_Tk, guidance=guidance, capture=capture, stats=stats)
+            h_TH = self.mlp(
+                h_TH, replay_Tk=replay_Tk, guidance=guidance, capture=capture, stats=stats
+            )
         else:
             h_TH = self.mlp(h_TH)
         return x_TH + h_TH
@@ -50,7 +52,8 @@ class MoETransformer(nn.Module):
         self.config, self.plan = config, plan
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, p.index, self._mlp(config, plan, p, fp4_experts)) for p in plan.layers
+            DecoderLayer(config, p.index, self._mlp(config, plan, p, fp4_experts))
+            for p in plan.layers
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -118,7 +121,7 @@ def build_model(
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
 ) -> MoETransformer:
-    """Construct the model with parameters uninitialized (load a checkpoint or call `init_weights`)."""
+    """Construct the model, parameters uninitialized (load a checkpoint or `init_weights`)."""
     plan = resolve_plan(config, precision or PrecisionConfig())
     with torch.device(device):
         model = MoETransformer(config, plan, fp4_experts)

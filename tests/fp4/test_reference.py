@@ -1,0 +1,184 @@
+"""The reference recipe against independent float64 oracles (brute-force nearest on each grid)."""
+
+import math
+
+import pytest
+import torch
+
+from fp4rl.fp4 import reference as R
+from fp4rl.fp4.format import E2M1_VALUES
+
+
+def e4m3_grid() -> torch.Tensor:
+    """Every finite non-negative E4M3 value, from the bit layout (bias 7, 3 mantissa bits)."""
+    values = [m / 8 * 2.0**-6 for m in range(8)]  # subnormals, including 0
+    values += [(1 + m / 8) * 2.0 ** (e - 7) for e in range(1, 16) for m in range(8)]
+    return torch.tensor([v for v in values if v <= 448.0], dtype=torch.float64)
+
+
+def nearest_even(v: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """Index of the nearest grid value; ties to the even index (= even mantissa bit)."""
+    d = (v[:, None] - grid[None, :]).abs()
+    best = d.min(1, keepdim=True).values
+    ties = d == best
+    idx = torch.arange(len(grid)).expand_as(d)
+    even = torch.where(ties & (idx % 2 == 0), idx, len(grid))
+    first = torch.where(ties, idx, len(grid)).min(1).values
+    return torch.where(even.min(1).values < len(grid), even.min(1).values, first)
+
+
+def test_e2m1_rne_matches_bruteforce_on_dense_grid_and_every_tie():
+    grid = torch.tensor(E2M1_VALUES, dtype=torch.float64)
+    mids = (grid[1:] + grid[:-1]) / 2
+    v = torch.cat([torch.linspace(-7, 7, 20001, dtype=torch.float64), mids, -mids, grid, -grid])
+    v32 = v.float()
+    codes = R.e2m1_rne(v32)
+    want = nearest_even(v32.double().abs().clamp(max=6.0), grid)
+    assert torch.equal((codes & 7).long(), want)
+    assert torch.equal((codes >> 3).bool(), torch.signbit(v32))
+
+
+def test_e2m1_ties_follow_the_documented_directions():
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    assert R.e2m1_value(R.e2m1_rne(ties)).tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]
+    assert R.e2m1_value(R.e2m1_rne(torch.tensor([6.5, 1e30, -7.0]))).tolist() == [6.0, 6.0, -6.0]
+    neg_zero = R.e2m1_rne(torch.tensor([-0.1, -0.0]))
+    assert neg_zero.tolist() == [8, 8]  # sign bit kept on values that round to zero
+
+
+def test_e4m3_rne_satfinite_matches_bruteforce():
+    grid = e4m3_grid()
+    mids = (grid[1:] + grid[:-1]) / 2
+    v = torch.cat([grid, mids, torch.rand(20000, dtype=torch.float64) * 460, mids * (1 + 1e-6)])
+    v32 = v.float()
+    got = R.e4m3_rne_satfinite(v32).double()
+    want = grid[nearest_even(v32.double().clamp(max=448.0), grid)]
+    assert torch.equal(got, want)
+    assert R.e4m3_rne_satfinite(torch.tensor([1e9])).item() == 448.0
+    assert math.isnan(R.e4m3_rne_satfinite(torch.tensor([math.nan])).float().item())
+
+
+def test_pack_layout_even_element_in_low_nibble():
+    codes = torch.tensor([[1, 2, 3, 15]], dtype=torch.uint8)
+    assert R.pack_e2m1(codes).tolist() == [[0x21, 0xF3]]
+    assert torch.equal(R.unpack_e2m1(R.pack_e2m1(codes)), codes)
+
+
+def oracle_quantize(x: torch.Tensor, s: torch.Tensor):
+    """Float64 re-derivation of steps 3-4 from the FP32 global scale ``s`` (per row)."""
+    blocks = x.float().unflatten(-1, (-1, 16))
+    six_s = s.float() * 6.0  # FP32 product, as the spec rounds it
+    ratio = (blocks.abs().amax(-1) / six_s).float()
+    grid = e4m3_grid()
+    sf = grid[nearest_even(ratio.flatten().double().clamp(max=448), grid)].view(ratio.shape).float()
+    denom = sf * s.float()
+    recip = (1.0 / denom.double()).float()
+    y = blocks * recip.unsqueeze(-1)
+    grid2 = torch.tensor(E2M1_VALUES, dtype=torch.float64)
+    mag = nearest_even(y.flatten().double().abs().clamp(max=6), grid2).view(y.shape)
+    return sf, mag, torch.signbit(y)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_quantize_per_row_matches_oracle(dtype):
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(37, 96, generator=g) * torch.logspace(-3, 3, 37)[:, None]).to(dtype)
+    t = R.quantize(x, scaling="row")
+    s = x.float().abs().amax(-1, keepdim=True) / 2688.0
+    assert torch.equal(t.global_scale, s)
+    sf, mag, sign = oracle_quantize(x, s)
+    assert torch.equal(t.block_scale.float(), sf)
+    codes = R.unpack_e2m1(t.codes).unflatten(-1, (-1, 16))
+    assert torch.equal((codes & 7).long(), mag)
+    assert torch.equal((codes >> 3).bool(), sign)
+
+
+def test_dequantize_error_is_bounded():
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
+    d = R.dequantize(R.quantize(x, scaling="row"))
+    # NVFP4 on Gaussian data: ~9-10% relative RMS error (SQNR ~20 dB); 0.12 is the floor.
+    assert (d - x).norm() / x.norm() < 0.12
+
+
+def test_scaling_groups_share_global_scales():
+    w = torch.randn(4, 32, 64)
+    per_expert = R.quantize(w, scaling=2)
+    assert per_expert.global_scale.shape == (4, 1, 1)
+    assert torch.equal(per_expert.global_scale.flatten(), w.abs().amax((1, 2)) / 2688.0)
+    assert R.quantize(w).global_scale.shape == (1, 1, 1)
+    assert R.quantize(w, scaling="row").global_scale.shape == (4, 32, 1)
+    # Caller-given groups: W1 and W3 as separate tensors with one shared scale per expert.
+    w1, w3 = w[:, :16], w[:, 16:]
+    s = R.global_scale_from_amax(R.amax_of(w1, w3, dims=(1, 2)))
+    joint = R.quantize(w1, scaling=2, global_scale=s)
+    assert torch.equal(joint.codes, per_expert.codes[:, :16])
+    assert torch.equal(
+        joint.block_scale.view(torch.uint8), per_expert.block_scale[:, :16].view(torch.uint8)
+    )
+
+
+def test_zero_rows_and_zero_blocks_give_zero_codes_and_scales():
+    x = torch.randn(3, 48)
+    x[0] = 0.0
+    x[1, 16:32] = 0.0
+    t = R.quantize(x, scaling="row")
+    assert t.global_scale[0].item() == 0.0
+    assert (t.block_scale[0].float() == 0).all() and (t.codes[0] == 0).all()
+    assert t.block_scale[1, 1].float().item() == 0.0 and (t.codes[1, 8:16] == 0).all()
+    assert not R.dequantize(t).isnan().any()
+
+
+def test_tiny_group_is_flushed_and_tiny_blocks_underflow_to_zero():
+    x = torch.full((2, 32), 1e-33)
+    x[1, :16] = 1.0
+    x[1, 16:] = 2.0**-20  # block amax / (6 s) = 448 * 2**-20 < 2**-10, half the smallest E4M3
+    t = R.quantize(x, scaling="row")
+    assert t.global_scale[0].item() == 0.0 and (t.codes[0] == 0).all()
+    assert t.block_scale[1, 1].float().item() == 0.0 and (t.codes[1, 8:] == 0).all()
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("scaling", ["row", "tensor"])
+def test_non_finite_input_poisons_its_group(bad, scaling):
+    x = torch.randn(4, 32)
+    x[2, 5] = bad
+    t = R.quantize(x, scaling=scaling)
+    d = R.dequantize(t)
+    poisoned = d[2] if scaling == "row" else d
+    assert poisoned.isnan().all()
+    if scaling == "row":
+        assert not d[[0, 1, 3]].isnan().any()
+    assert (t.block_scale.view(torch.uint8)[2] == 0x7F).all()
+    assert (t.codes[2] == 0).all()
+
+
+def test_caller_scale_with_non_finite_block_marks_only_that_block():
+    x = torch.randn(2, 32)
+    s = R.quantize(x, scaling="row").global_scale
+    x[0, 20] = math.inf
+    d = R.dequantize(R.quantize(x, scaling="row", global_scale=s))
+    assert d[0, 16:].isnan().all() and not d[0, :16].isnan().any() and not d[1].isnan().any()
+
+
+@pytest.mark.parametrize(
+    ("x", "err", "match"),
+    [
+        (torch.randn(4, 24), ValueError, r"multiple of 16; got shape \(4, 24\)"),
+        (torch.randn(0), ValueError, r"shape \(0,\)"),
+        (torch.randint(0, 3, (4, 32)), TypeError, "torch.int64"),
+        (torch.randn(4, 32, dtype=torch.float64), TypeError, "torch.float64"),
+    ],
+)
+def test_bad_input_is_named(x, err, match):
+    with pytest.raises(err, match=match):
+        R.quantize(x)
+
+
+def test_bad_scaling_and_global_scale_are_named():
+    x = torch.randn(4, 32)
+    with pytest.raises(ValueError, match="'col'"):
+        R.quantize(x, scaling="col")
+    with pytest.raises(ValueError, match=r"\(3, 1\)"):
+        R.quantize(x, scaling="row", global_scale=torch.ones(3, 1))
+    with pytest.raises(TypeError, match="float32"):
+        R.quantize(x, scaling="row", global_scale=torch.ones(4, 1, dtype=torch.float64))
