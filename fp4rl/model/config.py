@@ -141,7 +141,7 @@ class ModelConfig:
             raise ValueError(f"{arch} config.json lacks {', '.join(missing)}")
         return cls(
             architecture=arch,
-            **{k: d[k] for k in required},
+            **{k: d[k] for k in _REQUIRED},
             head_dim=_head_dim(d),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=_rope_theta(d),
