@@ -1,0 +1,157 @@
+"""The rollout's attention backend: store this step's K/V in the paged cache, attend over it.
+
+The model sees a flat token stream; a step holds *segments*, one per sequence being extended:
+the new tokens of a sequence at positions ``start .. start + num_new - 1`` (a whole prompt, or
+one decode token). `PagedAttention.attend` writes the step's K/V into each sequence's blocks,
+then lets each token attend causally to its own sequence's cached context, itself included.
+
+Reference implementation, correctness first: scores, softmax and the probability-value product
+all run in FP32 (softmax scale ``1/sqrt(D)``), the output is cast to the query dtype. Decode
+segments (one token each) are batched over a padded context; prefill segments go one at a
+time so a long prompt never pads the whole batch to its length.
+
+Legend: T step tokens, S segments, N blocks per table, C context tokens, Hq/K query/kv heads,
+G = Hq/K, D head dim.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from fp4rl.rollout.kv_cache import KVCache
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    block_table: list[int]  # the sequence's blocks, covering start + num_new positions
+    start: int  # positions already in the cache
+    num_new: int  # tokens this step feeds
+
+
+def _slots(table_SN: torch.Tensor, positions_SC: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Cache slot of each position, per row of block tables."""
+    blocks = table_SN.gather(1, positions_SC // block_size)
+    return blocks * block_size + positions_SC % block_size
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    """Index tensors of one step, built once and shared by every layer."""
+
+    positions_T: torch.Tensor  # long: position of each token in its own sequence
+    slots_T: torch.Tensor  # long: cache slot each token's K/V is written to
+    # Decode segments, batched: their token rows, positions, padded context slots and lengths.
+    decode_rows_B: torch.Tensor
+    decode_slots_BC: torch.Tensor
+    decode_context_B: torch.Tensor
+    # Prefill segments, one at a time: (first row, number of rows, context slots [C]).
+    prefills: tuple[tuple[int, int, torch.Tensor], ...]
+
+    @staticmethod
+    def build(
+        segments: list[Segment], block_size: int, device: torch.device | str
+    ) -> AttentionMetadata:
+        if not segments:
+            raise ValueError("a step needs at least one segment")
+        max_blocks = max(len(s.block_table) for s in segments)
+        for s in segments:
+            if -(-(s.start + s.num_new) // block_size) > len(s.block_table) or s.num_new < 1:
+                raise ValueError(f"{s} does not fit its block table of block size {block_size}")
+        table_SN = torch.tensor(
+            [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in segments],
+            dtype=torch.long,
+        )
+        positions_T = torch.cat([torch.arange(s.start, s.start + s.num_new) for s in segments])
+        seg_T = torch.repeat_interleave(torch.tensor([s.num_new for s in segments]))
+        slots_T = _slots(table_SN[seg_T], positions_T[:, None], block_size)[:, 0]
+
+        first_row = [0]
+        for s in segments:
+            first_row.append(first_row[-1] + s.num_new)
+        decodes = [i for i, s in enumerate(segments) if s.num_new == 1]
+        context = torch.tensor([s.start + s.num_new for s in segments], dtype=torch.long)
+        max_ctx = int(context[decodes].max()) if decodes else 0
+        decode_slots = _slots(
+            table_SN[decodes], torch.arange(max_ctx).expand(len(decodes), max_ctx), block_size
+        )
+        prefills = tuple(
+            (
+                first_row[i],
+                s.num_new,
+                _slots(table_SN[i : i + 1], torch.arange(s.start + s.num_new)[None], block_size)[0],
+            )
+            for i, s in enumerate(segments)
+            if s.num_new > 1
+        )
+        return AttentionMetadata(
+            positions_T=positions_T.to(device),
+            slots_T=slots_T.to(device),
+            decode_rows_B=torch.tensor([first_row[i] for i in decodes], device=device),
+            decode_slots_BC=decode_slots.to(device),
+            decode_context_B=context[decodes].to(device),
+            prefills=tuple((r, n, c.to(device)) for r, n, c in prefills),
+        )
+
+
+def attend_fp32(
+    q_BQHD: torch.Tensor,
+    k_BCKD: torch.Tensor,
+    v_BCKD: torch.Tensor,
+    q_positions_BQ: torch.Tensor,
+    context_B: torch.Tensor,
+) -> torch.Tensor:
+    """Causal GQA over gathered context (slot c holds position c); FP32 ``[B, Q, Hq, D]``."""
+    B, Q, Hq, D = q_BQHD.shape
+    C, K = k_BCKD.shape[1], k_BCKD.shape[2]
+    q = q_BQHD.float().view(B, Q, K, Hq // K, D)
+    scores_BKGQC = torch.einsum("bqkgd,bckd->bkgqc", q, k_BCKD.float()) * (1.0 / math.sqrt(D))
+    c = torch.arange(C, device=q.device)
+    visible_BQC = (c <= q_positions_BQ[:, :, None]) & (c < context_B[:, None, None])
+    scores_BKGQC = scores_BKGQC.masked_fill(~visible_BQC[:, None, None], float("-inf"))
+    p = torch.softmax(scores_BKGQC, dim=-1)
+    return torch.einsum("bkgqc,bckd->bqkgd", p, v_BCKD.float()).reshape(B, Q, Hq, D)
+
+
+class PagedAttention:
+    """`fp4rl.model.attention.AttentionBackend` over a `KVCache` for one step.
+
+    ``capture`` (optional) receives the "k" and "v" records of nvfp4 layers, rows in step order.
+    """
+
+    def __init__(self, cache: KVCache, meta: AttentionMetadata, capture=None) -> None:
+        self.cache, self.meta, self.capture = cache, meta, capture
+        self.positions = meta.positions_T
+
+    def attend(
+        self, layer: int, q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor
+    ) -> torch.Tensor:
+        m = self.meta
+        records = self.cache.write(layer, m.slots_T, k_TKD, v_TKD)
+        if records is not None and self.capture is not None:
+            self.capture.record(layer, "k", records[0])
+            self.capture.record(layer, "v", records[1])
+        o_THD = torch.empty_like(q_THD)
+        if m.decode_rows_B.numel():
+            k_BCKD, v_BCKD = self.cache.read(layer, m.decode_slots_BC, q_THD.dtype)
+            o = attend_fp32(
+                q_THD[m.decode_rows_B][:, None],
+                k_BCKD,
+                v_BCKD,
+                m.positions_T[m.decode_rows_B][:, None],
+                m.decode_context_B,
+            )
+            o_THD[m.decode_rows_B] = o[:, 0].to(q_THD.dtype)
+        for row, num, slots_C in m.prefills:
+            k_CKD, v_CKD = self.cache.read(layer, slots_C, q_THD.dtype)
+            o = attend_fp32(
+                q_THD[None, row : row + num],
+                k_CKD[None],
+                v_CKD[None],
+                m.positions_T[None, row : row + num],
+                torch.tensor([slots_C.numel()], device=q_THD.device),
+            )
+            o_THD[row : row + num] = o[0].to(q_THD.dtype)
+        return o_THD

@@ -1,0 +1,124 @@
+"""What the rollout records for the trainer: top-k routing and the FP4 sites' codes (guidance).
+
+`StepCapture` is the ``capture`` argument of one forward (the model records "expert_input",
+"expert_hidden" and routing; `PagedAttention` records "k" and "v" of nvfp4 layers). Every
+record has one row per step token, and every row is quantized on its own (per-row global
+scales), so `StepCapture.split` can cut a step's records into per-sequence pieces by row
+range. A `SequenceCapture` collects a sequence's pieces in token order and `finalize`
+concatenates them over all ``T = len(prompt) + len(completion) - 1`` fed tokens.
+
+Guidance modes: "full" keeps each `NVFP4Tensor`; "compact" keeps `fp4rl.fp4.compact(t)`
+(mantissa bits and scales) for the latter ``fraction`` of the FP4 layers only and drops the
+rest (the trainer rounds those to nearest).
+
+Legend: T tokens, k experts per token, L_moe MoE layers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from fp4rl.fp4 import CompactCodes, NVFP4Tensor, compact
+
+SiteKey = tuple[int, str]
+SiteRecord = NVFP4Tensor | CompactCodes
+
+
+def kept_layers(mode: str | None, fp4_layers: tuple[int, ...], fraction: float) -> frozenset[int]:
+    """Layers whose site records a guidance mode keeps."""
+    if mode is None:
+        return frozenset()
+    ordered = sorted(fp4_layers)
+    if mode == "full":
+        return frozenset(ordered)
+    num_kept = math.ceil(fraction * len(ordered))
+    return frozenset(ordered[len(ordered) - num_kept :])
+
+
+def _members(r: SiteRecord) -> tuple[torch.Tensor, ...]:
+    if isinstance(r, NVFP4Tensor):
+        return r.tensors()
+    return r.mantissa_bits, r.block_scale, r.global_scale
+
+
+def _rebuild(r: SiteRecord, members) -> SiteRecord:
+    return type(r)(*members)
+
+
+def record_rows(r: SiteRecord, start: int, end: int) -> SiteRecord:
+    return _rebuild(r, [m[start:end] for m in _members(r)])
+
+
+def record_cat(records: list[SiteRecord]) -> SiteRecord:
+    return _rebuild(records[0], [torch.cat(ms) for ms in zip(*map(_members, records), strict=True)])
+
+
+def record_nbytes(r: SiteRecord) -> int:
+    return sum(m.numel() * m.element_size() for m in _members(r))
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One sequence's rows of one step: routing ids ``[n, k]`` per MoE layer, site records."""
+
+    num_rows: int
+    routing: dict[int, torch.Tensor]
+    sites: dict[SiteKey, SiteRecord]
+
+
+class StepCapture:
+    """The `fp4rl.model.sites.Capture` of one forward; keeps only what the engine asked for."""
+
+    def __init__(self, *, routing: bool, guidance: str | None, guided_layers: frozenset[int]):
+        self.keep_routing, self.guidance, self.guided_layers = routing, guidance, guided_layers
+        self.routing: dict[int, torch.Tensor] = {}
+        self.sites: dict[SiteKey, SiteRecord] = {}
+
+    def record(self, layer: int, site: str, t: NVFP4Tensor) -> None:
+        if self.guidance is None or layer not in self.guided_layers:
+            return
+        # Compact the whole step at once: one pass instead of one per sequence.
+        self.sites[(layer, site)] = compact(t) if self.guidance == "compact" else t
+
+    def record_routing(self, layer: int, topk_ids_Tk: torch.Tensor) -> None:
+        if self.keep_routing:
+            self.routing[layer] = topk_ids_Tk.to(torch.int32)
+
+    def split(self, row_ranges: list[tuple[int, int]]) -> list[Piece]:
+        """Per-sequence pieces for the given ``[start, end)`` token-row ranges."""
+        return [
+            Piece(
+                num_rows=b - a,
+                routing={layer: ids[a:b] for layer, ids in self.routing.items()},
+                sites={key: record_rows(r, a, b) for key, r in self.sites.items()},
+            )
+            for a, b in row_ranges
+        ]
+
+
+@dataclass(slots=True)
+class SequenceCapture:
+    pieces: list[Piece] = field(default_factory=list)
+
+    def clear(self) -> None:
+        self.pieces.clear()
+
+    def routing(self, moe_layers: tuple[int, ...], top_k: int) -> torch.Tensor:
+        """int32 ``[L_moe, T, k]`` in the order of ``moe_layers``; -1 where nothing was recorded."""
+        T = sum(p.num_rows for p in self.pieces)
+        device = next((ids.device for p in self.pieces for ids in p.routing.values()), "cpu")
+        out = torch.full((len(moe_layers), T, top_k), -1, dtype=torch.int32, device=device)
+        row = 0
+        for piece in self.pieces:
+            for i, layer in enumerate(moe_layers):
+                if layer in piece.routing:
+                    out[i, row : row + piece.num_rows] = piece.routing[layer]
+            row += piece.num_rows
+        return out
+
+    def guidance(self) -> dict[SiteKey, SiteRecord]:
+        keys = self.pieces[0].sites.keys() if self.pieces else ()
+        return {key: record_cat([p.sites[key] for p in self.pieces]) for key in keys}

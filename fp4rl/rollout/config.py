@@ -1,0 +1,127 @@
+"""Settings of the rollout engine and of one generate call: small, frozen, checked on creation.
+
+`EngineConfig` sizes the engine (KV budget, batch limits, what to capture); `SamplingParams`
+says how one request's tokens are drawn. Mistakes raise `ValueError` naming the key and value.
+Turning the KV byte budget into a number of blocks needs the model's shape, so it lives in
+`fp4rl.rollout.kv_cache.num_blocks_for_budget`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+KV_FORMATS = ("bf16", "nvfp4")
+GUIDANCE_MODES = (None, "full", "compact")
+
+
+def _int_at_least(section: str, key: str, value, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{section}.{key} must be an int >= {minimum}, got {value!r}")
+
+
+def _bool(section: str, key: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{section}.{key} must be a bool, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineConfig:
+    block_size: int = 16  # tokens per KV block
+    kv_format: str = "bf16"  # "bf16" (model dtype as given) | "nvfp4" (4.5 bits per value)
+    kv_memory_bytes: int = 1 << 30  # KV budget over all layers; sets the number of blocks
+    max_num_seqs: int = 256  # sequences (samples) running at once
+    max_num_batched_tokens: int = 8192  # tokens fed to the model in one step
+    max_model_len: int = 4096  # prompt + completion tokens of one sequence
+    capture_routing: bool = False  # record top-k expert ids per token per MoE layer
+    guidance: str | None = None  # None | "full" | "compact": record the FP4 sites' codes
+    compact_fraction: float = 0.5  # "compact" keeps the latter fraction of the FP4 layers
+
+    def __post_init__(self) -> None:
+        s = "engine"
+        for key, minimum in (
+            ("block_size", 1),
+            ("kv_memory_bytes", 1),
+            ("max_num_seqs", 1),
+            ("max_num_batched_tokens", 1),
+            ("max_model_len", 2),
+        ):
+            _int_at_least(s, key, getattr(self, key), minimum)
+        if self.kv_format not in KV_FORMATS:
+            raise ValueError(f"{s}.kv_format must be one of {KV_FORMATS}, got {self.kv_format!r}")
+        if self.guidance not in GUIDANCE_MODES:
+            raise ValueError(f"{s}.guidance must be one of {GUIDANCE_MODES}, got {self.guidance!r}")
+        _bool(s, "capture_routing", self.capture_routing)
+        fraction = self.compact_fraction
+        if (
+            not isinstance(fraction, int | float)
+            or isinstance(fraction, bool)
+            or not (0.0 < fraction <= 1.0)
+        ):
+            raise ValueError(f"{s}.compact_fraction must be in (0, 1], got {fraction!r}")
+        # No chunked prefill: a prompt, or a preempted sequence being recomputed, enters the
+        # model in one step, so one step must hold the longest sequence.
+        if self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"{s}.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"{s}.max_model_len ({self.max_model_len}): prompts are prefilled in one step"
+            )
+        # Every running sequence decodes one token per step.
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"{s}.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"{s}.max_num_seqs ({self.max_num_seqs}): each running sequence decodes a "
+                "token every step"
+            )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SamplingParams:
+    """How the tokens of one request are drawn.
+
+    ``temperature == 0`` is greedy (argmax, ties to the lowest token id). Otherwise the logits
+    are divided by the temperature, cut to the ``top_k`` largest, then to the smallest set whose
+    probability reaches ``top_p``, renormalized, and sampled. A request with a ``seed`` draws
+    its randomness from its own generators (one per sample) so the completion does not depend on
+    what else is in the batch; ``seed=None`` picks a fresh seed per generate call.
+    A sequence stops at a token of ``stop_token_ids`` or at the engine's EOS ids (unless
+    ``ignore_eos``); the stop token is kept in the completion (the trainer scores it too).
+    """
+
+    n: int = 1  # samples per prompt
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None  # None: no top-k cut
+    max_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+    return_logprobs: bool = True
+
+    def __post_init__(self) -> None:
+        s = "sampling"
+        _int_at_least(s, "n", self.n, 1)
+        _int_at_least(s, "max_tokens", self.max_tokens, 1)
+        t = self.temperature
+        if not isinstance(t, int | float) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"{s}.temperature must be a finite number >= 0, got {t!r}")
+        p = self.top_p
+        if not isinstance(p, int | float) or isinstance(p, bool) or not (0.0 < p <= 1.0):
+            raise ValueError(f"{s}.top_p must be in (0, 1], got {p!r}")
+        if self.top_k is not None:
+            _int_at_least(s, "top_k", self.top_k, 1)
+        if not isinstance(self.stop_token_ids, tuple) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.stop_token_ids
+        ):
+            raise ValueError(
+                f"{s}.stop_token_ids must be a tuple of non-negative ints, got "
+                f"{self.stop_token_ids!r}"
+            )
+        if self.seed is not None:
+            _int_at_least(s, "seed", self.seed, 0)
+        _bool(s, "ignore_eos", self.ignore_eos)
+        _bool(s, "return_logprobs", self.return_logprobs)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

@@ -1,0 +1,223 @@
+"""The rollout engine: prompts in, `Completion`s out, by continuous batching over a paged cache.
+
+One `generate` call builds a fresh scheduler and block pool over the engine's KV storage, so
+nothing from an earlier call (blocks, queues, generators) leaks into the next. Each step:
+schedule, flatten the scheduled segments into one token stream, run the model with a
+`PagedAttention` backend (and a `StepCapture` when routing or guidance is recorded), take the
+logits of each segment's last token, copy forked samples' partial blocks, sample, and retire
+finished sequences.
+
+What the engine needs from the model (`fp4rl.model.transformer.MoETransformer`):
+``hidden_states(tokens_T, attn, capture=...)``, ``logits(h_NH)``, ``config`` (a
+`fp4rl.model.config.ModelConfig`), ``plan`` (the precision plan: per-layer KV format and the
+FP4 layers) and ``moe_layers`` (the order of the routing record).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from fp4rl.rollout.attention import AttentionMetadata, PagedAttention, Segment
+from fp4rl.rollout.block_manager import BlockManager
+from fp4rl.rollout.capture import SequenceCapture, StepCapture, kept_layers
+from fp4rl.rollout.config import EngineConfig, SamplingParams
+from fp4rl.rollout.kv_cache import KVCache, KVCacheSpec, num_blocks_for_budget
+from fp4rl.rollout.records import Completion
+from fp4rl.rollout.sampler import make_generator, sample
+from fp4rl.rollout.scheduler import Group, Scheduler, Step
+from fp4rl.rollout.sequence import Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLayout:
+    """The few facts about the model the engine depends on, read in one place."""
+
+    vocab_size: int
+    top_k: int
+    moe_layers: tuple[int, ...]
+    fp4_layers: tuple[int, ...]
+    kv: KVCacheSpec
+    device: torch.device
+
+    @staticmethod
+    def of(model, kv_format: str) -> ModelLayout:
+        c, plan = model.config, model.plan
+        planned = tuple(p.kv_cache for p in plan.layers)
+        # The trainer fake-quantizes K/V exactly where the plan says; a rollout that disagrees
+        # would attend over other values than the trainer replays.
+        if (kv_format == "nvfp4") != ("nvfp4" in planned):
+            raise ValueError(
+                f"engine.kv_format={kv_format!r} disagrees with the model's precision plan "
+                f"(per-layer KV formats {planned}); build the model with "
+                f"precision.kv_cache={kv_format!r}"
+            )
+        weight = model.embed_tokens.weight
+        return ModelLayout(
+            vocab_size=c.vocab_size,
+            top_k=c.num_experts_per_tok,
+            moe_layers=tuple(model.moe_layers),
+            fp4_layers=tuple(plan.fp4_layers),
+            kv=KVCacheSpec(
+                layer_formats=planned,
+                num_kv_heads=c.num_key_value_heads,
+                head_dim=c.head_dim,
+                dtype=weight.dtype,
+            ),
+            device=weight.device,
+        )
+
+
+class Engine:
+    def __init__(self, model, config: EngineConfig, *, eos_token_ids: tuple[int, ...] = ()):
+        self.model, self.config = model, config
+        self.layout = ModelLayout.of(model, config.kv_format)
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.num_blocks = num_blocks_for_budget(config, self.layout.kv)
+        self.cache = KVCache(self.layout.kv, self.num_blocks, config.block_size, self.layout.device)
+        self.guided_layers = kept_layers(
+            config.guidance, self.layout.fp4_layers, config.compact_fraction
+        )
+        self.policy_version = 0  # the refit bumps it with every weight update
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        *,
+        stats: dict | None = None,
+    ) -> list[Completion]:
+        """Complete every prompt ``sampling.n`` times; results ordered by (prompt, sample).
+
+        ``stats`` (optional dict) receives counters: ``steps``, ``preemptions``,
+        ``prefill_tokens``, ``decode_tokens``.
+        """
+        self._check_prompts(prompts)
+        seed = sampling.seed
+        if seed is None:
+            seed = int.from_bytes(os.urandom(8), "little") >> 1
+        stop = frozenset(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
+            stop |= frozenset(self.eos_token_ids)
+        capturing = self.config.capture_routing or self.config.guidance is not None
+        scheduler = Scheduler(self.config, BlockManager(self.num_blocks, self.config.block_size))
+        for i, prompt in enumerate(prompts):
+            seqs = [
+                Sequence(
+                    seq_id=i * sampling.n + j,
+                    prompt_index=i,
+                    sample_index=j,
+                    prompt_ids=list(prompt),
+                    params=sampling,
+                    generator=make_generator(seed, i, j),
+                    stop_ids=stop,
+                    capture=SequenceCapture() if capturing else None,
+                )
+                for j in range(sampling.n)
+            ]
+            scheduler.add(Group(seqs))
+        counters = {"steps": 0, "preemptions": 0, "prefill_tokens": 0, "decode_tokens": 0}
+        done: list[Completion] = []
+        with torch.inference_mode():
+            while scheduler.has_work():
+                step = scheduler.schedule()
+                if not step.prefills and not step.decodes:
+                    raise RuntimeError("scheduler made no progress (a bug: one sequence fits)")
+                done += self._run_step(step, scheduler)
+                counters["steps"] += 1
+                counters["preemptions"] += step.num_preempted
+                counters["decode_tokens"] += len(step.decodes)
+                counters["prefill_tokens"] += step.num_tokens - len(step.decodes)
+        if stats is not None:
+            for key, value in counters.items():
+                stats[key] = stats.get(key, 0) + value
+        return sorted(done, key=lambda c: (c.prompt_index, c.sample_index))
+
+    def _run_step(self, step: Step, scheduler: Scheduler) -> list[Completion]:
+        # Segments in stream order: prefills (one per group, fed by its leader), then decodes.
+        fed = [(g.seqs[0], g.seqs) for g in step.prefills] + [(s, [s]) for s in step.decodes]
+        segments, tokens, ranges = [], [], []
+        for seq, _ in fed:
+            new = seq.tokens()[seq.num_cached :]
+            segments.append(Segment(list(seq.block_table), seq.num_cached, len(new)))
+            ranges.append((len(tokens), len(tokens) + len(new)))
+            tokens += new
+        device = self.layout.device
+        meta = AttentionMetadata.build(segments, self.config.block_size, device)
+        capture = None
+        if any(seq.capture is not None for seq, _ in fed):
+            capture = StepCapture(
+                routing=self.config.capture_routing,
+                guidance=self.config.guidance,
+                guided_layers=self.guided_layers,
+            )
+        tokens_T = torch.tensor(tokens, dtype=torch.long, device=device)
+        h_TH = self.model.hidden_states(
+            tokens_T, PagedAttention(self.cache, meta, capture), capture=capture
+        )
+        last_rows = torch.tensor([end - 1 for _, end in ranges], device=device)
+        logits_SV = self.model.logits(h_TH[last_rows])
+        self.cache.copy_blocks(step.block_copies)
+        scheduler.commit(step)
+
+        # Every sequence of a group samples from its leader's row with its own generator.
+        seqs = [s for _, group in fed for s in group]
+        rows = torch.tensor([i for i, (_, group) in enumerate(fed) for _ in group], device=device)
+        out = sample(logits_SV[rows], [s.params for s in seqs], [s.generator for s in seqs])
+        if capture is not None:
+            for piece, (_, group) in zip(capture.split(ranges), fed, strict=True):
+                for s in group:
+                    s.capture.pieces.append(piece)
+        finished = []
+        for seq, token, logprob, raw in zip(
+            seqs,
+            out.token_ids_B.tolist(),
+            out.logprobs_B.tolist(),
+            out.raw_logprobs_B.tolist(),
+            strict=True,
+        ):
+            if seq.append(token, logprob, raw, self.config.max_model_len):
+                scheduler.finish(seq)
+                finished.append(self._completion(seq))
+        return finished
+
+    def _completion(self, seq: Sequence) -> Completion:
+        want_logprobs = seq.params.return_logprobs
+        routing = guidance = None
+        if seq.capture is not None:
+            if self.config.capture_routing:
+                routing = seq.capture.routing(self.layout.moe_layers, self.layout.top_k)
+            if self.config.guidance is not None:
+                guidance = seq.capture.guidance()
+        return Completion(
+            prompt_index=seq.prompt_index,
+            sample_index=seq.sample_index,
+            prompt_ids=tuple(seq.prompt_ids),
+            completion_ids=tuple(seq.completion_ids),
+            finish_reason=seq.finish_reason,
+            policy_version=self.policy_version,
+            logprobs=torch.tensor(seq.logprobs, dtype=torch.float32) if want_logprobs else None,
+            raw_logprobs=(
+                torch.tensor(seq.raw_logprobs, dtype=torch.float32) if want_logprobs else None
+            ),
+            routing=routing,
+            guidance=guidance,
+        )
+
+    def _check_prompts(self, prompts: list[list[int]]) -> None:
+        limit, vocab = self.config.max_model_len, self.layout.vocab_size
+        for i, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise ValueError(f"prompt {i} is empty")
+            if len(prompt) >= limit:
+                raise ValueError(
+                    f"prompt {i} has {len(prompt)} tokens; engine.max_model_len={limit} leaves "
+                    "no room to generate (a prompt must be shorter than max_model_len)"
+                )
+            for token in prompt:
+                if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
+                    raise ValueError(
+                        f"prompt {i} has token id {token!r} outside the vocabulary [0, {vocab})"
+                    )

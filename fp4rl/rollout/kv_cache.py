@@ -1,0 +1,160 @@
+"""Paged KV storage, one page pool per decoder layer, in BF16 (model dtype) or NVFP4.
+
+Legend: N blocks, B block size (token slots per block), K kv heads, D head dim, T tokens
+written this step, C context tokens gathered. A *slot* is ``block * B + offset``.
+
+- "bf16" pages hold K and V as the model gave them: ``[N, B, K, D]`` in the model dtype.
+- "nvfp4" pages hold ``fp4rl.fp4.quantize(x_TKD, scaling="row")`` of K (after RoPE) and V: one
+  FP32 global scale per token-head and 1x16 E4M3 block scales along D, i.e. an `NVFP4Tensor`
+  whose members are ``codes [N, B, K, D/2]``, ``block_scale [N, B, K, D/16]`` and
+  ``global_scale [N, B, K, 1]`` (4.5 bits per value plus 4 bytes per token-head). Reading
+  dequantizes in the query dtype, which is exactly the trainer's fake quantization
+  ``dequantize(quantize(x, scaling="row"), x.dtype)``: quantization is per row, so gathering
+  rows before dequantizing changes no bit.
+
+The format is chosen per layer (the precision plan keeps boundary layers in BF16). This module
+owns the bytes; who reads which slots is `fp4rl.rollout.attention`'s business.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fp4rl.fp4 import BLOCK_SIZE, NVFP4Tensor, dequantize, quantize
+from fp4rl.rollout.config import KV_FORMATS, EngineConfig
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSpec:
+    layer_formats: tuple[str, ...]  # "bf16" | "nvfp4" per decoder layer
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype  # the model's compute dtype, which "bf16" pages store
+
+    def __post_init__(self) -> None:
+        for layer, fmt in enumerate(self.layer_formats):
+            if fmt not in KV_FORMATS:
+                raise ValueError(f"layers.{layer}: KV format must be in {KV_FORMATS}, got {fmt!r}")
+            if fmt == "nvfp4" and self.head_dim % BLOCK_SIZE:
+                raise ValueError(
+                    f"layers.{layer}: nvfp4 KV needs head_dim % 16 == 0, got {self.head_dim}"
+                )
+
+    def bytes_per_token(self) -> int:
+        """K and V bytes of one token over all layers."""
+        K, D = self.num_kv_heads, self.head_dim
+        per_format = {
+            "bf16": K * D * self.dtype.itemsize,
+            "nvfp4": K * (D // 2 + D // BLOCK_SIZE + 4),  # codes + e4m3 scales + fp32 scale
+        }
+        return 2 * sum(per_format[fmt] for fmt in self.layer_formats)
+
+
+def num_blocks_for_budget(config: EngineConfig, spec: KVCacheSpec) -> int:
+    """How many blocks ``config.kv_memory_bytes`` buys; at least one max-length sequence."""
+    bytes_per_block = spec.bytes_per_token() * config.block_size
+    num_blocks = config.kv_memory_bytes // bytes_per_block
+    needed = -(-config.max_model_len // config.block_size)
+    if num_blocks < needed:
+        raise ValueError(
+            f"engine.kv_memory_bytes={config.kv_memory_bytes} buys {num_blocks} KV blocks of "
+            f"{bytes_per_block} bytes; one sequence of max_model_len={config.max_model_len} "
+            f"needs {needed} ({needed * bytes_per_block} bytes)"
+        )
+    return num_blocks
+
+
+class _Bf16Pages:
+    def __init__(self, num_blocks, block_size, K, D, dtype, device) -> None:
+        self.k_NBKD = torch.zeros(num_blocks, block_size, K, D, dtype=dtype, device=device)
+        self.v_NBKD = torch.zeros_like(self.k_NBKD)
+
+    def write(self, slots_T, k_TKD, v_TKD) -> None:
+        self.k_NBKD.flatten(0, 1)[slots_T] = k_TKD.to(self.k_NBKD.dtype)
+        self.v_NBKD.flatten(0, 1)[slots_T] = v_TKD.to(self.v_NBKD.dtype)
+        return None
+
+    def read(self, slots_C, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return (
+            self.k_NBKD.flatten(0, 1)[slots_C].to(dtype),
+            self.v_NBKD.flatten(0, 1)[slots_C].to(dtype),
+        )
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.k_NBKD, self.v_NBKD
+
+
+def _empty_nvfp4(num_blocks, block_size, K, D, device) -> NVFP4Tensor:
+    lead = (num_blocks, block_size, K)
+    return NVFP4Tensor(
+        codes=torch.zeros(*lead, D // 2, dtype=torch.uint8, device=device),
+        block_scale=torch.zeros(*lead, D // BLOCK_SIZE, dtype=torch.float8_e4m3fn, device=device),
+        global_scale=torch.zeros(*lead, 1, dtype=torch.float32, device=device),
+    )
+
+
+def _put(pages: NVFP4Tensor, slots_T: torch.Tensor, t: NVFP4Tensor) -> None:
+    for page, value in zip(pages.tensors(), t.tensors(), strict=True):
+        page.flatten(0, 1)[slots_T] = value
+
+
+class _Nvfp4Pages:
+    def __init__(self, num_blocks, block_size, K, D, dtype, device) -> None:
+        self.k = _empty_nvfp4(num_blocks, block_size, K, D, device)
+        self.v = _empty_nvfp4(num_blocks, block_size, K, D, device)
+
+    def write(self, slots_T, k_TKD, v_TKD) -> tuple[NVFP4Tensor, NVFP4Tensor]:
+        # The very call the trainer's K/V site makes (Fp4Site without guidance).
+        k_q, v_q = quantize(k_TKD, scaling="row"), quantize(v_TKD, scaling="row")
+        _put(self.k, slots_T, k_q)
+        _put(self.v, slots_T, v_q)
+        return k_q, v_q
+
+    def read(self, slots_C, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        def rows(m: torch.Tensor) -> torch.Tensor:
+            return m.flatten(0, 1)[slots_C]
+
+        return dequantize(self.k.map(rows), dtype), dequantize(self.v.map(rows), dtype)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (*self.k.tensors(), *self.v.tensors())
+
+
+class KVCache:
+    """All layers' pages. ``write`` returns the NVFP4 records of an nvfp4 layer, else None."""
+
+    def __init__(
+        self, spec: KVCacheSpec, num_blocks: int, block_size: int, device: torch.device | str
+    ) -> None:
+        self.spec, self.num_blocks, self.block_size = spec, num_blocks, block_size
+        pages = {"bf16": _Bf16Pages, "nvfp4": _Nvfp4Pages}
+        self.layers = [
+            pages[fmt](num_blocks, block_size, spec.num_kv_heads, spec.head_dim, spec.dtype, device)
+            for fmt in spec.layer_formats
+        ]
+
+    def write(
+        self, layer: int, slots_T: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor
+    ) -> tuple[NVFP4Tensor, NVFP4Tensor] | None:
+        return self.layers[layer].write(slots_T, k_TKD, v_TKD)
+
+    def read(
+        self, layer: int, slots_C: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[C, K, D]`` in ``dtype`` at the given slots (dequantized for nvfp4)."""
+        return self.layers[layer].read(slots_C, dtype)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks ``src -> dst`` in every layer (a forked sample's partial block)."""
+        if not pairs:
+            return
+        src, dst = (torch.tensor(ids, dtype=torch.long) for ids in zip(*pairs, strict=True))
+        for pages in self.layers:
+            for t in pages.tensors():
+                t[dst.to(t.device)] = t[src.to(t.device)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for p in self.layers for t in p.tensors())

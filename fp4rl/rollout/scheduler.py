@@ -1,0 +1,129 @@
+"""Continuous batching: which sequences feed which tokens in the next step.
+
+Every step, each running sequence decodes one token; then, if nothing had to be preempted,
+waiting groups are admitted (prefilled) in arrival order while the sequence limit, the token
+budget and the free blocks allow. A *group* is a set of sequences with identical tokens that
+is prefilled once: its first sequence (the leader) computes the K/V, the others fork from it
+after the step (sharing the complete blocks, copying the partial one). A group that does not
+fit entirely is split: as many samples as fit are admitted now, the rest wait.
+
+When a decoding sequence needs a block and none is free, the most recently admitted running
+sequence is preempted: its blocks are freed and it goes back to the front of the queue as a
+group of one, to be recomputed later from all its tokens (prompt and completion so far). The
+oldest sequence therefore always progresses, and one sequence alone always fits
+(`kv_cache.num_blocks_for_budget` guarantees it).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from fp4rl.rollout.block_manager import BlockManager
+from fp4rl.rollout.config import EngineConfig
+from fp4rl.rollout.sequence import Sequence
+
+
+@dataclass(eq=False, slots=True)
+class Group:
+    seqs: list[Sequence]  # identical tokens; seqs[0] is prefilled, the others fork from it
+
+
+@dataclass(slots=True)
+class Step:
+    prefills: list[Group] = field(default_factory=list)
+    decodes: list[Sequence] = field(default_factory=list)
+    # (src, dst) blocks to copy after the forward: forked samples' partial prompt blocks.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(g.seqs[0].num_tokens for g in self.prefills)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, blocks: BlockManager) -> None:
+        self.config, self.blocks = config, blocks
+        self.waiting: deque[Group] = deque()
+        self.running: list[Sequence] = []  # in admission order
+
+    def add(self, group: Group) -> None:
+        self.waiting.append(group)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> Step:
+        step = Step()
+        for seq in list(self.running):
+            if seq not in self.running:  # preempted as a victim of an older sequence
+                continue
+            if self._reserve_decode(seq, step):
+                step.decodes.append(seq)
+        if step.num_preempted == 0:
+            self._admit(step)
+        return step
+
+    def _reserve_decode(self, seq: Sequence, step: Step) -> bool:
+        """Make room for ``seq``'s next token, preempting newer sequences if needed."""
+        need = self.blocks.blocks_for(seq.num_tokens) - len(seq.block_table)
+        while need > self.blocks.num_free_blocks:
+            victim = self.running[-1]
+            self.preempt(victim)
+            step.num_preempted += 1
+            if victim is seq:
+                return False
+        self.blocks.grow(seq.block_table, seq.num_tokens)
+        return True
+
+    def _admit(self, step: Step) -> None:
+        budget = self.config.max_num_batched_tokens - len(step.decodes)
+        while self.waiting:
+            group = self.waiting[0]
+            num_tokens = group.seqs[0].num_tokens
+            slots = self.config.max_num_seqs - len(self.running)
+            if num_tokens > budget or slots == 0:
+                return
+            leader_cost = self.blocks.blocks_for(num_tokens)
+            fork_cost = self.blocks.fork_cost(num_tokens)
+            free = self.blocks.num_free_blocks
+            if leader_cost > free:
+                return
+            k = min(len(group.seqs), slots)
+            if fork_cost:
+                k = min(k, 1 + (free - leader_cost) // fork_cost)
+            admitted, rest = group.seqs[:k], group.seqs[k:]
+            if rest:
+                group.seqs = rest
+            else:
+                self.waiting.popleft()
+            leader = admitted[0]
+            leader.block_table = self.blocks.allocate(leader_cost)
+            for follower in admitted[1:]:
+                follower.block_table, copy = self.blocks.fork(leader.block_table, num_tokens)
+                if copy is not None:
+                    step.block_copies.append(copy)
+            self.running.extend(admitted)
+            step.prefills.append(Group(admitted))
+            budget -= num_tokens
+
+    def commit(self, step: Step) -> None:
+        """After the forward: every scheduled sequence has all its fed tokens cached."""
+        for group in step.prefills:
+            for seq in group.seqs:
+                seq.num_cached = seq.num_tokens
+        for seq in step.decodes:
+            seq.num_cached = seq.num_tokens
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq.block_table)
+        seq.num_cached = 0
+        if seq.capture is not None:
+            seq.capture.clear()
+        self.waiting.appendleft(Group([seq]))
+
+    def finish(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq.block_table)

@@ -1,0 +1,108 @@
+"""Tiny real models for the rollout tests, and the trainer-side full-sequence forward.
+
+`rollout_model` builds the rollout's configuration: routed experts of the FP4 layers held packed
+(`PackedExperts`, quantized at load time), everything else BF16 modules in FP32 on the CPU. Its
+`qat_twin` holds the same BF16 weights with fake-quantized experts: what the trainer runs.
+`trainer_logprobs` is the trainer's full-sequence forward (`CausalAttention`, optional router
+replay and guidance) that the rollout's cached decode is compared with.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp4rl.model.attention import CausalAttention
+from fp4rl.model.config import ModelConfig
+from fp4rl.model.precision import PrecisionConfig
+from fp4rl.model.transformer import build_model, init_weights
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    fields = dict(
+        architecture="qwen3_moe",
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=1e4,
+        max_position_embeddings=256,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=(0,),
+        shared_expert_intermediate_size=0,
+        qk_norm=True,
+        attention_bias=False,
+        tie_word_embeddings=False,
+    )
+    return ModelConfig(**{**fields, **overrides})
+
+
+def tiny_precision(kv_cache: str = "bf16", experts: str = "nvfp4") -> PrecisionConfig:
+    # Four layers: layer 0 dense, 1-3 MoE; with one BF16 boundary layer at each end the FP4
+    # layers are 1 and 2, so the cache mixes BF16 and NVFP4 layers.
+    return PrecisionConfig(
+        experts=experts, kv_cache=kv_cache, bf16_first_layers=1, bf16_last_layers=1
+    )
+
+
+def qat_model(precision: PrecisionConfig, *, seed: int = 0, dtype=torch.float32, config=None):
+    model = build_model(config or tiny_config(), precision, fp4_experts="qat", dtype=dtype)
+    init_weights(model, std=0.1, seed=seed)
+    return model.eval()
+
+
+def packed_twin(qat, precision: PrecisionConfig):
+    """The rollout's model with ``qat``'s weights: FP4 experts quantized once, at load."""
+    dtype = qat.embed_tokens.weight.dtype
+    packed = build_model(qat.config, precision, fp4_experts="packed", dtype=dtype)
+    state = qat.state_dict()
+    fp4 = qat.plan.fp4_layers
+    expert_keys = {f"layers.{i}.mlp.experts.{w}" for i in fp4 for w in ("w13", "w2")}
+    missing, unexpected = packed.load_state_dict(
+        {k: v for k, v in state.items() if k not in expert_keys}, strict=False
+    )
+    assert not missing and not unexpected, (missing, unexpected)
+    for i in fp4:
+        experts = qat.layers[i].mlp.experts
+        packed.layers[i].mlp.experts.load_bf16(experts.w13.detach(), experts.w2.detach())
+    return packed.eval()
+
+
+def rollout_model(kv_cache: str = "bf16", experts: str = "nvfp4", *, seed: int = 0, dtype=None):
+    """``(packed, qat)``: the rollout's model and the trainer's, with the same weights."""
+    precision = tiny_precision(kv_cache, experts)
+    qat = qat_model(precision, seed=seed, dtype=dtype or torch.float32)
+    return packed_twin(qat, precision), qat
+
+
+def nvfp4_kv_layers(model) -> tuple[int, ...]:
+    return tuple(p.index for p in model.plan.layers if p.kv_cache == "nvfp4")
+
+
+@torch.no_grad()
+def trainer_logprobs(model, completion, *, replay: bool = False, guidance=None, capture=None):
+    """Full-sequence forward over the ``T`` fed tokens of ``completion``; returns FP32
+    ``log p(completion_ids[i])`` for each completion token (the trainer's view)."""
+    tokens = list(completion.prompt_ids) + list(completion.completion_ids)
+    fed_T = torch.tensor(tokens[:-1])
+    attn = CausalAttention(
+        [len(fed_T)], nvfp4_kv_layers=nvfp4_kv_layers(model), guidance=guidance, capture=capture
+    )
+    h_TH = model.hidden_states(
+        fed_T,
+        attn,
+        routing=completion.routing if replay else None,
+        guidance=guidance,
+        capture=capture,
+    )
+    start = len(completion.prompt_ids) - 1
+    logprobs_TV = torch.log_softmax(model.logits(h_TH[start:]), dim=-1)
+    targets = torch.tensor(completion.completion_ids)
+    return logprobs_TV.gather(1, targets[:, None])[:, 0]

@@ -1,0 +1,122 @@
+"""PagedAttention against dense causal attention, BF16 and NVFP4 pages, over several steps.
+
+Exact claims: cached K/V read back bitwise equal to what was written (BF16 pages) or to the
+trainer's fake quantization ``dequantize(quantize(x, scaling="row"), dtype)`` (NVFP4 pages),
+and the NVFP4 records handed to the capture are that quantization. Attention outputs are
+compared with `F.scaled_dot_product_attention` over the same (fake-quantized) K/V within the
+stated tolerance: FP32 inputs to 2e-6 (only the summation order differs), BF16 inputs to one
+BF16 rounding of the output.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fp4rl.fp4 import dequantize, quantize
+from fp4rl.rollout.attention import AttentionMetadata, PagedAttention, Segment
+from fp4rl.rollout.kv_cache import KVCache, KVCacheSpec
+
+HQ, HKV, D, BLOCK = 4, 2, 32, 4
+
+
+class Recorder:
+    def __init__(self):
+        self.records = []
+
+    def record(self, layer, site, t):
+        self.records.append((layer, site, t))
+
+
+def fake_quant(x):
+    return dequantize(quantize(x, scaling="row"), x.dtype)
+
+
+def dense_reference(q_QHD, k_CKD, v_CKD, q_positions):
+    """Causal SDPA in FP32 for the queries at ``q_positions`` over context ``[0, C)``."""
+    q, k, v = (t.float().transpose(0, 1)[None] for t in (q_QHD, k_CKD, v_CKD))
+    mask = torch.arange(k_CKD.shape[0])[None, :] <= q_positions[:, None]
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    return o[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-6), (torch.bfloat16, 1.6e-2)])
+def test_paged_attention_matches_dense_over_steps(dtype, atol):
+    g = torch.Generator().manual_seed(0)
+    spec = KVCacheSpec(layer_formats=("bf16", "nvfp4"), num_kv_heads=HKV, head_dim=D, dtype=dtype)
+    cache = KVCache(spec, num_blocks=32, block_size=BLOCK, device="cpu")
+    # Block tables deliberately out of order and interleaved between sequences.
+    order = torch.randperm(32, generator=g).tolist()
+    tables = {"a": order[0:5], "b": order[5:10], "c": order[10:15]}
+    full_len = {"a": 9, "b": 14, "c": 11}
+    kv = {  # per sequence, per layer: all positions' K and V
+        s: [
+            (
+                torch.randn(n, HKV, D, generator=g).to(dtype),
+                torch.randn(n, HKV, D, generator=g).to(dtype),
+            )
+            for _ in range(2)
+        ]
+        for s, n in full_len.items()
+    }
+    # (sequence, start, num_new) per step: prefills, decodes, and a multi-token extension.
+    steps = [
+        [("a", 0, 7), ("b", 0, 12)],
+        [("c", 0, 5), ("a", 7, 1), ("b", 12, 1)],
+        [("a", 8, 1), ("c", 5, 6), ("b", 13, 1)],
+    ]
+    for step in steps:
+        segments = [Segment(tables[s], start, n) for s, start, n in step]
+        meta = AttentionMetadata.build(segments, BLOCK, "cpu")
+        rec = Recorder()
+        backend = PagedAttention(cache, meta, rec)
+        expected_positions = torch.cat([torch.arange(st, st + n) for _, st, n in step])
+        assert torch.equal(backend.positions, expected_positions)
+        for layer in range(2):
+            q = torch.randn(meta.positions_T.numel(), HQ, D, generator=g).to(dtype)
+            k = torch.cat([kv[s][layer][0][st : st + n] for s, st, n in step])
+            v = torch.cat([kv[s][layer][1][st : st + n] for s, st, n in step])
+            o = backend.attend(layer, q, k, v)
+            assert o.dtype == dtype and o.shape == q.shape
+            row = 0
+            for s, st, n in step:
+                k_all, v_all = kv[s][layer][0][: st + n], kv[s][layer][1][: st + n]
+                if layer == 1:
+                    k_all, v_all = fake_quant(k_all), fake_quant(v_all)
+                ref = dense_reference(q[row : row + n], k_all, v_all, torch.arange(st, st + n))
+                torch.testing.assert_close(o[row : row + n].float(), ref, rtol=0, atol=atol)
+                row += n
+        # Only the NVFP4 layer records, and it records exactly the trainer's quantization.
+        assert [(layer, site) for layer, site, _ in rec.records] == [(1, "k"), (1, "v")]
+        assert rec.records[0][2].equal(quantize(k, scaling="row"))
+        assert rec.records[1][2].equal(quantize(v, scaling="row"))
+
+    # Every sequence's cache, read back: BF16 exact, NVFP4 bitwise the fake-quantized values.
+    for s, n in full_len.items():
+        slots = torch.tensor([tables[s][p // BLOCK] * BLOCK + p % BLOCK for p in range(n)])
+        for layer in range(2):
+            k_read, v_read = cache.read(layer, slots, dtype)
+            k_all, v_all = kv[s][layer]
+            if layer == 1:
+                k_all, v_all = fake_quant(k_all), fake_quant(v_all)
+            assert torch.equal(k_read, k_all) and torch.equal(v_read, v_all)
+
+
+def test_copy_blocks_copies_every_layer_and_member():
+    spec = KVCacheSpec(
+        layer_formats=("bf16", "nvfp4"), num_kv_heads=1, head_dim=16, dtype=torch.float32
+    )
+    cache = KVCache(spec, num_blocks=4, block_size=2, device="cpu")
+    x = torch.randn(2, 1, 16)
+    slots = torch.tensor([2, 3])  # block 1
+    for layer in range(2):
+        cache.write(layer, slots, x, -x)
+    cache.copy_blocks([(1, 3)])
+    for layer in range(2):
+        a = cache.read(layer, slots, torch.float32)
+        b = cache.read(layer, slots + 4, torch.float32)
+        assert all(torch.equal(u, w) for u, w in zip(a, b, strict=True))
+
+
+def test_metadata_rejects_a_table_too_short():
+    with pytest.raises(ValueError, match="does not fit"):
+        AttentionMetadata.build([Segment([0], 3, 2)], 4, "cpu")

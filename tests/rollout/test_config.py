@@ -1,0 +1,94 @@
+"""EngineConfig / SamplingParams validation and the KV budget -> blocks arithmetic."""
+
+import pytest
+import torch
+
+from fp4rl.rollout.config import EngineConfig, SamplingParams
+from fp4rl.rollout.kv_cache import KVCacheSpec, num_blocks_for_budget
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("block_size", 0),
+        ("kv_format", "fp8"),
+        ("kv_memory_bytes", 0),
+        ("max_num_seqs", 0),
+        ("max_model_len", 1),
+        ("max_model_len", 100_000),  # > max_num_batched_tokens: no chunked prefill
+        ("max_num_seqs", 10_000),  # > max_num_batched_tokens
+        ("guidance", "partial"),
+        ("compact_fraction", 0.0),
+        ("compact_fraction", 1.5),
+        ("capture_routing", 1),
+        ("block_size", 16.0),
+    ],
+)
+def test_engine_config_rejects_naming_key_and_value(key, value):
+    with pytest.raises(ValueError, match=rf"engine\.{key}.*{value!r}".replace("(", r"\(")):
+        EngineConfig(**{key: value})
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("n", 0),
+        ("temperature", -0.5),
+        ("temperature", float("nan")),
+        ("top_p", 0.0),
+        ("top_p", 1.1),
+        ("top_k", 0),
+        ("max_tokens", 0),
+        ("stop_token_ids", [2]),
+        ("stop_token_ids", (-1,)),
+        ("seed", -3),
+        ("ignore_eos", "yes"),
+    ],
+)
+def test_sampling_params_rejects_naming_key_and_value(key, value):
+    with pytest.raises(ValueError, match=rf"sampling\.{key}"):
+        SamplingParams(**{key: value})
+
+
+def test_greedy_is_temperature_zero():
+    assert SamplingParams(temperature=0).greedy
+    assert not SamplingParams(temperature=1e-3).greedy
+
+
+def test_blocks_from_budget_per_format():
+    # Layer 0 BF16 (model dtype), layer 1 NVFP4: K and V per token.
+    spec = KVCacheSpec(
+        layer_formats=("bf16", "nvfp4"), num_kv_heads=2, head_dim=64, dtype=torch.bfloat16
+    )
+    bf16_bytes = 2 * 2 * 64 * 2  # K and V, 2 heads, 64 values, 2 bytes
+    nvfp4_bytes = 2 * 2 * (32 + 4 + 4)  # codes, e4m3 block scales, fp32 global scale
+    assert spec.bytes_per_token() == bf16_bytes + nvfp4_bytes
+    config = EngineConfig(
+        block_size=16,
+        kv_memory_bytes=10 * 16 * spec.bytes_per_token() + 5,
+        max_model_len=160,
+        max_num_batched_tokens=256,
+    )
+    assert num_blocks_for_budget(config, spec) == 10
+    # NVFP4 buys 128 / (32 + 4 + 4) = 3.2x the tokens of BF16 at head_dim 64.
+    all_bf16 = KVCacheSpec(
+        layer_formats=("bf16",) * 2, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16
+    )
+    all_fp4 = KVCacheSpec(
+        layer_formats=("nvfp4",) * 2, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16
+    )
+    assert all_bf16.bytes_per_token() / all_fp4.bytes_per_token() == pytest.approx(3.2)
+
+
+def test_budget_too_small_for_one_sequence():
+    spec = KVCacheSpec(layer_formats=("bf16",), num_kv_heads=1, head_dim=16, dtype=torch.float32)
+    config = EngineConfig(
+        kv_memory_bytes=1000, max_model_len=64, max_num_batched_tokens=64, max_num_seqs=8
+    )
+    with pytest.raises(ValueError, match="kv_memory_bytes=1000"):
+        num_blocks_for_budget(config, spec)
+
+
+def test_nvfp4_needs_head_dim_multiple_of_16():
+    with pytest.raises(ValueError, match="head_dim"):
+        KVCacheSpec(layer_formats=("nvfp4",), num_kv_heads=1, head_dim=24, dtype=torch.float32)
