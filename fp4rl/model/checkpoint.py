@@ -17,7 +17,7 @@ import json
 import os
 import re
 import shutil
-import tempfile
+import uuid
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -31,12 +31,7 @@ from fp4rl.model.config import ModelConfig
 
 MODEL_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-_FLOAT_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-}
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors spellings fp4rl loads
 _FUSED_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
 _MAX_LISTED = 20  # per kind of problem; a wrong config can make every name missing
 
@@ -143,11 +138,11 @@ def fp4rl_to_hf(
     if config.tie_word_embeddings and "lm_head.weight" in names:
         names.discard("lm_head.weight")
         head, embed = state_dict["lm_head.weight"], state_dict.get("embed_tokens.weight")
-        if embed is not None and not _same_values(head, embed):
+        if embed is not None and not torch.equal(head, embed):
             problems.tied.append("lm_head.weight differs from embed_tokens.weight")
     problems.missing += [n for n in shapes if n not in names]
     problems.unexpected += sorted(names - shapes.keys())
-    for name in shapes.keys() & names:
+    for name in (n for n in shapes if n in names):
         t = state_dict[name]
         if tuple(t.shape) != shapes[name]:
             problems.shape.append(
@@ -161,10 +156,6 @@ def fp4rl_to_hf(
 
 def _piece(param: torch.Tensor, slot: Slot) -> torch.Tensor:
     return param[slot.index] if slot.index else param
-
-
-def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.data_ptr() == b.data_ptr() and a.stride() == b.stride()) or torch.equal(a, b)
 
 
 @dataclass(slots=True)
@@ -208,7 +199,8 @@ def load_state_dict(path: str | Path, config: ModelConfig) -> dict[str, torch.Te
     """
     path = Path(path)
     files, weight_map = _checkpoint_files(path)
-    sources, tied_head = _plan(path, files, weight_map, config)
+    headers = _read_headers(path, files)
+    sources, tied_head = _plan(headers, weight_map, config, path)
     shapes, params = parameter_shapes(config), {}
     for file in files:
         with safe_open(path / file, framework="pt") as f:
@@ -246,17 +238,28 @@ def _checkpoint_files(path: Path) -> tuple[list[str], dict[str, str] | None]:
     return files, weight_map
 
 
-def _plan(
-    path: Path, files: list[str], weight_map: dict[str, str] | None, config: ModelConfig
-) -> tuple[list[_Source], str | None]:
-    """Which hub tensor fills which slot, from the headers alone; raises on any problem."""
-    table, shapes = hf_to_fp4rl_names(config), parameter_shapes(config)
-    headers: dict[str, list[tuple[str, list[int], str]]] = defaultdict(list)  # name -> holders
+_Header = tuple[str, list[int], str]  # (file, shape, safetensors dtype) of one stored tensor
+
+
+def _read_headers(path: Path, files: list[str]) -> dict[str, list[_Header]]:
+    """Every stored tensor name -> each file holding it (more than one is a duplicate)."""
+    headers = defaultdict(list)
     for file in files:
         with safe_open(path / file, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
                 piece = f.get_slice(name)
                 headers[name].append((file, piece.get_shape(), piece.get_dtype()))
+    return headers
+
+
+def _plan(
+    headers: dict[str, list[_Header]],
+    weight_map: dict[str, str] | None,
+    config: ModelConfig,
+    path: Path,
+) -> tuple[list[_Source], str | None]:
+    """Which hub tensor fills which slot, from the headers alone; raises on any problem."""
+    table, shapes = hf_to_fp4rl_names(config), parameter_shapes(config)
     pieces_of: dict[str, list[Slot]] = defaultdict(list)
     for slot in table.values():
         pieces_of[slot.name].append(slot)
@@ -329,7 +332,9 @@ def save_checkpoint(
         raise FileExistsError(f"{path} exists and is not an empty directory; not overwriting it")
     tensors = fp4rl_to_hf(state_dict, config)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
+    # mkdir rather than tempfile.mkdtemp: that makes the directory 0700, unreadable by others.
+    tmp = path.parent / f".{path.name}.partial-{uuid.uuid4().hex[:12]}"
+    tmp.mkdir()
     try:
         _write(tmp, tensors, config, max_shard_bytes)
         os.rename(tmp, path)

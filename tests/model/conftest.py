@@ -39,14 +39,14 @@ TINY = {
 
 
 def tiny_hf_config(architecture: str, **overrides):
-    transformers = pytest.importorskip("transformers")
+    transformers = pytest.importorskip("transformers", minversion="5.0")
     cls = {"qwen3_moe": transformers.Qwen3MoeConfig, "qwen2_moe": transformers.Qwen2MoeConfig}
     return cls[architecture](**{**TINY[architecture], **overrides})
 
 
 def build_tiny_hf_model(architecture: str, *, seed: int = 0, **overrides):
     """An FP32 transformers model in eval mode with every parameter random."""
-    transformers = pytest.importorskip("transformers")
+    transformers = pytest.importorskip("transformers", minversion="5.0")
     config = tiny_hf_config(architecture, **overrides)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(seed)

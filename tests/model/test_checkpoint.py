@@ -28,7 +28,8 @@ from fp4rl.model.checkpoint import (
 )
 from fp4rl.model.config import ModelConfig
 
-transformers = pytest.importorskip("transformers")
+# v5: experts fused in memory (gate_up_proj), save_original_format, rope_parameters.
+transformers = pytest.importorskip("transformers", minversion="5.0")
 
 
 def read_file(file: Path) -> dict[str, torch.Tensor]:
@@ -117,6 +118,8 @@ def test_save_round_trip_is_bitwise(loaded, tmp_path):
     out = tmp_path / "ckpt"
     save_checkpoint(state, config, out)
     assert sorted(os.listdir(out)) == ["config.json", MODEL_FILE]
+    (tmp_path / "plain").mkdir()  # permissions as any new directory, not a private temp dir
+    assert out.stat().st_mode == (tmp_path / "plain").stat().st_mode
     assert_same(read_dir(out), read_dir(saved))
     assert ModelConfig.from_pretrained_dir(out) == config
     assert_same(load_state_dict(out, config), state)
@@ -267,6 +270,13 @@ def test_tied_embeddings(make_hf_checkpoint, tmp_path):
     assert_same(read_dir(tmp_path / "a"), read_dir(saved))
     with pytest.raises(ValueError, match="lm_head.weight differs from embed_tokens.weight"):
         fp4rl_to_hf({**state, "lm_head.weight": torch.zeros(128, 64)}, config)
+    # Some writers store the tied head anyway: accepted when it is the embedding, else refused.
+    embed = read_dir(saved)["model.embed_tokens.weight"]
+    write_shards(tmp_path / "b", [{**read_dir(saved), "lm_head.weight": embed.clone()}])
+    assert_same(load_state_dict(tmp_path / "b", config), state)
+    write_shards(tmp_path / "c", [{**read_dir(saved), "lm_head.weight": embed + 1}])
+    with pytest.raises(ValueError, match="lm_head.weight differs"):
+        load_state_dict(tmp_path / "c", config)
 
 
 def test_fp4rl_to_hf_returns_views(loaded):

@@ -10,8 +10,6 @@ import pytest
 
 from fp4rl.model.config import ModelConfig
 
-transformers = pytest.importorskip("transformers")
-
 # A config.json in the style of the hub's Qwen1.5-MoE-A2.7B: v4 spelling, no head_dim, no qkv_bias.
 HUB_QWEN2_MOE = {
     "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "hidden_act": "silu",
@@ -71,6 +69,7 @@ def test_reads_the_hub_spelling():
 
 
 def test_to_hf_dict_round_trips_through_fp4rl_and_transformers(hf_checkpoint):
+    transformers = pytest.importorskip("transformers", minversion="5.0")
     _, saved = hf_checkpoint
     config = ModelConfig.from_pretrained_dir(saved)
     written = config.to_hf_dict(dtype="float32")
