@@ -201,10 +201,12 @@ def load_state_dict(path: str | Path, config: ModelConfig) -> dict[str, torch.Te
     files, weight_map = _checkpoint_files(path)
     headers = _read_headers(path, files)
     sources, tied_head = _plan(headers, weight_map, config, path)
-    shapes, params = parameter_shapes(config), {}
-    for file in files:
+    shapes, params, by_file = parameter_shapes(config), {}, defaultdict(list)
+    for src in sources:
+        by_file[src.file].append(src)
+    for file, file_sources in by_file.items():
         with safe_open(path / file, framework="pt") as f:
-            for src in (s for s in sources if s.file == file):
+            for src in file_sources:
                 tensor, slot = f.get_tensor(src.hf_name), src.slot
                 if slot.expert is None:
                     params[slot.name] = tensor
@@ -337,6 +339,7 @@ def save_checkpoint(
     tmp.mkdir()
     try:
         _write(tmp, tensors, config, max_shard_bytes)
+        _fsync(tmp)  # the file names inside it, before they become visible under `path`
         os.rename(tmp, path)
         _fsync(path.parent)
     except BaseException:
