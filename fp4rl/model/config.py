@@ -158,8 +158,8 @@ class ModelConfig:
         )
 
     def to_hf_dict(self, *, dtype: str = "bfloat16") -> dict[str, Any]:
-        """config.json in the hub's spelling (``rope_theta``, ``num_experts``), which transformers
-        4.57+ and 5.x read alike; v5's ``rope_parameters`` would be ignored by 4.x."""
+        """config.json in the hub's spelling (``rope_theta``, ``num_experts``): transformers v5
+        converts it to its own ``rope_parameters``, while v4 would silently ignore that key."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         for key in ("architecture", "qk_norm", "attention_bias", "mlp_only_layers"):
             del fields[key]
