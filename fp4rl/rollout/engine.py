@@ -129,7 +129,7 @@ class Engine:
                 counters["steps"] += 1
                 counters["preemptions"] += step.num_preempted
                 counters["decode_tokens"] += len(step.decodes)
-                counters["prefill_tokens"] += step.num_tokens - len(step.decodes)
+                counters["prefill_tokens"] += step.num_prefill_tokens
         if stats is not None:
             for key, value in counters.items():
                 stats[key] = stats.get(key, 0) + value

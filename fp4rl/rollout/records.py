@@ -43,3 +43,15 @@ class Completion:
 
     def routing_nbytes(self) -> int:
         return 0 if self.routing is None else self.routing.numel() * self.routing.element_size()
+
+
+def capture_bytes_per_generated_token(completions: list[Completion]) -> dict[str, float]:
+    """What the captured records cost per generated token, over a batch of completions:
+    ``{"routing": ..., "guidance": ...}`` (prompt tokens' records included in the numerator)."""
+    generated = sum(len(c.completion_ids) for c in completions)
+    if generated == 0:
+        return {"routing": 0.0, "guidance": 0.0}
+    return {
+        "routing": sum(c.routing_nbytes() for c in completions) / generated,
+        "guidance": sum(c.guidance_nbytes() for c in completions) / generated,
+    }

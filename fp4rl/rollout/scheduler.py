@@ -36,10 +36,11 @@ class Step:
     # (src, dst) blocks to copy after the forward: forked samples' partial prompt blocks.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     num_preempted: int = 0
+    num_prefill_tokens: int = 0  # counted when scheduled: sequences grow after the step
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decodes) + sum(g.seqs[0].num_tokens for g in self.prefills)
+        return len(self.decodes) + self.num_prefill_tokens
 
 
 class Scheduler:
@@ -106,6 +107,7 @@ class Scheduler:
                     step.block_copies.append(copy)
             self.running.extend(admitted)
             step.prefills.append(Group(admitted))
+            step.num_prefill_tokens += num_tokens
             budget -= num_tokens
 
     def commit(self, step: Step) -> None:

@@ -1,8 +1,8 @@
 """Tiny real models for the rollout tests, and the trainer-side full-sequence forward.
 
 `rollout_model` builds the rollout's configuration: routed experts of the FP4 layers held packed
-(`PackedExperts`, quantized at load time), everything else BF16 modules in FP32 on the CPU. Its
-`qat_twin` holds the same BF16 weights with fake-quantized experts: what the trainer runs.
+(`PackedExperts`, quantized at load time), everything else BF16 modules in FP32 on the CPU, and
+its QAT twin with the same weights and fake-quantized experts: what the trainer runs.
 `trainer_logprobs` is the trainer's full-sequence forward (`CausalAttention`, optional router
 replay and guidance) that the rollout's cached decode is compared with.
 """
@@ -88,8 +88,12 @@ def nvfp4_kv_layers(model) -> tuple[int, ...]:
 
 @torch.no_grad()
 def trainer_logprobs(model, completion, *, replay: bool = False, guidance=None, capture=None):
-    """Full-sequence forward over the ``T`` fed tokens of ``completion``; returns FP32
-    ``log p(completion_ids[i])`` for each completion token (the trainer's view)."""
+    """The trainer's full-sequence forward over the ``T`` fed tokens of ``completion``.
+
+    Returns FP32 log-probabilities ``[len(completion_ids), V]``: row ``i`` is the distribution
+    that predicted ``completion_ids[i]``. ``replay`` feeds the rollout's routing record;
+    ``guidance`` its FP4 codes.
+    """
     tokens = list(completion.prompt_ids) + list(completion.completion_ids)
     fed_T = torch.tensor(tokens[:-1])
     attn = CausalAttention(
@@ -103,6 +107,9 @@ def trainer_logprobs(model, completion, *, replay: bool = False, guidance=None, 
         capture=capture,
     )
     start = len(completion.prompt_ids) - 1
-    logprobs_TV = torch.log_softmax(model.logits(h_TH[start:]), dim=-1)
-    targets = torch.tensor(completion.completion_ids)
-    return logprobs_TV.gather(1, targets[:, None])[:, 0]
+    return torch.log_softmax(model.logits(h_TH[start:]), dim=-1)
+
+
+def picked(logprobs_NV, completion):
+    """``logprobs_NV[i, completion_ids[i]]``."""
+    return logprobs_NV.gather(1, torch.tensor(completion.completion_ids)[:, None])[:, 0]

@@ -1,0 +1,272 @@
+"""The engine end to end on a tiny real model (FP32, CPU).
+
+Parity claims and their tolerances. The rollout model holds its FP4 experts packed; the
+trainer's full-sequence forward (`CausalAttention`, no cache) runs either that same model or its
+QAT twin. Cached decode and full forward differ only in summation order (paged attention vs
+SDPA, GEMMs over different row counts), so in FP32 the logprobs agree to LOGPROB_ATOL and the
+greedy tokens are identical. Everything that only reorders work (prefix sharing, preemption,
+batch composition) must leave tokens and routing identical and logprobs within the same
+tolerance; FP4 records within `assert_close_records`. Where the trainer is guided by the
+rollout's records, codes and scales are compared bitwise.
+
+To extend to the QAT-parity check: take a `Completion` from any test here and compare
+`picked(trainer_logprobs(qat, c, replay=True, guidance=c.guidance), c)` with `c.raw_logprobs`
+(`test_trainer_with_replay_and_guidance_reproduces_the_rollout` does this in FP32).
+"""
+
+import pytest
+import torch
+from rollout_models import picked, rollout_model, tiny_precision, trainer_logprobs
+
+from fp4rl.fp4 import CompactCodes, NVFP4Tensor
+from fp4rl.fp4.reference import unpack_e2m1
+from fp4rl.rollout import Engine, EngineConfig, SamplingParams
+from fp4rl.rollout.records import capture_bytes_per_generated_token
+
+LOGPROB_ATOL = 1e-5  # FP32 model; observed ~1.5e-6
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [7] * 20, [3], [90, 12, 55, 4, 4, 4, 100]]
+
+
+def config(kv_format="bf16", **overrides):
+    fields = dict(
+        kv_format=kv_format,
+        block_size=4,
+        kv_memory_bytes=1 << 20,
+        max_model_len=64,
+        max_num_seqs=16,
+        max_num_batched_tokens=128,
+    )
+    return EngineConfig(**{**fields, **overrides})
+
+
+@pytest.fixture(scope="module")
+def models():
+    """(kv_format, experts) -> (packed rollout model, QAT trainer twin)."""
+    return {
+        key: rollout_model(*key)
+        for key in (("bf16", "bf16"), ("bf16", "nvfp4"), ("nvfp4", "nvfp4"))
+    }
+
+
+def same_codes_up_to_signed_zero(a: NVFP4Tensor, b: NVFP4Tensor) -> bool:
+    """Bitwise scales and codes, except that a zero code may differ in its sign bit: a trainer
+    value of the other sign than the rollout's tiny one rounds to +0 where the rollout had -0
+    (guided rounding keeps the local sign); both dequantize to zero."""
+    zero_as_plus = [unpack_e2m1(t.codes) for t in (a, b)]
+    zero_as_plus = [torch.where(c & 7 == 0, torch.zeros_like(c), c) for c in zero_as_plus]
+    return (
+        torch.equal(*zero_as_plus)
+        and torch.equal(a.block_scale.view(torch.uint8), b.block_scale.view(torch.uint8))
+        and torch.equal(a.global_scale.view(torch.int32), b.global_scale.view(torch.int32))
+    )
+
+
+def assert_same_outputs(a, b, *, capture=False):
+    assert [(c.prompt_index, c.sample_index) for c in a] == [
+        (c.prompt_index, c.sample_index) for c in b
+    ]
+    for x, y in zip(a, b, strict=True):
+        assert x.completion_ids == y.completion_ids and x.finish_reason == y.finish_reason
+        torch.testing.assert_close(x.logprobs, y.logprobs, rtol=0, atol=LOGPROB_ATOL)
+        if capture:
+            assert torch.equal(x.routing, y.routing)
+            assert x.guidance.keys() == y.guidance.keys()
+            for key in x.guidance:
+                assert_close_records(x.guidance[key], y.guidance[key])
+
+
+def assert_close_records(a: NVFP4Tensor, b: NVFP4Tensor) -> None:
+    """Two independent computations of one site under different batching: global scales move
+    by FP32 rounding (amax of values that differ in their last bits), so codes and block scales
+    may differ where a scaled value sits at a rounding boundary. Observed in FP32: no code or
+    block scale differs; global scales within 1.3e-6 relative."""
+    torch.testing.assert_close(a.global_scale, b.global_scale, rtol=1e-5, atol=0)
+    codes_a, codes_b = unpack_e2m1(a.codes), unpack_e2m1(b.codes)
+    assert (codes_a != codes_b).float().mean() <= 1e-3
+    assert (a.block_scale.float() != b.block_scale.float()).float().mean() <= 1e-3
+
+
+@pytest.mark.parametrize("kv, experts", [("bf16", "bf16"), ("bf16", "nvfp4"), ("nvfp4", "nvfp4")])
+def test_cached_decode_matches_full_sequence_forward(models, kv, experts):
+    packed, _ = models[(kv, experts)]
+    engine = Engine(packed, config(kv))
+    out = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24))
+    assert len(out) == len(PROMPTS)
+    for c in out:
+        full_NV = trainer_logprobs(packed, c)
+        assert list(c.completion_ids) == full_NV.argmax(-1).tolist()
+        torch.testing.assert_close(c.raw_logprobs, picked(full_NV, c), rtol=0, atol=LOGPROB_ATOL)
+        assert torch.equal(c.logprobs, c.raw_logprobs)  # greedy reports the raw logprob
+
+
+def test_trainer_with_replay_and_guidance_reproduces_the_rollout(models):
+    """The QAT twin, fed the rollout's routing and full guidance, recomputes every FP4 code the
+    rollout recorded (bitwise) and its logprobs (to LOGPROB_ATOL)."""
+    packed, qat = models[("nvfp4", "nvfp4")]
+    engine = Engine(packed, config("nvfp4", capture_routing=True, guidance="full"))
+    out = engine.generate(PROMPTS[:2], SamplingParams(n=2, max_tokens=16, seed=7))
+
+    class Recorder:
+        def __init__(self):
+            self.sites, self.routing = {}, {}
+
+        def record(self, layer, site, t):
+            self.sites[(layer, site)] = t
+
+        def record_routing(self, layer, ids):
+            self.routing[layer] = ids
+
+    for c in out:
+        rec = Recorder()
+        logprobs = picked(
+            trainer_logprobs(qat, c, replay=True, guidance=c.guidance, capture=rec), c
+        )
+        torch.testing.assert_close(logprobs, c.raw_logprobs, rtol=0, atol=LOGPROB_ATOL)
+        assert rec.sites.keys() == c.guidance.keys()
+        for key, t in c.guidance.items():
+            assert same_codes_up_to_signed_zero(rec.sites[key], t), key
+        for i, layer in enumerate(qat.moe_layers):
+            assert torch.equal(rec.routing[layer], c.routing[i])
+
+
+def test_prefix_sharing_leaves_outputs_unchanged(models):
+    packed, _ = models[("nvfp4", "nvfp4")]
+    sampling = SamplingParams(n=4, max_tokens=12, seed=3)
+    capture = dict(capture_routing=True, guidance="full")
+    shared_stats, alone_stats = {}, {}
+    shared = Engine(packed, config("nvfp4", **capture)).generate(
+        PROMPTS[:2], sampling, stats=shared_stats
+    )
+    # One seat: every sample waits for the previous one and prefills the prompt itself.
+    alone = Engine(packed, config("nvfp4", max_num_seqs=1, **capture)).generate(
+        PROMPTS[:2], sampling, stats=alone_stats
+    )
+    assert shared_stats["prefill_tokens"] == len(PROMPTS[0]) + len(PROMPTS[1])
+    assert alone_stats["prefill_tokens"] == 4 * (len(PROMPTS[0]) + len(PROMPTS[1]))
+    assert_same_outputs(shared, alone, capture=True)
+    assert len({c.completion_ids for c in shared}) == 8  # the samples do differ
+
+
+def test_preemption_leaves_outputs_unchanged(models):
+    packed, _ = models[("nvfp4", "nvfp4")]
+    sampling = SamplingParams(n=3, max_tokens=40, seed=5)
+    capture = dict(capture_routing=True, guidance="full")
+    roomy = Engine(packed, config("nvfp4", **capture)).generate(PROMPTS, sampling)
+    # 20 blocks of 4 tokens hold one 64-token sequence and little else: 12 sequences of up to
+    # ~60 tokens must take turns.
+    per_token = 2 * 2 * 2 * 16 * 4 + 2 * 2 * 2 * (8 + 1 + 4)  # 2 FP32 layers, 2 NVFP4 layers
+    tight_engine = Engine(packed, config("nvfp4", kv_memory_bytes=20 * 4 * per_token, **capture))
+    assert tight_engine.num_blocks == 20
+    stats = {}
+    tight = tight_engine.generate(PROMPTS, sampling, stats=stats)
+    assert stats["preemptions"] >= 5
+    assert_same_outputs(roomy, tight, capture=True)
+
+
+def test_seed_reproduces_regardless_of_batch_composition(models):
+    packed, _ = models[("bf16", "nvfp4")]
+    engine = Engine(packed, config())
+    sampling = SamplingParams(n=2, max_tokens=16, temperature=0.8, top_p=0.9, seed=11)
+    alone = engine.generate(PROMPTS[:1], sampling)
+    crowded = engine.generate(PROMPTS, sampling)
+    assert_same_outputs(alone, crowded[:2])
+    other_seed = engine.generate(PROMPTS[:1], SamplingParams(n=2, max_tokens=16, seed=12))
+    assert [c.completion_ids for c in other_seed] != [c.completion_ids for c in alone]
+
+
+@pytest.mark.parametrize("mode", ["full", "compact"])
+def test_capture_shapes_and_bytes(models, mode):
+    packed, _ = models[("nvfp4", "nvfp4")]
+    engine = Engine(packed, config("nvfp4", capture_routing=True, guidance=mode))
+    out = engine.generate(PROMPTS[:2], SamplingParams(n=2, max_tokens=10, seed=1))
+    H, I, k, Hkv, D = 64, 32, 2, 2, 16
+    # FP4 layers are 1 and 2; "compact" keeps the latter half: layer 2.
+    layers = (1, 2) if mode == "full" else (2,)
+    shapes = {"expert_input": (H,), "expert_hidden": (k, I), "k": (Hkv, D), "v": (Hkv, D)}
+    for c in out:
+        T = c.num_fed_tokens
+        assert c.routing.dtype == torch.int32 and c.routing.shape == (3, T, k)
+        assert c.routing.min() >= 0 and c.routing.max() < 8
+        assert set(c.guidance) == {(layer, site) for layer in layers for site in shapes}
+        for (_, site), r in c.guidance.items():
+            assert isinstance(r, NVFP4Tensor if mode == "full" else CompactCodes)
+            assert r.shape == (T, *shapes[site])
+    # Bytes per fed token and layer: values at 4 bits (full) or 1 bit (compact), one E4M3
+    # scale per 16 values, one FP32 global scale per row.
+    bits = 4 if mode == "full" else 1
+    rows = {"expert_input": (1, H), "expert_hidden": (k, I), "k": (Hkv, D), "v": (Hkv, D)}
+    per_layer = sum(n * (w * bits // 8 + w // 16 + 4) for n, w in rows.values())
+    assert per_layer == (136 if mode == "full" else 64)
+    for c in out:
+        assert c.guidance_nbytes() == per_layer * len(layers) * c.num_fed_tokens
+        assert c.routing_nbytes() == 4 * 3 * c.num_fed_tokens * k
+    report = capture_bytes_per_generated_token(out)
+    generated = sum(len(c.completion_ids) for c in out)
+    fed = sum(c.num_fed_tokens for c in out)
+    assert report["guidance"] == per_layer * len(layers) * fed / generated
+    print(
+        f"guidance={mode}: {report['guidance']:.1f} B/generated token, routing "
+        f"{report['routing']:.1f} B/generated token"
+    )
+
+
+def test_capture_is_off_by_default(models):
+    packed, _ = models[("nvfp4", "nvfp4")]
+    (c,) = Engine(packed, config("nvfp4")).generate(PROMPTS[:1], SamplingParams(max_tokens=3))
+    assert c.routing is None and c.guidance is None
+
+
+def test_stop_tokens_eos_and_lengths(models):
+    packed, _ = models[("bf16", "bf16")]
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    (free,) = Engine(packed, config()).generate(PROMPTS[:1], greedy)
+    assert free.finish_reason == "length" and len(free.completion_ids) == 6
+    third = free.completion_ids[2]
+    first_at = free.completion_ids.index(third)
+    stop = SamplingParams(temperature=0, max_tokens=6, stop_token_ids=(third,))
+    (c,) = Engine(packed, config()).generate(PROMPTS[:1], stop)
+    assert c.finish_reason == "stop" and c.completion_ids == free.completion_ids[: first_at + 1]
+    eos_engine = Engine(packed, config(), eos_token_ids=(third,))
+    (c,) = eos_engine.generate(PROMPTS[:1], greedy)
+    assert c.finish_reason == "stop" and c.completion_ids[-1] == third
+    ignoring = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    (c,) = eos_engine.generate(PROMPTS[:1], ignoring)
+    assert c.completion_ids == free.completion_ids
+    # max_model_len bounds prompt + completion.
+    (c,) = Engine(packed, config(max_model_len=14)).generate(PROMPTS[:1], greedy)
+    assert c.finish_reason == "length" and len(c.prompt_ids) + len(c.completion_ids) == 14
+
+
+def test_completion_records(models):
+    packed, _ = models[("bf16", "bf16")]
+    engine = Engine(packed, config())
+    engine.policy_version = 3
+    out = engine.generate(PROMPTS[:2], SamplingParams(n=2, max_tokens=5, seed=0))
+    assert [(c.prompt_index, c.sample_index) for c in out] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for c in out:
+        assert c.policy_version == 3 and c.prompt_ids == tuple(PROMPTS[c.prompt_index])
+        assert c.logprobs.dtype == torch.float32 and c.logprobs.shape == (5,)
+    (c,) = engine.generate(PROMPTS[:1], SamplingParams(max_tokens=2, return_logprobs=False))
+    assert c.logprobs is None and c.raw_logprobs is None
+
+
+@pytest.mark.parametrize(
+    "prompts, message",
+    [
+        ([[1, 2], []], "prompt 1 is empty"),
+        ([[5] * 64], "prompt 0 has 64 tokens; engine.max_model_len=64"),
+        ([[1], [2, 128]], r"prompt 1 has token id 128 outside the vocabulary \[0, 128\)"),
+        ([[-1]], "prompt 0 has token id -1"),
+    ],
+)
+def test_bad_prompts_raise(models, prompts, message):
+    packed, _ = models[("bf16", "bf16")]
+    with pytest.raises(ValueError, match=message):
+        Engine(packed, config()).generate(prompts, SamplingParams())
+
+
+def test_kv_format_must_match_the_precision_plan(models):
+    packed, _ = models[("nvfp4", "nvfp4")]
+    with pytest.raises(ValueError, match="engine.kv_format='bf16' disagrees"):
+        Engine(packed, config("bf16"))
+    assert tiny_precision("nvfp4").kv_cache == "nvfp4"

@@ -1,0 +1,119 @@
+"""Scheduler: admission limits, group splitting and forking, decode growth, preemption order."""
+
+import torch
+
+from fp4rl.rollout.block_manager import BlockManager
+from fp4rl.rollout.capture import SequenceCapture
+from fp4rl.rollout.config import EngineConfig, SamplingParams
+from fp4rl.rollout.scheduler import Group, Scheduler
+from fp4rl.rollout.sequence import Sequence
+
+
+def seqs(prompt_len, n=1, first_id=0):
+    return [
+        Sequence(
+            seq_id=first_id + j,
+            prompt_index=first_id,
+            sample_index=j,
+            prompt_ids=list(range(prompt_len)),
+            params=SamplingParams(),
+            generator=torch.Generator(),
+            stop_ids=frozenset(),
+            capture=SequenceCapture(),
+        )
+        for j in range(n)
+    ]
+
+
+def scheduler(num_blocks, block_size=4, **config):
+    config = {"max_model_len": 32, "max_num_batched_tokens": 64, "max_num_seqs": 8, **config}
+    return Scheduler(
+        EngineConfig(block_size=block_size, **config), BlockManager(num_blocks, block_size)
+    )
+
+
+def run_step(sched):
+    """Schedule, pretend the forward ran, and append one token to every scheduled sequence."""
+    step = sched.schedule()
+    sched.commit(step)
+    for s in [s for g in step.prefills for s in g.seqs] + step.decodes:
+        s.append(1, 0.0, 0.0, max_model_len=10_000)
+    return step
+
+
+def test_group_prefills_once_and_forks_share_complete_blocks():
+    sched = scheduler(num_blocks=16)
+    group = seqs(prompt_len=10, n=3)
+    sched.add(Group(group))
+    step = run_step(sched)
+    assert len(step.prefills) == 1 and step.prefills[0].seqs == group
+    assert step.num_tokens == 10  # the prompt is fed once for three samples
+    leader = group[0]
+    assert [s.block_table[:2] for s in group] == [leader.block_table[:2]] * 3
+    assert len({s.block_table[2] for s in group}) == 3
+    assert step.block_copies == [(leader.block_table[2], s.block_table[2]) for s in group[1:]]
+    assert sched.blocks.num_free_blocks == 16 - 3 - 2
+    assert all(s.num_cached == 10 for s in group)
+    # Next step: three one-token decodes, no new blocks (position 10 is in block 2).
+    step = run_step(sched)
+    assert step.decodes == group and step.num_tokens == 3
+    assert sched.blocks.num_free_blocks == 11
+
+
+def test_admission_respects_seq_limit_token_budget_and_order():
+    sched = scheduler(num_blocks=64, max_num_seqs=3, max_num_batched_tokens=40, max_model_len=32)
+    a, b, c = seqs(20, n=2, first_id=0), seqs(15, first_id=10), seqs(5, first_id=20)
+    for g in (a, b, c):
+        sched.add(Group(g))
+    step = run_step(sched)
+    # a (2 samples, 20 tokens) fits; b (15 more) fits the 40-token budget; c does not fit the
+    # 3-sequence limit and is not allowed to jump the queue.
+    assert [g.seqs for g in step.prefills] == [a, b]
+    step = run_step(sched)
+    assert step.prefills == [] and step.decodes == a + b
+
+
+def test_a_group_larger_than_the_free_seats_is_split():
+    sched = scheduler(num_blocks=64, max_num_seqs=2)
+    group = seqs(6, n=5)
+    sched.add(Group(group))
+    step = run_step(sched)
+    assert step.prefills[0].seqs == group[:2]
+    assert sched.waiting[0].seqs == group[2:]
+    for s in group[:2]:  # finish them to free the seats
+        sched.finish(s)
+    step = run_step(sched)
+    assert step.prefills[0].seqs == group[2:4]  # recomputed prefix: a new leader
+
+
+def test_preemption_takes_the_newest_and_requeues_it_first():
+    # 4 blocks of 4 tokens. Two sequences of 8 tokens use 2 blocks each; the first decode
+    # needs a third block for position 8, so the newest sequence is preempted.
+    sched = scheduler(num_blocks=4, max_model_len=16, max_num_batched_tokens=32)
+    old, new = seqs(8, first_id=0)[0], seqs(8, first_id=1)[0]
+    sched.add(Group([old]))
+    sched.add(Group([new]))
+    run_step(sched)
+    assert sched.running == [old, new] and sched.blocks.num_free_blocks == 0
+    new.capture.pieces.append("stale")
+    step = run_step(sched)
+    assert step.num_preempted == 1 and step.decodes == [old] and step.prefills == []
+    assert sched.running == [old] and sched.waiting[0].seqs == [new]
+    assert new.block_table == [] and new.num_cached == 0 and new.capture.pieces == []
+    # The preempted sequence keeps its sampled token; it is recomputed with it later.
+    assert new.completion_ids == [1] and new.num_tokens == 9
+    sched.finish(old)
+    step = run_step(sched)
+    assert step.prefills[0].seqs == [new] and step.num_tokens == 9
+
+
+def test_a_sequence_can_preempt_itself_when_it_is_the_newest():
+    sched = scheduler(num_blocks=3, max_model_len=12, max_num_batched_tokens=32)
+    old, new = seqs(4, first_id=0)[0], seqs(7, first_id=1)[0]
+    sched.add(Group([old]))
+    sched.add(Group([new]))
+    run_step(sched)  # old: 1 block, new: 2 blocks, none free
+    old.completion_ids += [1, 1, 1]  # old reaches 8 tokens: its next position needs a block
+    step = sched.schedule()
+    assert step.num_preempted == 1 and sched.running == [old]
+    assert step.decodes == [old] and sched.waiting[0].seqs == [new]
