@@ -119,17 +119,31 @@ class PackedExperts(QatExperts):
         self.w2_packed: NVFP4Tensor | None = None
 
     @torch.no_grad()
-    def load_bf16(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        """Quantize BF16 expert weights (W1/W3 sharing one global scale per expert)."""
-        shapes = {"w13": (self.num_experts, 2 * self.intermediate), "w2": (self.num_experts,)}
-        for name, w in (("w13", w13), ("w2", w2)):
-            if tuple(w.shape[: len(shapes[name])]) != shapes[name]:
+    def quantized(self, w13: torch.Tensor, w2: torch.Tensor) -> tuple[NVFP4Tensor, NVFP4Tensor]:
+        """Quantize BF16 ``w13 [E, 2I, H]`` and ``w2 [E, H, I]``, one global scale per expert
+        for W1+W3 together and one for W2. Nothing is stored (see `install`)."""
+        E, I = self.num_experts, self.intermediate
+        for name, w, lead in (("w13", w13, (E, 2 * I)), ("w2", w2, (E,))):
+            if tuple(w.shape[: len(lead)]) != lead:
                 raise ValueError(
                     f"layers.{self.layer}.mlp.experts.{name}: got shape {tuple(w.shape)}"
                 )
-        self.compute_dtype = w13.dtype
-        self.w13_packed = quantize(w13.contiguous(), scaling=2)
-        self.w2_packed = quantize(w2.contiguous(), scaling=2)
+        return quantize(w13.contiguous(), scaling=2), quantize(w2.contiguous(), scaling=2)
+
+    @torch.no_grad()
+    def install(self, w13: NVFP4Tensor, w2: NVFP4Tensor, dtype: torch.dtype) -> None:
+        """Hold the packed weights; on a refit, copy into the storage already held, so that
+        anything captured against it (CUDA graphs) stays valid."""
+        if self.w13_packed is None or self.w13_packed.shape != w13.shape:
+            self.w13_packed, self.w2_packed = w13, w2
+        else:
+            for old, new in zip(
+                (*self.w13_packed.tensors(), *self.w2_packed.tensors()),
+                (*w13.tensors(), *w2.tensors()),
+                strict=True,
+            ):
+                old.copy_(new)
+        self.compute_dtype = dtype
 
     def weights(self):
         if self.w13_packed is None or self.w2_packed is None:
