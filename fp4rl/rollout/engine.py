@@ -20,10 +20,13 @@ from dataclasses import dataclass
 
 import torch
 
+from fp4rl.model.precision import PrecisionConfig
+from fp4rl.model.weights import load_pretrained
 from fp4rl.rollout.attention import AttentionMetadata, PagedAttention, Segment
 from fp4rl.rollout.block_manager import BlockManager
 from fp4rl.rollout.capture import SequenceCapture, StepCapture, kept_layers
 from fp4rl.rollout.config import EngineConfig, SamplingParams
+from fp4rl.rollout.generation_config import eos_token_ids
 from fp4rl.rollout.kv_cache import KVCache, KVCacheSpec, num_blocks_for_budget
 from fp4rl.rollout.records import Completion
 from fp4rl.rollout.sampler import make_generator, sample
@@ -81,6 +84,23 @@ class Engine:
             config.guidance, self.layout.fp4_layers, config.compact_fraction
         )
         self.policy_version = 0  # the refit bumps it with every weight update
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path,
+        config: EngineConfig,
+        *,
+        precision: PrecisionConfig | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+    ) -> Engine:
+        """An engine over a local HF checkpoint: FP4 experts quantized from the weights cast
+        to ``dtype`` and held packed, EOS ids from the checkpoint. ``precision`` is the model's
+        `PrecisionConfig` (default: the defaults with ``kv_cache=config.kv_format``)."""
+        precision = precision or PrecisionConfig(kv_cache=config.kv_format)
+        model = load_pretrained(path, precision, fp4_experts="packed", dtype=dtype, device=device)
+        return cls(model, config, eos_token_ids=eos_token_ids(path))
 
     def generate(
         self,
@@ -164,6 +184,7 @@ class Engine:
 
         # Every sequence of a group samples from its leader's row with its own generator.
         seqs = [s for _, group in fed for s in group]
+        _check_logits(logits_SV, [group for _, group in fed])
         rows = torch.tensor([i for i, (_, group) in enumerate(fed) for _ in group], device=device)
         out = sample(logits_SV[rows], [s.params for s in seqs], [s.generator for s in seqs])
         if capture is not None:
@@ -221,3 +242,16 @@ class Engine:
                     raise ValueError(
                         f"prompt {i} has token id {token!r} outside the vocabulary [0, {vocab})"
                     )
+
+
+def _check_logits(logits_SV: torch.Tensor, groups: list[list[Sequence]]) -> None:
+    """Refuse to sample from NaN, +inf or all -inf logits: any token drawn from them would be
+    a plausible-looking lie in the training data."""
+    bad_S = logits_SV.isnan().any(-1) | logits_SV.isposinf().any(-1) | logits_SV.isneginf().all(-1)
+    if bad_S.any():
+        names = [
+            f"prompt {s.prompt_index} sample {s.sample_index}"
+            for i in bad_S.nonzero().flatten().tolist()
+            for s in groups[i]
+        ]
+        raise RuntimeError(f"non-finite logits for {', '.join(names)}; generation stopped")

@@ -15,6 +15,7 @@ from fp4rl.model.attention import CausalAttention
 from fp4rl.model.config import ModelConfig
 from fp4rl.model.precision import PrecisionConfig
 from fp4rl.model.transformer import build_model, init_weights
+from fp4rl.model.weights import load_weights
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -62,16 +63,7 @@ def packed_twin(qat, precision: PrecisionConfig):
     """The rollout's model with ``qat``'s weights: FP4 experts quantized once, at load."""
     dtype = qat.embed_tokens.weight.dtype
     packed = build_model(qat.config, precision, fp4_experts="packed", dtype=dtype)
-    state = qat.state_dict()
-    fp4 = qat.plan.fp4_layers
-    expert_keys = {f"layers.{i}.mlp.experts.{w}" for i in fp4 for w in ("w13", "w2")}
-    missing, unexpected = packed.load_state_dict(
-        {k: v for k, v in state.items() if k not in expert_keys}, strict=False
-    )
-    assert not missing and not unexpected, (missing, unexpected)
-    for i in fp4:
-        experts = qat.layers[i].mlp.experts
-        packed.layers[i].mlp.experts.load_bf16(experts.w13.detach(), experts.w2.detach())
+    load_weights(packed, qat.state_dict())
     return packed.eval()
 
 

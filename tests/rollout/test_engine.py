@@ -270,3 +270,27 @@ def test_kv_format_must_match_the_precision_plan(models):
     with pytest.raises(ValueError, match="engine.kv_format='bf16' disagrees"):
         Engine(packed, config("bf16"))
     assert tiny_precision("nvfp4").kv_cache == "nvfp4"
+
+
+def test_non_finite_logits_stop_generation(models):
+    packed, _ = models[("bf16", "bf16")]
+
+    class Poisoned:
+        """The model, with NaN logits once a sequence is longer than 3 tokens."""
+
+        def __init__(self, model):
+            self.model = model
+            self.config, self.plan, self.moe_layers = model.config, model.plan, model.moe_layers
+            self.embed_tokens = model.embed_tokens
+
+        def hidden_states(self, tokens_T, attn, **kwargs):
+            self.long = bool((attn.positions >= 3).any())
+            return self.model.hidden_states(tokens_T, attn, **kwargs)
+
+        def logits(self, h_NH):
+            out = self.model.logits(h_NH)
+            return out.fill_(float("nan")) if self.long else out
+
+    engine = Engine(Poisoned(packed), config())
+    with pytest.raises(RuntimeError, match="non-finite logits for prompt 0 sample 0"):
+        engine.generate([[1, 2]], SamplingParams(max_tokens=5))
