@@ -72,13 +72,25 @@ class Piece:
 class StepCapture:
     """The `fp4rl.model.sites.Capture` of one forward; keeps only what the engine asked for."""
 
-    def __init__(self, *, routing: bool, guidance: str | None, guided_layers: frozenset[int]):
-        self.keep_routing, self.guidance, self.guided_layers = routing, guidance, guided_layers
+    def __init__(
+        self,
+        *,
+        routing: bool,
+        guidance: str | None,
+        guided_layers: frozenset[int],
+        guided_sites: tuple[str, ...],
+    ) -> None:
+        self.keep_routing, self.guidance = routing, guidance
+        # Records the trainer would not follow (a site outside the precision plan's guided
+        # sites, a layer compact mode drops) are not kept at all.
+        self.guided_layers, self.guided_sites = guided_layers, guided_sites
         self.routing: dict[int, torch.Tensor] = {}
         self.sites: dict[SiteKey, SiteRecord] = {}
 
     def record(self, layer: int, site: str, t: NVFP4Tensor) -> None:
         if self.guidance is None or layer not in self.guided_layers:
+            return
+        if site not in self.guided_sites:
             return
         # Compact the whole step at once: one pass instead of one per sequence.
         self.sites[(layer, site)] = compact(t) if self.guidance == "compact" else t

@@ -16,7 +16,6 @@ FP4 layers) and ``moe_layers`` (the order of the routing record).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 
@@ -27,50 +26,12 @@ from fp4rl.rollout.block_manager import BlockManager
 from fp4rl.rollout.capture import SequenceCapture, StepCapture, kept_layers
 from fp4rl.rollout.config import EngineConfig, SamplingParams
 from fp4rl.rollout.generation_config import eos_token_ids
-from fp4rl.rollout.kv_cache import KVCache, KVCacheSpec, num_blocks_for_budget
+from fp4rl.rollout.kv_cache import KVCache, num_blocks_for_budget
+from fp4rl.rollout.model_layout import ModelLayout
 from fp4rl.rollout.records import Completion
 from fp4rl.rollout.sampler import make_generator, sample
 from fp4rl.rollout.scheduler import Group, Scheduler, Step
 from fp4rl.rollout.sequence import Sequence
-
-
-@dataclass(frozen=True, slots=True)
-class ModelLayout:
-    """The few facts about the model the engine depends on, read in one place."""
-
-    vocab_size: int
-    top_k: int
-    moe_layers: tuple[int, ...]
-    fp4_layers: tuple[int, ...]
-    kv: KVCacheSpec
-    device: torch.device
-
-    @staticmethod
-    def of(model, kv_format: str) -> ModelLayout:
-        c, plan = model.config, model.plan
-        planned = tuple(p.kv_cache for p in plan.layers)
-        # The trainer fake-quantizes K/V exactly where the plan says; a rollout that disagrees
-        # would attend over other values than the trainer replays.
-        if (kv_format == "nvfp4") != ("nvfp4" in planned):
-            raise ValueError(
-                f"engine.kv_format={kv_format!r} disagrees with the model's precision plan "
-                f"(per-layer KV formats {planned}); build the model with "
-                f"precision.kv_cache={kv_format!r}"
-            )
-        weight = model.embed_tokens.weight
-        return ModelLayout(
-            vocab_size=c.vocab_size,
-            top_k=c.num_experts_per_tok,
-            moe_layers=tuple(model.moe_layers),
-            fp4_layers=tuple(plan.fp4_layers),
-            kv=KVCacheSpec(
-                layer_formats=planned,
-                num_kv_heads=c.num_key_value_heads,
-                head_dim=c.head_dim,
-                dtype=weight.dtype,
-            ),
-            device=weight.device,
-        )
 
 
 class Engine:
@@ -160,7 +121,7 @@ class Engine:
         fed = [(g.seqs[0], g.seqs) for g in step.prefills] + [(s, [s]) for s in step.decodes]
         segments, tokens, ranges = [], [], []
         for seq, _ in fed:
-            new = seq.tokens()[seq.num_cached :]
+            new = seq.tokens_from(seq.num_cached)
             segments.append(Segment(list(seq.block_table), seq.num_cached, len(new)))
             ranges.append((len(tokens), len(tokens) + len(new)))
             tokens += new
@@ -172,6 +133,7 @@ class Engine:
                 routing=self.config.capture_routing,
                 guidance=self.config.guidance,
                 guided_layers=self.guided_layers,
+                guided_sites=self.layout.guided_sites,
             )
         tokens_T = torch.tensor(tokens, dtype=torch.long, device=device)
         h_TH = self.model.hidden_states(

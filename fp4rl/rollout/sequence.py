@@ -40,6 +40,13 @@ class Sequence:
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.completion_ids
 
+    def tokens_from(self, start: int) -> list[int]:
+        """``tokens()[start:]`` without copying the whole sequence (a decode needs one)."""
+        P = len(self.prompt_ids)
+        if start >= P:
+            return self.completion_ids[start - P :]
+        return self.prompt_ids[start:] + self.completion_ids
+
     def append(self, token: int, logprob: float, raw_logprob: float, max_model_len: int) -> bool:
         """Record a sampled token; return True when the sequence is finished."""
         self.completion_ids.append(token)

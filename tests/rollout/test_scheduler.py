@@ -117,3 +117,14 @@ def test_a_sequence_can_preempt_itself_when_it_is_the_newest():
     step = sched.schedule()
     assert step.num_preempted == 1 and sched.running == [old]
     assert step.decodes == [old] and sched.waiting[0].seqs == [new]
+
+
+def test_free_blocks_limit_how_many_samples_of_a_group_fork():
+    # 10-token prompt: the leader takes 3 blocks, each fork 1 (its partial block); with 5 free
+    # blocks, 3 samples fit and the fourth waits.
+    sched = scheduler(num_blocks=5)
+    group = seqs(10, n=4)
+    sched.add(Group(group))
+    step = sched.schedule()
+    assert step.prefills[0].seqs == group[:3] and sched.waiting[0].seqs == group[3:]
+    assert sched.blocks.num_free_blocks == 0
