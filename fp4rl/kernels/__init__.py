@@ -1,0 +1,55 @@
+"""Triton kernels that reproduce `fp4rl.fp4.reference` and `fp4rl.fp4.rounding` bit for bit.
+
+`fp4rl.fp4.ops` sends CUDA tensors here; the signatures mirror the reference. Each kernel file
+holds one `@triton.jit` kernel and its checked `launch`, which also takes a `TileConfig` from
+`launch.CONFIGS` for benchmarking variants. With TRITON_INTERPRET=1 set before this package is
+imported, the same kernels run on CPU tensors (slowly): that is how CI checks them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp4rl.fp4.reference import Scaling
+from fp4rl.fp4.rounding import CompactCodes
+from fp4rl.fp4.tensor import NVFP4Tensor
+from fp4rl.kernels import dequant, guided, nearest
+
+__all__ = ["dequantize", "fake_quantize", "quantize", "round_guided_compact", "round_guided_full"]
+
+
+def quantize(
+    x: torch.Tensor, *, scaling: Scaling = "tensor", global_scale: torch.Tensor | None = None
+) -> NVFP4Tensor:
+    """`reference.quantize`: round-to-nearest NVFP4."""
+    return nearest.launch(x, scaling=scaling, global_scale=global_scale, fake=False)
+
+
+def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`reference.dequantize`."""
+    return dequant.launch(t, dtype)
+
+
+def round_guided_full(x: torch.Tensor, rollout: NVFP4Tensor) -> NVFP4Tensor:
+    """`rounding.round_guided_full`: the rollout's scales, rounding toward its codes."""
+    return guided.launch(x, rollout, fake=False)
+
+
+def round_guided_compact(x: torch.Tensor, guidance: CompactCodes) -> NVFP4Tensor:
+    """`rounding.round_guided_compact`: the rollout's scales, picking by its mantissa bits."""
+    return guided.launch(x, guidance, fake=False)
+
+
+def fake_quantize(
+    x: torch.Tensor,
+    *,
+    scaling: Scaling = "row",
+    global_scale: torch.Tensor | None = None,
+    guidance: NVFP4Tensor | CompactCodes | None = None,
+) -> torch.Tensor:
+    """``reference.dequantize(q, x.dtype)`` in one pass over x, where q is the nearest
+    quantization of x or, given ``guidance``, its guided one (which, as in `fp4rl.fp4.ops`,
+    uses the rollout's scales and ignores ``scaling`` and ``global_scale``)."""
+    if guidance is None:
+        return nearest.launch(x, scaling=scaling, global_scale=global_scale, fake=True)
+    return guided.launch(x, guidance, fake=True)

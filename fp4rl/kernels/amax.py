@@ -1,0 +1,70 @@
+"""Group amax of ``[R, K]`` rows: the first of the two passes of per-tensor / per-group quantize.
+
+Each program max-reduces the |x| bits of its rows and folds them into its groups' int32 slots
+with `atomic_max`. Max is order-free, so the result is deterministic; as bits of non-negative
+floats it is exact and keeps NaN and inf (above every finite value), which the quantize kernel
+turns into a poisoned (NaN) global scale. Per-row scaling never comes here: its amax is fused
+into the quantize kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fp4rl.kernels.launch import CONFIGS, LAUNCH_OPTIONS, TileConfig, device_of
+from fp4rl.kernels.numerics import abs_bits, upcast_exact
+
+
+@triton.jit
+def _group_amax_kernel(
+    x_RK, amax_bits_G, R, K, rows_per_group, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    rows_R = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok_R = rows_R < R
+    amax_bits_R = tl.zeros([BLOCK_R], tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        cols_C = k0 + tl.arange(0, BLOCK_K)
+        offsets = rows_R.to(tl.int64)[:, None] * K + cols_C[None, :]
+        mask = row_ok_R[:, None] & (cols_C < K)[None, :]
+        x_RC = upcast_exact(tl.load(x_RK + offsets, mask=mask, other=0.0))
+        amax_bits_R = tl.maximum(amax_bits_R, tl.max(abs_bits(x_RC), axis=1))
+    # One atomic per program when all its rows share a group (per-tensor, large groups).
+    first_group = (tl.program_id(0) * BLOCK_R) // rows_per_group
+    last_group = (tl.minimum(tl.program_id(0) * BLOCK_R + BLOCK_R, R) - 1) // rows_per_group
+    if first_group == last_group:
+        tl.atomic_max(amax_bits_G + first_group, tl.max(amax_bits_R, axis=0), sem="relaxed")
+    else:
+        tl.atomic_max(
+            amax_bits_G + rows_R // rows_per_group, amax_bits_R, mask=row_ok_R, sem="relaxed"
+        )
+
+
+def group_amax_bits(
+    x_RK: torch.Tensor, rows_per_group: int, config: TileConfig = CONFIGS["default"]
+) -> torch.Tensor:
+    """int32 bits of ``max |x|`` over each group of ``rows_per_group`` rows, shape ``[G]``.
+
+    x_RK must be a contiguous 2-D float tensor (the callers check x itself).
+    """
+    if x_RK.dim() != 2 or not x_RK.is_contiguous():
+        raise ValueError(f"x_RK must be contiguous 2-D; got shape {tuple(x_RK.shape)}")
+    num_rows, k = x_RK.shape
+    if rows_per_group < 1 or num_rows % rows_per_group:
+        raise ValueError(f"rows_per_group={rows_per_group} does not divide R={num_rows}")
+    amax_bits_G = torch.zeros(num_rows // rows_per_group, dtype=torch.int32, device=x_RK.device)
+    block_r, block_k = config.shape(num_rows, k)
+    with device_of(x_RK):
+        _group_amax_kernel[(triton.cdiv(num_rows, block_r),)](
+            x_RK,
+            amax_bits_G,
+            num_rows,
+            k,
+            rows_per_group,
+            BLOCK_R=block_r,
+            BLOCK_K=block_k,
+            num_warps=config.num_warps,
+            **LAUNCH_OPTIONS,
+        )
+    return amax_bits_G

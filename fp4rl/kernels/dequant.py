@@ -1,0 +1,92 @@
+"""NVFP4 -> float: `reference.dequantize` as one memory-bound kernel.
+
+``value = e2m1_value(code) * f32(block_scale) * global_scale`` in FP32, left to right, then cast
+to the output dtype as torch casts (nearest even; NaN as torch writes it).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fp4rl.fp4.reference import SUPPORTED_DTYPES
+from fp4rl.fp4.tensor import NVFP4Tensor
+from fp4rl.kernels.launch import (
+    CONFIGS,
+    LAUNCH_OPTIONS,
+    TileConfig,
+    check_contiguous,
+    check_device,
+    check_kernel_device,
+    device_of,
+    scale_per_group,
+)
+from fp4rl.kernels.numerics import dequantize_values, e4m3_value
+from fp4rl.kernels.tiles import load_block_scale_bytes, load_code_pairs, store_values
+
+
+@triton.jit
+def _dequantize_kernel(
+    codes_RK2,
+    block_scale_RKB,
+    scale_G,
+    out_RK,
+    R,
+    K,
+    rows_per_group,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rows_R = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok_R = rows_R < R
+    s_R11 = tl.load(scale_G + rows_R // rows_per_group, mask=row_ok_R, other=0.0)[:, None, None]
+    for k0 in range(0, K, BLOCK_K):
+        code_even, code_odd = load_code_pairs(codes_RK2, rows_R, row_ok_R, k0, K, BLOCK_R, BLOCK_K)
+        block_byte = load_block_scale_bytes(block_scale_RKB, rows_R, row_ok_R, k0, K, BLOCK_K)
+        sf = e4m3_value(block_byte)[:, :, None]
+        store_values(
+            out_RK,
+            rows_R,
+            row_ok_R,
+            k0,
+            K,
+            dequantize_values(code_even, sf, s_R11),
+            dequantize_values(code_odd, sf, s_R11),
+            BLOCK_R,
+            BLOCK_K,
+        )
+
+
+def launch(
+    t: NVFP4Tensor, dtype: torch.dtype = torch.float32, *, config: TileConfig = CONFIGS["default"]
+) -> torch.Tensor:
+    """``reference.dequantize(t, dtype)``: the values of ``t`` as a ``[..., K]`` tensor."""
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"dequantize returns bfloat16, float16 or float32; got dtype={dtype}")
+    check_kernel_device("codes", t.codes)
+    check_device("block_scale", t.block_scale, t.device)
+    check_device("global_scale", t.global_scale, t.device)
+    check_contiguous("codes", t.codes)
+    check_contiguous("block_scale", t.block_scale)
+    k = t.shape[-1]
+    out = torch.empty(t.shape, dtype=dtype, device=t.device)
+    num_rows = out.numel() // k
+    if num_rows:
+        scale_G, group_rows = scale_per_group("global_scale", t.global_scale, t.shape)
+        block_r, block_k = config.shape(num_rows, k)
+        with device_of(out):
+            _dequantize_kernel[(triton.cdiv(num_rows, block_r),)](
+                t.codes,
+                t.block_scale.view(torch.uint8),
+                scale_G,
+                out,
+                num_rows,
+                k,
+                group_rows,
+                BLOCK_R=block_r,
+                BLOCK_K=block_k,
+                num_warps=config.num_warps,
+                **LAUNCH_OPTIONS,
+            )
+    return out

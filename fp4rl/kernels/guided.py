@@ -1,0 +1,192 @@
+"""Rollout-guided rounding (`rounding.round_guided_full` / `round_guided_compact`) in one pass.
+
+The kernel scales x by the rollout's block and global scales exactly as the nearest-rounding
+kernel does, then picks each code from its bracket by the rollout's code (full) or mantissa bit
+(COMPACT). Blocks of x holding inf/NaN get block scale NaN (0x7F) and zero codes. With FAKE it
+stores the dequantized values in x's dtype instead: the trainer's guided fake-quant forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fp4rl.fp4.format import BLOCK_SIZE
+from fp4rl.fp4.rounding import CompactCodes
+from fp4rl.fp4.tensor import NVFP4Tensor
+from fp4rl.kernels.launch import (
+    CONFIGS,
+    LAUNCH_OPTIONS,
+    TileConfig,
+    check_contiguous,
+    check_device,
+    check_x,
+    device_of,
+    scale_per_group,
+)
+from fp4rl.kernels.numerics import (
+    abs_bits,
+    block_reciprocal,
+    dequantize_values,
+    e2m1_guided,
+    e4m3_value,
+    is_nonfinite,
+)
+from fp4rl.kernels.tiles import (
+    load_bit_pairs,
+    load_block_scale_bytes,
+    load_code_pairs,
+    load_pairs,
+    store_codes,
+    store_values,
+)
+
+
+@triton.jit
+def _guided_kernel(
+    x_RK,
+    guide_RKG,
+    rollout_scale_RKB,
+    scale_G,
+    codes_RK2,
+    block_scale_RKB,
+    fake_RK,
+    R,
+    K,
+    rows_per_group,
+    COMPACT: tl.constexpr,
+    FAKE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rows_R = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok_R = rows_R < R
+    s_R = tl.load(scale_G + rows_R // rows_per_group, mask=row_ok_R, other=0.0)
+    for k0 in range(0, K, BLOCK_K):
+        x_even, x_odd = load_pairs(x_RK, rows_R, row_ok_R, k0, K, BLOCK_R, BLOCK_K)
+        block_amax_bits = tl.max(tl.maximum(abs_bits(x_even), abs_bits(x_odd)), axis=2)
+        rollout_byte = load_block_scale_bytes(rollout_scale_RKB, rows_R, row_ok_R, k0, K, BLOCK_K)
+        block_byte = tl.where(is_nonfinite(block_amax_bits), 0x7F, rollout_byte)
+        block_scale = e4m3_value(block_byte)
+        live, recip = block_reciprocal(block_scale, s_R[:, None])
+        if COMPACT:
+            guide_even, guide_odd = load_bit_pairs(
+                guide_RKG, rows_R, row_ok_R, k0, K, BLOCK_R, BLOCK_K
+            )
+        else:
+            guide_even, guide_odd = load_code_pairs(
+                guide_RKG, rows_R, row_ok_R, k0, K, BLOCK_R, BLOCK_K
+            )
+        live3, recip3 = live[:, :, None], recip[:, :, None]
+        code_even = tl.where(live3, e2m1_guided(x_even * recip3, guide_even, COMPACT), 0)
+        code_odd = tl.where(live3, e2m1_guided(x_odd * recip3, guide_odd, COMPACT), 0)
+        if FAKE:
+            sf, s_R11 = block_scale[:, :, None], s_R[:, None, None]
+            store_values(
+                fake_RK,
+                rows_R,
+                row_ok_R,
+                k0,
+                K,
+                dequantize_values(code_even, sf, s_R11),
+                dequantize_values(code_odd, sf, s_R11),
+                BLOCK_R,
+                BLOCK_K,
+            )
+        else:
+            store_codes(
+                codes_RK2,
+                block_scale_RKB,
+                rows_R,
+                row_ok_R,
+                k0,
+                K,
+                code_even,
+                code_odd,
+                block_byte,
+                BLOCK_R,
+                BLOCK_K,
+            )
+
+
+def launch(
+    x: torch.Tensor,
+    guidance: NVFP4Tensor | CompactCodes,
+    *,
+    fake: bool,
+    config: TileConfig = CONFIGS["default"],
+) -> NVFP4Tensor | torch.Tensor:
+    """Guided quantization of ``x [..., K]`` with the rollout's scales (and codes or mantissa
+    bits); with ``fake``, ``reference.dequantize`` of that result in x's dtype instead."""
+    check_x(x)
+    compact = isinstance(guidance, CompactCodes)
+    if compact:
+        guide, what = guidance.mantissa_bits, "compact guidance"
+    elif isinstance(guidance, NVFP4Tensor):
+        guide, what = guidance.codes, "rollout codes"
+    else:
+        raise TypeError(f"guidance must be NVFP4Tensor or CompactCodes, got {type(guidance)}")
+    if guidance.shape != x.shape:
+        raise ValueError(f"{what} of shape {tuple(guidance.shape)} for x {tuple(x.shape)}")
+    k = x.shape[-1]
+    blocks_shape = (*x.shape[:-1], k // BLOCK_SIZE)
+    if guidance.block_scale.shape != blocks_shape:
+        raise ValueError(
+            f"guidance block_scale {tuple(guidance.block_scale.shape)} does not match x "
+            f"{tuple(x.shape)} (expected {blocks_shape})"
+        )
+    if guidance.block_scale.dtype != torch.float8_e4m3fn or guide.dtype != torch.uint8:
+        raise TypeError(
+            f"guidance must hold uint8 codes and float8_e4m3fn block scales; got "
+            f"{guide.dtype} and {guidance.block_scale.dtype}"
+        )
+    if guidance.global_scale.dtype != torch.float32:
+        raise TypeError(f"guidance global_scale must be float32, got {guidance.global_scale.dtype}")
+    for name, t in (
+        ("guidance codes", guide),
+        ("guidance block_scale", guidance.block_scale),
+        ("guidance global_scale", guidance.global_scale),
+    ):
+        check_device(name, t, x.device)
+    check_contiguous("guidance codes", guide)
+    check_contiguous("guidance block_scale", guidance.block_scale)
+    scale_G, group_rows = scale_per_group("guidance global_scale", guidance.global_scale, x.shape)
+
+    x_RK = x.view(-1, k)
+    num_rows = x_RK.shape[0]
+    if fake:  # the codes and scales are never stored: any pointer will do for them
+        fake_RK = torch.empty_like(x_RK)
+        codes = block_scale = fake_RK
+    else:
+        fake_RK = x_RK  # never stored
+        codes = torch.empty((*x.shape[:-1], k // 2), dtype=torch.uint8, device=x.device)
+        block_scale = torch.empty(blocks_shape, dtype=torch.uint8, device=x.device)
+    if num_rows:
+        block_r, block_k = config.shape(num_rows, k)
+        with device_of(x):
+            _guided_kernel[(triton.cdiv(num_rows, block_r),)](
+                x_RK,
+                guide,
+                guidance.block_scale.view(torch.uint8),
+                scale_G,
+                codes,
+                block_scale,
+                fake_RK,
+                num_rows,
+                k,
+                group_rows,
+                COMPACT=compact,
+                FAKE=fake,
+                BLOCK_R=block_r,
+                BLOCK_K=block_k,
+                num_warps=config.num_warps,
+                **LAUNCH_OPTIONS,
+            )
+    if fake:
+        return fake_RK.view(x.shape)
+    return NVFP4Tensor(
+        codes=codes,
+        block_scale=block_scale.view(torch.float8_e4m3fn),
+        global_scale=guidance.global_scale,
+    )

@@ -1,0 +1,113 @@
+"""Host-side helpers the launchers share: tile configs, input checks, the ``[R, K]`` row view.
+
+Every kernel sees its input as ``R = numel / K`` rows of K values; a scaling group is
+``rows_per_group`` consecutive rows (per-row: 1, per-tensor: R, per-expert ``[E, N, K]``: N).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from fp4rl.fp4 import reference
+
+
+@dataclass(frozen=True, slots=True)
+class TileConfig:
+    """Work of one program per step: ``block_k`` columns (a power of two >= 16) of enough rows
+    to make ``tile`` elements; memory-bound, so sized for 16-byte loads and enough bytes in
+    flight rather than for arithmetic."""
+
+    block_k: int
+    tile: int
+    num_warps: int
+
+    def shape(self, num_rows: int, k: int) -> tuple[int, int]:
+        """(BLOCK_R, BLOCK_K) for ``[num_rows, k]``: no wider than the row, no taller than R."""
+        block_k = min(self.block_k, triton.next_power_of_2(k))
+        block_r = min(max(1, self.tile // block_k), triton.next_power_of_2(max(num_rows, 1)))
+        return block_r, block_k
+
+
+CONFIGS = {
+    # 4 rows x 1024 columns: 7 chunks of a 7168-wide row, 8 values per thread per load.
+    "default": TileConfig(block_k=1024, tile=4096, num_warps=4),
+    # 2 rows x 2048 columns, more bytes in flight per program.
+    "wide": TileConfig(block_k=2048, tile=4096, num_warps=8),
+    # A whole row up to 8192 values in one chunk, so the per-row pass 2 re-reads L1, not L2.
+    "row": TileConfig(block_k=8192, tile=8192, num_warps=8),
+}
+
+# Launch options for every kernel. FP contraction off: no result here depends on it (products
+# feed additions only where they are exact), and fixing it keeps triton versions from differing.
+LAUNCH_OPTIONS = {"enable_fp_fusion": False}
+
+
+def interpreting() -> bool:
+    return bool(triton.knobs.runtime.interpret)
+
+
+def check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device} like x; got {t.device}")
+
+
+def check_x(x: torch.Tensor) -> None:
+    """What every kernel needs of x: a float dtype, K % 16 == 0, contiguous, on a CUDA device."""
+    reference.check_input(x)
+    if not x.is_contiguous():
+        raise ValueError(
+            f"x must be contiguous; got shape {tuple(x.shape)} strides {tuple(x.stride())}"
+        )
+    check_kernel_device("x", x)
+
+
+def check_kernel_device(name: str, t: torch.Tensor) -> None:
+    if not (t.is_cuda or interpreting()):
+        raise ValueError(
+            f"{name} must be a CUDA tensor (or run with TRITON_INTERPRET=1 on the CPU); "
+            f"got device {t.device}"
+        )
+
+
+def check_contiguous(name: str, t: torch.Tensor) -> None:
+    if not t.is_contiguous():
+        raise ValueError(
+            f"{name} must be contiguous; got shape {tuple(t.shape)} strides {tuple(t.stride())}"
+        )
+
+
+def device_of(t: torch.Tensor):
+    """Make t's GPU the current one while launching (triton launches on the current device)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def rows_per_group(shape: torch.Size, group_ndim: int) -> int:
+    """Rows of ``shape[:-1]`` sharing one global scale when the trailing ``group_ndim`` dims do."""
+    return math.prod(shape[len(shape) - group_ndim : -1])
+
+
+def scale_per_group(
+    name: str, global_scale: torch.Tensor, shape: torch.Size
+) -> tuple[torch.Tensor, int]:
+    """(scales ``[G]`` FP32 contiguous, rows_per_group) for a global scale broadcastable to
+    ``[*shape[:-1], 1]``: the scale of row r is ``scales[r // rows_per_group]``.
+
+    ``shape[:-g] + (1,) * g`` (what quantize produces) needs no copy; another broadcast pattern
+    (say one scale per N shared by E experts) is expanded to one scale per row.
+    """
+    lead, held = tuple(shape[:-1]), tuple(global_scale.shape)
+    if (
+        len(held) != len(shape)
+        or held[-1] != 1
+        or any(h not in (1, n) for h, n in zip(held, lead, strict=False))
+    ):
+        raise ValueError(f"{name} of shape {held} does not broadcast to {(*lead, 1)}")
+    for j in range(len(lead) + 1):
+        if held[:j] == lead[:j] and all(n == 1 for n in held[j:-1]):
+            return global_scale.reshape(-1).contiguous(), math.prod(lead[j:])
+    return global_scale.expand(*lead, 1).reshape(-1).contiguous(), 1

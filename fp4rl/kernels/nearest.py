@@ -1,0 +1,186 @@
+"""Round-to-nearest NVFP4 quantization (`reference.quantize`) and its fused fake-quant twin.
+
+One kernel; SCALE_SOURCE says where each row's FP32 global scale comes from:
+
+- ``"row_amax"`` (per-row scaling, the rollout's per-token activations): pass 1 over the
+  program's rows takes their amax, pass 2 quantizes them; pass 2 re-reads rows that pass 1 just
+  brought into L1/L2, so x leaves DRAM once and there is a single launch.
+- ``"group_amax"`` (per-tensor, per-expert): the int32 group amax from `amax.group_amax_bits`,
+  a first launch that reads x once more.
+- ``"given"``: the caller's global scale per group (a group spanning several tensors).
+
+With FAKE the kernel stores ``dequantize(quantize(x))`` in x's dtype instead of codes, block
+scales and global scales: the trainer's forward needs only those values.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fp4rl.fp4 import reference
+from fp4rl.fp4.reference import Scaling
+from fp4rl.fp4.tensor import NVFP4Tensor
+from fp4rl.kernels import amax
+from fp4rl.kernels.launch import (
+    CONFIGS,
+    LAUNCH_OPTIONS,
+    TileConfig,
+    check_device,
+    check_x,
+    device_of,
+    rows_per_group,
+)
+from fp4rl.kernels.numerics import (
+    abs_bits,
+    block_ratio,
+    block_reciprocal,
+    dequantize_values,
+    e2m1_rne,
+    e4m3_rne_satfinite,
+    e4m3_value,
+    global_scale_from_amax,
+    is_nonfinite,
+)
+from fp4rl.kernels.tiles import load_pairs, store_codes, store_values
+
+
+@triton.jit
+def _quantize_kernel(
+    x_RK,
+    codes_RK2,
+    block_scale_RKB,
+    fake_RK,
+    scale_in_G,
+    global_scale_G,
+    R,
+    K,
+    rows_per_group,
+    SCALE_SOURCE: tl.constexpr,
+    FAKE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rows_R = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok_R = rows_R < R
+    group_R = rows_R // rows_per_group
+    if SCALE_SOURCE == "given":
+        s_R = tl.load(scale_in_G + group_R, mask=row_ok_R, other=0.0)
+    else:
+        if SCALE_SOURCE == "row_amax":
+            amax_bits_R = tl.zeros([BLOCK_R], tl.int32)
+            for k0 in range(0, K, BLOCK_K):
+                x_even, x_odd = load_pairs(x_RK, rows_R, row_ok_R, k0, K, BLOCK_R, BLOCK_K)
+                pair_max = tl.maximum(abs_bits(x_even), abs_bits(x_odd))
+                amax_bits_R = tl.maximum(amax_bits_R, tl.max(tl.max(pair_max, axis=2), axis=1))
+        else:
+            amax_bits_R = tl.load(scale_in_G + group_R, mask=row_ok_R, other=0)
+        s_R = global_scale_from_amax(amax_bits_R)
+        if not FAKE:  # one store per group: by the program holding its first row
+            tl.store(global_scale_G + group_R, s_R, mask=row_ok_R & (rows_R % rows_per_group == 0))
+    s_R1 = s_R[:, None]
+    for k0 in range(0, K, BLOCK_K):
+        x_even, x_odd = load_pairs(x_RK, rows_R, row_ok_R, k0, K, BLOCK_R, BLOCK_K)
+        block_amax_bits = tl.max(tl.maximum(abs_bits(x_even), abs_bits(x_odd)), axis=2)
+        # A block holding inf/NaN is poisoned even under a finite caller-given global scale.
+        block_byte = tl.where(
+            is_nonfinite(block_amax_bits),
+            0x7F,
+            e4m3_rne_satfinite(block_ratio(block_amax_bits, s_R1)),
+        )
+        block_scale = e4m3_value(block_byte)
+        live, recip = block_reciprocal(block_scale, s_R1)
+        code_even = tl.where(live[:, :, None], e2m1_rne(x_even * recip[:, :, None]), 0)
+        code_odd = tl.where(live[:, :, None], e2m1_rne(x_odd * recip[:, :, None]), 0)
+        if FAKE:
+            sf = block_scale[:, :, None]
+            store_values(
+                fake_RK,
+                rows_R,
+                row_ok_R,
+                k0,
+                K,
+                dequantize_values(code_even, sf, s_R[:, None, None]),
+                dequantize_values(code_odd, sf, s_R[:, None, None]),
+                BLOCK_R,
+                BLOCK_K,
+            )
+        else:
+            store_codes(
+                codes_RK2,
+                block_scale_RKB,
+                rows_R,
+                row_ok_R,
+                k0,
+                K,
+                code_even,
+                code_odd,
+                block_byte,
+                BLOCK_R,
+                BLOCK_K,
+            )
+
+
+def launch(
+    x: torch.Tensor,
+    *,
+    scaling: Scaling,
+    global_scale: torch.Tensor | None,
+    fake: bool,
+    config: TileConfig = CONFIGS["default"],
+) -> NVFP4Tensor | torch.Tensor:
+    """Quantize ``x [..., K]`` as `reference.quantize`; with ``fake``, return
+    ``reference.dequantize(that, x.dtype)`` instead."""
+    check_x(x)
+    g = reference.group_ndim(x, scaling)
+    k = x.shape[-1]
+    x_RK = x.view(-1, k)
+    num_rows = x_RK.shape[0]
+    group_rows = rows_per_group(x.shape, g)
+    scale_shape = reference.global_scale_shape(x.shape, g)
+    if global_scale is not None:
+        check_device("global_scale", global_scale, x.device)
+        # The reference's own checks (dtype, broadcast) and its contiguous [groups] layout.
+        given = reference.resolve_global_scale(x, scaling, global_scale)
+    elif num_rows == 0 and group_rows == 0 and 0 not in scale_shape:
+        raise ValueError(f"scaling={scaling!r} makes empty groups for x of shape {tuple(x.shape)}")
+    if fake:  # the codes and scales are never stored: any pointer will do for them
+        fake_RK = torch.empty_like(x_RK)
+        codes = block_scale = s = fake_RK
+    else:
+        fake_RK = x_RK  # never stored
+        codes = torch.empty((*x.shape[:-1], k // 2), dtype=torch.uint8, device=x.device)
+        block_scale = torch.empty((*x.shape[:-1], k // 16), dtype=torch.uint8, device=x.device)
+        s = given if global_scale is not None else torch.empty(scale_shape, device=x.device)
+    if num_rows:
+        if global_scale is not None:
+            source, scale_in = "given", given
+        elif group_rows == 1:
+            source, scale_in = "row_amax", x_RK  # never read
+        else:
+            source, scale_in = "group_amax", amax.group_amax_bits(x_RK, group_rows, config)
+        block_r, block_k = config.shape(num_rows, k)
+        with device_of(x):
+            _quantize_kernel[(triton.cdiv(num_rows, block_r),)](
+                x_RK,
+                codes,
+                block_scale,
+                fake_RK,
+                scale_in,
+                s,
+                num_rows,
+                k,
+                group_rows,
+                SCALE_SOURCE=source,
+                FAKE=fake,
+                BLOCK_R=block_r,
+                BLOCK_K=block_k,
+                num_warps=config.num_warps,
+                **LAUNCH_OPTIONS,
+            )
+    if fake:
+        return fake_RK.view(x.shape)
+    return NVFP4Tensor(
+        codes=codes, block_scale=block_scale.view(torch.float8_e4m3fn), global_scale=s
+    )

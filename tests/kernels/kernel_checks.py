@@ -1,0 +1,129 @@
+"""Shared checks and adversarial inputs for the kernel tests.
+
+The reference always runs on CPU copies: its CPU result is the specification (CUDA PyTorch may
+differ in NaN bit patterns). Codes and scales are compared bit for bit; float outputs bit for
+bit too, except that any NaN matches any NaN (the spec fixes where NaN appears, not its payload).
+"""
+
+import torch
+
+from fp4rl.fp4.tensor import NVFP4Tensor
+
+INT_OF = {
+    torch.float32: torch.int32,
+    torch.bfloat16: torch.int16,
+    torch.float16: torch.int16,
+    torch.float8_e4m3fn: torch.uint8,
+    torch.uint8: torch.uint8,
+}
+DTYPES = (torch.bfloat16, torch.float32, torch.float16)
+
+
+def _first_mismatch(got: torch.Tensor, want: torch.Tensor, bad: torch.Tensor, what: str) -> str:
+    index = tuple(int(i) for i in bad.nonzero()[0])
+    return (
+        f"{what}: {int(bad.sum())} of {bad.numel()} differ; first at {index}: "
+        f"got {got[index].item()!r} want {want[index].item()!r}"
+    )
+
+
+def assert_bitwise(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    got = got.cpu()
+    assert got.dtype == want.dtype and got.shape == want.shape, (
+        f"{what}: got {got.dtype} {tuple(got.shape)}, want {want.dtype} {tuple(want.shape)}"
+    )
+    got_bits, want_bits = got.view(INT_OF[got.dtype]), want.view(INT_OF[want.dtype])
+    bad = got_bits != want_bits
+    assert not bad.any(), _first_mismatch(got_bits, want_bits, bad, what)
+
+
+def assert_same_values(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Bitwise equal, NaN positions equal (NaN payloads free)."""
+    got = got.cpu()
+    assert got.dtype == want.dtype and got.shape == want.shape, (
+        f"{what}: got {got.dtype} {tuple(got.shape)}, want {want.dtype} {tuple(want.shape)}"
+    )
+    nan = want.isnan()
+    got_bits, want_bits = got.view(INT_OF[got.dtype]), want.view(INT_OF[want.dtype])
+    bad = torch.where(nan, ~got.isnan(), got_bits != want_bits)
+    assert not bad.any(), _first_mismatch(got, want, bad, what)
+
+
+def assert_nvfp4_equal(got: NVFP4Tensor, want: NVFP4Tensor, what: str = "") -> None:
+    assert_bitwise(got.codes, want.codes, f"{what} codes")
+    assert_bitwise(got.block_scale, want.block_scale, f"{what} block_scale")
+    assert_bitwise(got.global_scale, want.global_scale, f"{what} global_scale")
+
+
+def cpu(t: NVFP4Tensor) -> NVFP4Tensor:
+    return t.map(lambda m: m.cpu())
+
+
+# ---- adversarial inputs ----------------------------------------------------------------------
+
+E2M1_TIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def tie_rows(q: int, dtype: torch.dtype) -> tuple[torch.Tensor, list[int]]:
+    """Rows whose scaled values land exactly on every E2M1 tie, and just beside each.
+
+    Every row holds ``A = 2688 * 2**q`` (so its and the tensor's global scale is exactly
+    ``2**q``), then per exponent p a block of amax ``6 * 2**(p + q)``: its ratio is exactly
+    ``2**p``, its block scale ``2**p`` and its reciprocal a power of two, so ``x * recip`` is
+    exact. Block 1 holds the ties ±t, block 2 values one bf16 ulp above and below them.
+    Returns the rows and the exponent p of each.
+    """
+    ps = list(range(-9, 9))
+    rows = []
+    for p in ps:
+        unit = 2.0 ** (p + q)
+        anchor = [2688.0 * 2.0**q] + [2688.0 * 2.0**q / (i + 2) for i in range(15)]
+        ties = [6.0, -0.0] + [t for v in E2M1_TIES for t in (v, -v)]
+        beside = [6.0, 0.0] + [v * (1 + d) for v in E2M1_TIES for d in (2.0**-7, -(2.0**-7))]
+        rows.append(anchor + [v * unit for v in ties] + [v * unit for v in beside])
+    return torch.tensor(rows, dtype=torch.float64).to(dtype), ps
+
+
+# Block-amax / (6 s) ratios at E4M3 rounding ties and edges: the 2**-10 tie (to 0), subnormal
+# ties (1.5, 2.5, 7.5 units of 2**-9), the subnormal/normal seam 2**-6, normal ties, 448 and
+# past it (clamped), and numbers far below the smallest subnormal.
+E4M3_EDGE_RATIOS = (
+    2.0**-10,
+    3 * 2.0**-10,
+    5 * 2.0**-10,
+    15 * 2.0**-10,
+    2.0**-6,
+    1.0625 * 2.0**-6,
+    1.0625,
+    1.1875,
+    432.0,
+    448.0,
+    464.0,
+    480.0,
+    1e4,
+    2.0**-11,
+    2.0**-20,
+)
+
+
+def e4m3_edge_rows(q: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows with global scale exactly ``2**q`` whose blocks hit `E4M3_EDGE_RATIOS` exactly, and
+    nearly (times 1 ± 2**-6): block 0 carries the row amax ``2688 * 2**q``."""
+    amax = 2688.0 * 2.0**q
+    rows = []
+    for scale in (1.0, 1 + 2.0**-6, 1 - 2.0**-6):
+        blocks = [[amax] + [amax * 0.5**i for i in range(1, 16)]]
+        for r in E4M3_EDGE_RATIOS:
+            b = min(6.0 * 2.0**q * r * scale, amax)
+            blocks.append([b] + [-b * (i / 16) for i in range(1, 16)])
+        rows.append([v for block in blocks for v in block])
+    return torch.tensor(rows, dtype=torch.float64).to(dtype)
+
+
+def poisoned_rows(k: int, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    """Rows with NaN, -NaN, +inf or -inf in one place each, among finite random values."""
+    x = torch.randn(5, k, generator=generator).to(dtype)
+    specials = (float("nan"), -float("nan"), float("inf"), -float("inf"))
+    for row, value in enumerate(specials):
+        x[row, (7 * row + 3) % k] = value
+    return x  # the last row stays finite

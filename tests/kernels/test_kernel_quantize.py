@@ -1,0 +1,196 @@
+"""Round-to-nearest quantize and its fused fake-quant against the reference, bit for bit."""
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the kernels need triton (pip install 'fp4rl[kernels]')")
+
+from kernel_checks import (  # noqa: E402
+    DTYPES,
+    assert_bitwise,
+    assert_nvfp4_equal,
+    assert_same_values,
+    cpu,
+    e4m3_edge_rows,
+    poisoned_rows,
+    tie_rows,
+)
+
+from fp4rl import kernels  # noqa: E402
+from fp4rl.fp4 import reference as R  # noqa: E402
+from fp4rl.fp4.format import MIN_GLOBAL_SCALE  # noqa: E402
+from fp4rl.kernels import launch, nearest  # noqa: E402
+
+# (shape, scaling): rows 1, 3, 17, 33; per-expert [E, N, K] with 2 trailing dims; 4-D groups.
+CASES = [
+    ((1, 16), "row"),
+    ((3, 64), "row"),
+    ((17, 48), "row"),
+    ((33, 160), "row"),
+    ((1, 16), "tensor"),
+    ((17, 48), "tensor"),
+    ((33, 96), "tensor"),
+    ((3, 5, 32), 2),
+    ((2, 17, 48), 2),
+    ((3, 5, 32), 1),
+    ((3, 5, 32), "tensor"),
+    ((2, 3, 4, 16), 2),
+    ((2, 3, 4, 16), 3),
+]
+
+
+def check_quantize(x: torch.Tensor, scaling, global_scale=None) -> None:
+    """quantize and fake_quantize of x (on the test device) against the reference."""
+    x_cpu = x.cpu()
+    gs_cpu = None if global_scale is None else global_scale.cpu()
+    want = R.quantize(x_cpu, scaling=scaling, global_scale=gs_cpu)
+    got = kernels.quantize(x, scaling=scaling, global_scale=global_scale)
+    assert_nvfp4_equal(cpu(got), want, f"quantize {x.dtype} {tuple(x.shape)} {scaling!r}")
+    fake = kernels.fake_quantize(x, scaling=scaling, global_scale=global_scale)
+    assert_same_values(fake, R.dequantize(want, x.dtype), f"fake_quantize {scaling!r}")
+
+
+def randn(shape, dtype, device, seed: int, spread: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    # Random magnitudes over several binades, so blocks differ in scale within a row.
+    x = torch.randn(shape, generator=g) * torch.exp2(spread * 6 * torch.rand(shape, generator=g))
+    return x.to(dtype).to(device)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("shape", "scaling"), CASES)
+def test_random_inputs_match_reference(device, dtype, shape, scaling):
+    check_quantize(randn(shape, dtype, device, seed=len(shape) * 100 + shape[-1]), scaling)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_e2m1_tie_and_its_neighbours(device, dtype):
+    qs = (-4,) if dtype == torch.float16 else (-4, -117, 60)  # -117: MIN_GLOBAL_SCALE exactly
+    for q in qs:
+        x, ps = tie_rows(q, dtype)
+        want = R.quantize(x, scaling="row")
+        # The construction works: global scale 2**q, tie-block scale 2**p.
+        assert (want.global_scale == 2.0**q).all()
+        assert torch.equal(want.block_scale[:, 1].float(), torch.exp2(torch.tensor(ps)).float())
+        for scaling in ("row", "tensor"):
+            check_quantize(x.to(device), scaling)
+        check_quantize(x.to(device), "row", global_scale=torch.tensor([[2.0**q]], device=device))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_e4m3_block_scale_ties_underflow_and_saturation(device, dtype):
+    for q in (0,) if dtype == torch.float16 else (0, -117, -90, 100):
+        x = e4m3_edge_rows(q, dtype).to(device)
+        check_quantize(x, "row")
+        check_quantize(x, "tensor")
+        # A caller's scale 8x too small pushes ratios past 448: the clamp saturates them.
+        check_quantize(x, "row", global_scale=torch.full((3, 1), 2.0 ** (q - 3), device=device))
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32))
+def test_denormal_inputs_and_the_min_global_scale_flush(device, dtype):
+    """Denormal x must not be flushed (the GPU's .ftz would); tiny groups flush to zero."""
+    smallest = 2688.0 * MIN_GLOBAL_SCALE  # amax whose global scale is exactly MIN_GLOBAL_SCALE
+    # Block 1 has ratio 2**-9: block scale 2**-9, reciprocal 2**126, so denormal x scale to
+    # 0.25 .. 0.5 (codes 0 and 1).
+    tiny = [6.0 * 2.0**-126, 2.0**-127, 3 * 2.0**-129, -(2.0**-128)]
+    tiny += [2.0**-131 * i for i in range(12)]
+    row = torch.tensor([smallest] + [0.0] * 15 + tiny, dtype=torch.float64)
+    x = torch.stack([row, row * 0.99, row * 0.5, row * 2**-20]).to(dtype)
+    want = R.quantize(x, scaling="row")
+    assert want.global_scale[0].item() == MIN_GLOBAL_SCALE and want.global_scale[1].item() == 0
+    assert R.unpack_e2m1(want.codes[0])[17:20].tolist() == [1, 1, 8]  # not flushed to zero
+    check_quantize(x.to(device), "row")
+    check_quantize(x.to(device), "tensor")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_zeros_signed_zeros_and_zero_blocks(device, dtype):
+    x = randn((4, 64), dtype, device, seed=1)
+    x[0] = 0.0  # all-zero row: zero scale, zero codes
+    x[1] = -0.0  # negative zeros: zero scale, zero codes (no sign: the group is dead)
+    x[2, 16:32] = 0.0  # a zero block in a live row
+    x[3, ::3] = -0.0  # -0 inside live blocks keeps its sign bit
+    check_quantize(x, "row")
+    check_quantize(x, "tensor")
+    check_quantize(torch.zeros(3, 32, dtype=dtype, device=device), "tensor")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nonfinite_values_poison_their_group(device, dtype):
+    g = torch.Generator().manual_seed(7)
+    x = poisoned_rows(48, dtype, g).to(device)
+    check_quantize(x, "row")
+    got = kernels.quantize(x, scaling="row")
+    assert (got.block_scale[:4].view(torch.uint8) == 0x7F).all() and (got.codes[:4] == 0).all()
+    check_quantize(x, "tensor")
+    check_quantize(x.view(5, 3, 16), 2)
+    # A finite caller-given scale still poisons the blocks that hold inf or NaN.
+    check_quantize(x, "row", global_scale=torch.full((5, 1), 0.01, device=device))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_caller_given_global_scales(device, dtype):
+    x = randn((2, 6, 32), dtype, device, seed=3)
+    w1, w3 = x[0], x[1]  # an expert's W1 and W3 share one scale
+    shared = R.global_scale_from_amax(R.amax_of(w1.cpu(), w3.cpu(), dims=(0, 1))).to(device)
+    check_quantize(w1, "tensor", global_scale=shared)
+    check_quantize(w3, "tensor", global_scale=shared)
+    per_row = torch.tensor([[1e-3], [0.0], [math.nan], [math.inf], [2.0**-117], [50.0]])
+    check_quantize(w1, "row", global_scale=per_row.to(device))
+    check_quantize(x, 2, global_scale=torch.tensor([[[0.02]], [[0.0]]], device=device))
+    check_quantize(x, "row", global_scale=torch.tensor(0.01, device=device).view(1, 1, 1))
+
+
+def test_empty_rows_quantize_to_empty_tensors(device):
+    x = torch.empty(0, 32, dtype=torch.bfloat16, device=device)
+    check_quantize(x, "row")
+    with pytest.raises(ValueError, match="empty groups"):
+        kernels.quantize(torch.empty(2, 0, 32, device=device), scaling=2)
+
+
+@pytest.mark.parametrize("config", sorted(launch.CONFIGS))
+def test_every_tile_config_matches_reference(device, config):
+    x = randn((5, 3 * 1024 + 32), torch.bfloat16, device, seed=11)
+    want = R.quantize(x.cpu(), scaling="row")
+    got = nearest.launch(
+        x, scaling="row", global_scale=None, fake=False, config=launch.CONFIGS[config]
+    )
+    assert_nvfp4_equal(cpu(got), want, config)
+    fake = nearest.launch(
+        x, scaling="tensor", global_scale=None, fake=True, config=launch.CONFIGS[config]
+    )
+    assert_bitwise(fake, R.dequantize(R.quantize(x.cpu(), scaling="tensor"), x.dtype), config)
+
+
+def test_bad_inputs_name_the_offending_value(device, monkeypatch):
+    with pytest.raises(ValueError, match=r"multiple of 16; got shape \(4, 40\)"):
+        kernels.quantize(torch.randn(4, 40, device=device))
+    with pytest.raises(TypeError, match="torch.int32"):
+        kernels.quantize(torch.ones(4, 32, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match=r"contiguous; got shape \(4, 32\) strides \(1, 4\)"):
+        kernels.fake_quantize(torch.randn(32, 4, device=device).t())
+    with pytest.raises(ValueError, match="scaling must be"):
+        kernels.quantize(torch.randn(4, 32, device=device), scaling="col")
+    with pytest.raises(TypeError, match="global_scale must be float32"):
+        kernels.quantize(torch.randn(4, 32, device=device), global_scale=torch.ones(1, 1).double())
+    with pytest.raises(ValueError, match="does not broadcast"):
+        kernels.quantize(
+            torch.randn(4, 32, device=device),
+            scaling="row",
+            global_scale=torch.ones(3, 1, device=device),
+        )
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    with pytest.raises(ValueError, match="CUDA tensor.*got device cpu"):
+        kernels.quantize(torch.randn(4, 32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("shape", "scaling"),
+    [((4096, 7168), "row"), ((8, 512, 7168), 2), ((2048, 4096), "tensor"), ((1000, 2064), "row")],
+)
+def test_large_shapes_on_gpu(shape, scaling):
+    check_quantize(randn(shape, torch.bfloat16, "cuda", seed=5), scaling)
