@@ -38,6 +38,11 @@ class Engine:
     def __init__(self, model, config: EngineConfig, *, eos_token_ids: tuple[int, ...] = ()):
         self.model, self.config = model, config
         self.layout = ModelLayout.of(model, config.kv_format)
+        if config.max_model_len > model.config.max_position_embeddings:
+            raise ValueError(
+                f"engine.max_model_len={config.max_model_len} exceeds the model's "
+                f"max_position_embeddings={model.config.max_position_embeddings}"
+            )
         self.eos_token_ids = tuple(eos_token_ids)
         self.num_blocks = num_blocks_for_budget(config, self.layout.kv)
         self.cache = KVCache(self.layout.kv, self.num_blocks, config.block_size, self.layout.device)

@@ -291,10 +291,14 @@ def test_bad_prompts_raise(models, prompts, message):
         Engine(packed, config()).generate(prompts, SamplingParams())
 
 
-def test_kv_format_must_match_the_precision_plan(models):
+def test_engine_settings_must_fit_the_model(models):
     packed, _ = models[("nvfp4", "nvfp4")]
     with pytest.raises(ValueError, match="engine.kv_format='bf16' disagrees"):
         Engine(packed, config("bf16"))
+    with pytest.raises(
+        ValueError, match="max_model_len=512 exceeds .* max_position_embeddings=256"
+    ):
+        Engine(packed, config("nvfp4", max_model_len=512, max_num_batched_tokens=512))
     assert tiny_precision("nvfp4").kv_cache == "nvfp4"
 
 
