@@ -17,7 +17,9 @@ import torch
 from fp4rl.fp4 import CompactCodes, NVFP4Tensor, dequantize, quantize_site
 
 SiteKey = tuple[int, str]  # (decoder layer index, site name)
-GuidanceMap = Mapping[SiteKey, NVFP4Tensor | CompactCodes]
+# A None value means "round this site to nearest" on purpose (compact guidance leaves out the
+# earlier FP4 layers); a missing key is an error.
+GuidanceMap = Mapping[SiteKey, NVFP4Tensor | CompactCodes | None]
 
 
 class Capture(Protocol):

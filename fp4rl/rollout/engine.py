@@ -179,6 +179,11 @@ class Engine:
                 routing = seq.capture.routing(self.layout.moe_layers, self.layout.top_k)
             if self.config.guidance is not None:
                 guidance = seq.capture.guidance()
+                # Layers compact mode drops are marked None: the trainer rounds them to nearest
+                # by intent, while a key that is simply absent still fails closed.
+                for layer in set(self.layout.fp4_layers) - self.guided_layers:
+                    for site in self.layout.guided_sites:
+                        guidance.setdefault((layer, site), None)
         return Completion(
             prompt_index=seq.prompt_index,
             sample_index=seq.sample_index,

@@ -31,15 +31,16 @@ class Completion:
     logprobs: torch.Tensor | None = None
     raw_logprobs: torch.Tensor | None = None
     routing: torch.Tensor | None = None  # int32 [L_moe, T, top_k], -1 = no record
-    # (layer, site) -> record with leading dim T: NVFP4Tensor ("full") or CompactCodes.
-    guidance: dict[SiteKey, NVFP4Tensor | CompactCodes] | None = None
+    # (layer, site) -> record with leading dim T: NVFP4Tensor ("full") or CompactCodes; None
+    # for the FP4 layers compact guidance leaves out (the trainer rounds those to nearest).
+    guidance: dict[SiteKey, NVFP4Tensor | CompactCodes | None] | None = None
 
     @property
     def num_fed_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids) - 1
 
     def guidance_nbytes(self) -> int:
-        return sum(record_nbytes(r) for r in (self.guidance or {}).values())
+        return sum(record_nbytes(r) for r in (self.guidance or {}).values() if r is not None)
 
     def routing_nbytes(self) -> int:
         return 0 if self.routing is None else self.routing.numel() * self.routing.element_size()

@@ -18,7 +18,7 @@ import pytest
 import torch
 from rollout_models import picked, rollout_model, trainer_logprobs
 
-from fp4rl.fp4 import CompactCodes, NVFP4Tensor
+from fp4rl.fp4 import CompactCodes, NVFP4Tensor, compact
 from fp4rl.fp4.reference import unpack_e2m1
 from fp4rl.rollout import Engine, EngineConfig, SamplingParams
 from fp4rl.rollout.records import capture_bytes_per_generated_token
@@ -132,6 +132,23 @@ def test_trainer_with_replay_and_guidance_reproduces_the_rollout(models):
             assert torch.equal(rec.routing[layer], c.routing[i])
 
 
+def test_trainer_follows_compact_guidance_in_the_layers_it_keeps(models):
+    """Compact guidance keeps mantissa bits for the latter FP4 layers only; the trainer must
+    accept it (the others round to nearest) and reproduce the kept mantissa bits."""
+    packed, qat = models[("nvfp4", "nvfp4")]
+    engine = Engine(packed, config("nvfp4", capture_routing=True, guidance="compact"))
+    for c in engine.generate(PROMPTS[:2], SamplingParams(n=2, max_tokens=12, seed=9)):
+        rec = Recorder()
+        logprobs = picked(
+            trainer_logprobs(qat, c, replay=True, guidance=c.guidance, capture=rec), c
+        )
+        torch.testing.assert_close(logprobs, c.raw_logprobs, rtol=0, atol=LOGPROB_ATOL)
+        kept = {key: r for key, r in c.guidance.items() if r is not None}
+        assert kept and all(layer == 2 for layer, _ in kept)
+        for key, r in kept.items():
+            assert torch.equal(compact(rec.sites[key]).mantissa_bits, r.mantissa_bits), key
+
+
 def test_bf16_trainer_guided_by_the_rollout_recomputes_its_codes():
     """In BF16 the trainer's own nearest rounding disagrees with the rollout on a good share of
     FP4 codes (5-17 % observed); replaying routing and following full guidance, it takes the
@@ -213,8 +230,13 @@ def test_capture_shapes_and_bytes(models, mode):
         T = c.num_fed_tokens
         assert c.routing.dtype == torch.int32 and c.routing.shape == (3, T, k)
         assert c.routing.min() >= 0 and c.routing.max() < 8
-        assert set(c.guidance) == {(layer, site) for layer in layers for site in shapes}
-        for (_, site), r in c.guidance.items():
+        kept = {key: r for key, r in c.guidance.items() if r is not None}
+        assert set(kept) == {(layer, site) for layer in layers for site in shapes}
+        # Left-out layers are marked for nearest rounding rather than missing.
+        assert {key for key, r in c.guidance.items() if r is None} == {
+            (layer, site) for layer in {1, 2} - set(layers) for site in shapes
+        }
+        for (_, site), r in kept.items():
             assert isinstance(r, NVFP4Tensor if mode == "full" else CompactCodes)
             assert r.shape == (T, *shapes[site])
     # Bytes per fed token and layer: values at 4 bits (full) or 1 bit (compact), one E4M3
