@@ -127,3 +127,33 @@ def poisoned_rows(k: int, dtype: torch.dtype, generator: torch.Generator) -> tor
     for row, value in enumerate(specials):
         x[row, (7 * row + 3) % k] = value
     return x  # the last row stays finite
+
+
+def near_boundary_rows(num_rows: int, generator: torch.Generator) -> torch.Tensor:
+    """FP32 rows whose scaled values sit on and one ulp beside E2M1 boundaries under scales
+    that are not powers of two: a reciprocal or product one ulp off flips their codes.
+
+    Each block keeps its largest value (so its scales do not move) and fills the other 15
+    with ``b / recip`` and its two FP32 neighbours for five of the seven boundaries b.
+    """
+    from fp4rl.fp4 import reference as R  # the construction asks the spec for the reciprocals
+
+    base = torch.randn(num_rows, 8, 16, generator=generator)
+    base = base * torch.exp2(torch.randint(-8, 8, (num_rows, 8, 1), generator=generator))
+    base[..., 0] = base.abs().amax(-1) * 1.02  # a clear amax in slot 0
+    want = R.quantize(base.flatten(1), scaling="row")
+    recip = 1.0 / (want.block_scale.float() * want.global_scale)  # [R, 8]
+    boundaries = torch.tensor(E2M1_TIES)
+    for j in range(8):
+        chosen = boundaries[torch.arange(j, j + 5) % 7]  # 5 of the 7, rotating per block
+        exact = chosen[None, :] / recip[:, j : j + 1]  # [R, 5]
+        trio = torch.stack(
+            [exact, exact.nextafter(torch.full_like(exact, 0)), exact.nextafter(exact * 2)], -1
+        )
+        signs = torch.where(torch.rand(num_rows, 15, generator=generator) < 0.5, -1.0, 1.0)
+        base[:, j, 1:] = trio.flatten(1) * signs
+    x = base.flatten(1)
+    moved = R.quantize(x, scaling="row")
+    assert torch.equal(moved.block_scale.view(torch.uint8), want.block_scale.view(torch.uint8))
+    assert torch.equal(moved.global_scale, want.global_scale)
+    return x

@@ -14,6 +14,7 @@ from kernel_checks import (  # noqa: E402
     assert_same_values,
     cpu,
     e4m3_edge_rows,
+    near_boundary_rows,
     poisoned_rows,
     tie_rows,
 )
@@ -77,6 +78,12 @@ def test_every_e2m1_tie_and_its_neighbours(device, dtype):
         for scaling in ("row", "tensor"):
             check_quantize(x.to(device), scaling)
         check_quantize(x.to(device), "row", global_scale=torch.tensor([[2.0**q]], device=device))
+
+
+def test_values_one_ulp_around_every_boundary_under_uneven_scales(device):
+    """Catches an inexact division or reciprocal (Triton's default fp32 `/` on the GPU)."""
+    x = near_boundary_rows(24, torch.Generator().manual_seed(8))
+    check_quantize(x.to(device), "row")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
