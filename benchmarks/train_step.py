@@ -1,0 +1,128 @@
+"""Forward+backward tokens/s of a Qwen3-30B-A3B-shaped MoE: QAT (NVFP4 experts) vs BF16.
+
+One H200: ``python benchmarks/train_step.py`` (``--layers 8`` gives ~5.4B parameters). Every
+layer is MoE and, in the QAT variants, FP4 (no BF16 boundary layers), which is the worst case
+for the fake-quantization overhead. The loss is the chunked token log-probability the trainer
+uses. Timed with CUDA events after warm-up; the median of the timed steps is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+import torch
+
+from fp4rl.model.attention import CausalAttention
+from fp4rl.model.config import ModelConfig
+from fp4rl.model.logprobs import token_logprobs
+from fp4rl.model.precision import PrecisionConfig
+from fp4rl.model.transformer import build_model
+
+
+def qwen3_30b_a3b(layers: int, vocab: int) -> ModelConfig:
+    return ModelConfig(
+        architecture="qwen3_moe",
+        vocab_size=vocab,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        max_position_embeddings=40960,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=(),
+        shared_expert_intermediate_size=0,
+        qk_norm=True,
+        attention_bias=False,
+        tie_word_embeddings=False,
+    )
+
+
+VARIANTS = {
+    "bf16": PrecisionConfig(experts="bf16"),
+    "qat": PrecisionConfig(bf16_first_layers=0, bf16_last_layers=0),
+    "qat+kv": PrecisionConfig(bf16_first_layers=0, bf16_last_layers=0, kv_cache="nvfp4"),
+}
+
+
+def time_variant(config, precision, tokens_T, seq_lens, steps, warmup) -> tuple[float, int]:
+    model = build_model(config, precision, device="cuda")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02)
+    num_params = sum(p.numel() for p in model.parameters())
+    kv_layers = tuple(p.index for p in model.plan.layers if p.kv_cache == "nvfp4")
+    targets_T = torch.roll(tokens_T, -1)
+
+    def step():
+        attn = CausalAttention(seq_lens, device="cuda", nvfp4_kv_layers=kv_layers)
+        h = model.hidden_states(tokens_T, attn)
+        loss = -token_logprobs(model.lm_head, h, targets_T).mean()
+        loss.backward()
+        for p in model.parameters():
+            p.grad = None
+
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del model
+    torch.cuda.empty_cache()
+    return statistics.median(times), num_params
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--seqs", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--variants", default="bf16,qat,qat+kv")
+    args = parser.parse_args()
+    config = qwen3_30b_a3b(args.layers, args.vocab)
+    seq_lens = [args.seq_len] * args.seqs
+    g = torch.Generator(device="cuda").manual_seed(0)
+    tokens_T = torch.randint(0, args.vocab, (sum(seq_lens),), device="cuda", generator=g)
+    rows, base = [], None
+    for name in args.variants.split(","):
+        seconds, num_params = time_variant(
+            config, VARIANTS[name], tokens_T, seq_lens, args.steps, args.warmup
+        )
+        tok_s = len(tokens_T) / seconds
+        base = base or tok_s
+        rows.append(f"| {name} | {num_params / 1e9:.2f} B | {seconds * 1e3:.1f} | {tok_s:,.0f} | {tok_s / base:.3f} |")
+    table = "\n".join(
+        [
+            f"{torch.cuda.get_device_name()}, {args.layers} layers, {len(tokens_T)} tokens/step "
+            f"({args.seqs} x {args.seq_len}), forward+backward",
+            "",
+            "| variant | params | step ms | tokens/s | vs bf16 |",
+            "|---|---|---|---|---|",
+            *rows,
+        ]
+    )
+    print(table)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "train_step.md"), "w") as f:
+            f.write(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
