@@ -13,18 +13,25 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4rl.kernels.launch import CONFIGS, LAUNCH_OPTIONS, TileConfig, device_of
+from fp4rl.kernels.launch import CONFIGS, TileConfig, device_of
 from fp4rl.kernels.numerics import abs_bits, upcast_exact
 
 
 @triton.jit
 def _group_amax_kernel(
-    x_RK, amax_bits_G, R, K, rows_per_group, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr
+    x_RK,
+    amax_bits_G,
+    R,
+    K,
+    rows_per_group,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     rows_R = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok_R = rows_R < R
     amax_bits_R = tl.zeros([BLOCK_R], tl.int32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         cols_C = k0 + tl.arange(0, BLOCK_K)
         offsets = rows_R.to(tl.int64)[:, None] * K + cols_C[None, :]
         mask = row_ok_R[:, None] & (cols_C < K)[None, :]
@@ -54,17 +61,9 @@ def group_amax_bits(
     if rows_per_group < 1 or num_rows % rows_per_group:
         raise ValueError(f"rows_per_group={rows_per_group} does not divide R={num_rows}")
     amax_bits_G = torch.zeros(num_rows // rows_per_group, dtype=torch.int32, device=x_RK.device)
-    block_r, block_k = config.shape(num_rows, k)
+    grid, meta = config.launch(num_rows, k)
     with device_of(x_RK):
-        _group_amax_kernel[(triton.cdiv(num_rows, block_r),)](
-            x_RK,
-            amax_bits_G,
-            num_rows,
-            k,
-            rows_per_group,
-            BLOCK_R=block_r,
-            BLOCK_K=block_k,
-            num_warps=config.num_warps,
-            **LAUNCH_OPTIONS,
-        )
+        _group_amax_kernel[grid](
+            x_RK, amax_bits_G, num_rows, k, rows_per_group, **meta,
+        )  # fmt: skip
     return amax_bits_G

@@ -14,7 +14,6 @@ from fp4rl.fp4.reference import SUPPORTED_DTYPES
 from fp4rl.fp4.tensor import NVFP4Tensor
 from fp4rl.kernels.launch import (
     CONFIGS,
-    LAUNCH_OPTIONS,
     TileConfig,
     check_contiguous,
     check_device,
@@ -37,25 +36,19 @@ def _dequantize_kernel(
     rows_per_group,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     rows_R = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok_R = rows_R < R
     s_R11 = tl.load(scale_G + rows_R // rows_per_group, mask=row_ok_R, other=0.0)[:, None, None]
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         code_even, code_odd = load_code_pairs(codes_RK2, rows_R, row_ok_R, k0, K, BLOCK_R, BLOCK_K)
         block_byte = load_block_scale_bytes(block_scale_RKB, rows_R, row_ok_R, k0, K, BLOCK_K)
         sf = e4m3_value(block_byte)[:, :, None]
         store_values(
-            out_RK,
-            rows_R,
-            row_ok_R,
-            k0,
-            K,
-            dequantize_values(code_even, sf, s_R11),
-            dequantize_values(code_odd, sf, s_R11),
-            BLOCK_R,
-            BLOCK_K,
-        )
+            out_RK, rows_R, row_ok_R, k0, K, dequantize_values(code_even, sf, s_R11),
+            dequantize_values(code_odd, sf, s_R11), BLOCK_R, BLOCK_K,
+        )  # fmt: skip
 
 
 def launch(
@@ -74,19 +67,10 @@ def launch(
     num_rows = out.numel() // k
     if num_rows:
         scale_G, group_rows = scale_per_group("global_scale", t.global_scale, t.shape)
-        block_r, block_k = config.shape(num_rows, k)
+        grid, meta = config.launch(num_rows, k)
         with device_of(out):
-            _dequantize_kernel[(triton.cdiv(num_rows, block_r),)](
-                t.codes,
-                t.block_scale.view(torch.uint8),
-                scale_G,
-                out,
-                num_rows,
-                k,
-                group_rows,
-                BLOCK_R=block_r,
-                BLOCK_K=block_k,
-                num_warps=config.num_warps,
-                **LAUNCH_OPTIONS,
-            )
+            _dequantize_kernel[grid](
+                t.codes, t.block_scale.view(torch.uint8), scale_G, out, num_rows, k, group_rows,
+                **meta,
+            )  # fmt: skip
     return out

@@ -17,7 +17,6 @@ from fp4rl.fp4.rounding import CompactCodes
 from fp4rl.fp4.tensor import NVFP4Tensor
 from fp4rl.kernels.launch import (
     CONFIGS,
-    LAUNCH_OPTIONS,
     TileConfig,
     check_contiguous,
     check_device,
@@ -59,11 +58,12 @@ def _guided_kernel(
     FAKE: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     rows_R = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok_R = rows_R < R
     s_R = tl.load(scale_G + rows_R // rows_per_group, mask=row_ok_R, other=0.0)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         x_even, x_odd = load_pairs(x_RK, rows_R, row_ok_R, k0, K, BLOCK_R, BLOCK_K)
         block_amax_bits = tl.max(tl.maximum(abs_bits(x_even), abs_bits(x_odd)), axis=2)
         rollout_byte = load_block_scale_bytes(rollout_scale_RKB, rows_R, row_ok_R, k0, K, BLOCK_K)
@@ -84,30 +84,41 @@ def _guided_kernel(
         if FAKE:
             sf, s_R11 = block_scale[:, :, None], s_R[:, None, None]
             store_values(
-                fake_RK,
-                rows_R,
-                row_ok_R,
-                k0,
-                K,
-                dequantize_values(code_even, sf, s_R11),
-                dequantize_values(code_odd, sf, s_R11),
-                BLOCK_R,
-                BLOCK_K,
-            )
+                fake_RK, rows_R, row_ok_R, k0, K, dequantize_values(code_even, sf, s_R11),
+                dequantize_values(code_odd, sf, s_R11), BLOCK_R, BLOCK_K,
+            )  # fmt: skip
         else:
             store_codes(
-                codes_RK2,
-                block_scale_RKB,
-                rows_R,
-                row_ok_R,
-                k0,
-                K,
-                code_even,
-                code_odd,
-                block_byte,
-                BLOCK_R,
-                BLOCK_K,
-            )
+                codes_RK2, block_scale_RKB, rows_R, row_ok_R, k0, K, code_even, code_odd,
+                block_byte, BLOCK_R, BLOCK_K,
+            )  # fmt: skip
+
+
+def check_guidance(x: torch.Tensor, guidance: NVFP4Tensor | CompactCodes) -> torch.Tensor:
+    """The rollout's codes or mantissa bits, once its tensors are checked against x."""
+    if isinstance(guidance, CompactCodes):
+        guide, what = guidance.mantissa_bits, "compact guidance"
+    elif isinstance(guidance, NVFP4Tensor):
+        guide, what = guidance.codes, "rollout codes"
+    else:
+        raise TypeError(f"guidance must be NVFP4Tensor or CompactCodes, got {type(guidance)}")
+    if guidance.shape != x.shape:
+        raise ValueError(f"{what} of shape {tuple(guidance.shape)} for x {tuple(x.shape)}")
+    blocks_shape = (*x.shape[:-1], x.shape[-1] // BLOCK_SIZE)
+    if guidance.block_scale.shape != blocks_shape:
+        raise ValueError(
+            f"guidance block_scale {tuple(guidance.block_scale.shape)} does not match x "
+            f"{tuple(x.shape)} (expected {blocks_shape})"
+        )
+    dtypes = (guide.dtype, guidance.block_scale.dtype, guidance.global_scale.dtype)
+    if dtypes != (torch.uint8, torch.float8_e4m3fn, torch.float32):
+        raise TypeError(f"{what} needs uint8, float8_e4m3fn and float32 tensors; got {dtypes}")
+    check_device(what, guide, x.device)
+    check_device("guidance block_scale", guidance.block_scale, x.device)
+    check_device("guidance global_scale", guidance.global_scale, x.device)
+    check_contiguous(what, guide)
+    check_contiguous("guidance block_scale", guidance.block_scale)
+    return guide
 
 
 def launch(
@@ -120,39 +131,9 @@ def launch(
     """Guided quantization of ``x [..., K]`` with the rollout's scales (and codes or mantissa
     bits); with ``fake``, ``reference.dequantize`` of that result in x's dtype instead."""
     check_x(x)
-    compact = isinstance(guidance, CompactCodes)
-    if compact:
-        guide, what = guidance.mantissa_bits, "compact guidance"
-    elif isinstance(guidance, NVFP4Tensor):
-        guide, what = guidance.codes, "rollout codes"
-    else:
-        raise TypeError(f"guidance must be NVFP4Tensor or CompactCodes, got {type(guidance)}")
-    if guidance.shape != x.shape:
-        raise ValueError(f"{what} of shape {tuple(guidance.shape)} for x {tuple(x.shape)}")
-    k = x.shape[-1]
-    blocks_shape = (*x.shape[:-1], k // BLOCK_SIZE)
-    if guidance.block_scale.shape != blocks_shape:
-        raise ValueError(
-            f"guidance block_scale {tuple(guidance.block_scale.shape)} does not match x "
-            f"{tuple(x.shape)} (expected {blocks_shape})"
-        )
-    if guidance.block_scale.dtype != torch.float8_e4m3fn or guide.dtype != torch.uint8:
-        raise TypeError(
-            f"guidance must hold uint8 codes and float8_e4m3fn block scales; got "
-            f"{guide.dtype} and {guidance.block_scale.dtype}"
-        )
-    if guidance.global_scale.dtype != torch.float32:
-        raise TypeError(f"guidance global_scale must be float32, got {guidance.global_scale.dtype}")
-    for name, t in (
-        ("guidance codes", guide),
-        ("guidance block_scale", guidance.block_scale),
-        ("guidance global_scale", guidance.global_scale),
-    ):
-        check_device(name, t, x.device)
-    check_contiguous("guidance codes", guide)
-    check_contiguous("guidance block_scale", guidance.block_scale)
+    guide = check_guidance(x, guidance)
     scale_G, group_rows = scale_per_group("guidance global_scale", guidance.global_scale, x.shape)
-
+    k = x.shape[-1]
     x_RK = x.view(-1, k)
     num_rows = x_RK.shape[0]
     if fake:  # the codes and scales are never stored: any pointer will do for them
@@ -161,28 +142,15 @@ def launch(
     else:
         fake_RK = x_RK  # never stored
         codes = torch.empty((*x.shape[:-1], k // 2), dtype=torch.uint8, device=x.device)
-        block_scale = torch.empty(blocks_shape, dtype=torch.uint8, device=x.device)
+        block_scale = torch.empty_like(guidance.block_scale, dtype=torch.uint8)
     if num_rows:
-        block_r, block_k = config.shape(num_rows, k)
+        grid, meta = config.launch(num_rows, k)
         with device_of(x):
-            _guided_kernel[(triton.cdiv(num_rows, block_r),)](
-                x_RK,
-                guide,
-                guidance.block_scale.view(torch.uint8),
-                scale_G,
-                codes,
-                block_scale,
-                fake_RK,
-                num_rows,
-                k,
-                group_rows,
-                COMPACT=compact,
-                FAKE=fake,
-                BLOCK_R=block_r,
-                BLOCK_K=block_k,
-                num_warps=config.num_warps,
-                **LAUNCH_OPTIONS,
-            )
+            _guided_kernel[grid](
+                x_RK, guide, guidance.block_scale.view(torch.uint8), scale_G, codes, block_scale,
+                fake_RK, num_rows, k, group_rows,
+                COMPACT=isinstance(guidance, CompactCodes), FAKE=fake, **meta,
+            )  # fmt: skip
     if fake:
         return fake_RK.view(x.shape)
     return NVFP4Tensor(

@@ -19,32 +19,39 @@ from fp4rl.fp4 import reference
 @dataclass(frozen=True, slots=True)
 class TileConfig:
     """Work of one program per step: ``block_k`` columns (a power of two >= 16) of enough rows
-    to make ``tile`` elements; memory-bound, so sized for 16-byte loads and enough bytes in
-    flight rather than for arithmetic."""
+    to make ``tile`` elements. The kernels are memory-bound: tiles are sized for 16-byte loads
+    and bytes in flight, and ``num_stages > 1`` prefetches the next chunk (cp.async)."""
 
     block_k: int
     tile: int
     num_warps: int
+    num_stages: int
 
-    def shape(self, num_rows: int, k: int) -> tuple[int, int]:
-        """(BLOCK_R, BLOCK_K) for ``[num_rows, k]``: no wider than the row, no taller than R."""
+    def launch(self, num_rows: int, k: int) -> tuple[tuple[int], dict]:
+        """(grid, launch keywords) for ``[num_rows, k]``: a tile no wider than the row and no
+        taller than R."""
         block_k = min(self.block_k, triton.next_power_of_2(k))
         block_r = min(max(1, self.tile // block_k), triton.next_power_of_2(max(num_rows, 1)))
-        return block_r, block_k
+        meta = dict(
+            BLOCK_R=block_r,
+            BLOCK_K=block_k,
+            NUM_STAGES=self.num_stages,
+            num_warps=self.num_warps,
+            # No result here depends on FMA contraction (products feed additions only where
+            # they are exact); fixing it off keeps triton versions' defaults out of the picture.
+            enable_fp_fusion=False,
+        )
+        return (triton.cdiv(num_rows, block_r),), meta
 
 
 CONFIGS = {
-    # 4 rows x 1024 columns: 7 chunks of a 7168-wide row, 8 values per thread per load.
-    "default": TileConfig(block_k=1024, tile=4096, num_warps=4),
-    # 2 rows x 2048 columns, more bytes in flight per program.
-    "wide": TileConfig(block_k=2048, tile=4096, num_warps=8),
-    # A whole row up to 8192 values in one chunk, so the per-row pass 2 re-reads L1, not L2.
-    "row": TileConfig(block_k=8192, tile=8192, num_warps=8),
+    # 4 rows x 1024 columns (7 chunks of a 7168-wide row), the next chunk prefetched.
+    "default": TileConfig(block_k=1024, tile=4096, num_warps=4, num_stages=3),
+    # The same tile without prefetch: latency hidden by occupancy alone.
+    "plain": TileConfig(block_k=1024, tile=4096, num_warps=4, num_stages=1),
+    # A whole row up to 8192 values in one chunk: per-row pass 2 re-reads L1 rather than L2.
+    "row": TileConfig(block_k=8192, tile=8192, num_warps=8, num_stages=1),
 }
-
-# Launch options for every kernel. FP contraction off: no result here depends on it (products
-# feed additions only where they are exact), and fixing it keeps triton versions from differing.
-LAUNCH_OPTIONS = {"enable_fp_fusion": False}
 
 
 def interpreting() -> bool:

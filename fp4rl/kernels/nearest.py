@@ -25,7 +25,6 @@ from fp4rl.fp4.tensor import NVFP4Tensor
 from fp4rl.kernels import amax
 from fp4rl.kernels.launch import (
     CONFIGS,
-    LAUNCH_OPTIONS,
     TileConfig,
     check_device,
     check_x,
@@ -61,6 +60,7 @@ def _quantize_kernel(
     FAKE: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     rows_R = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok_R = rows_R < R
@@ -70,7 +70,7 @@ def _quantize_kernel(
     else:
         if SCALE_SOURCE == "row_amax":
             amax_bits_R = tl.zeros([BLOCK_R], tl.int32)
-            for k0 in range(0, K, BLOCK_K):
+            for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
                 x_even, x_odd = load_pairs(x_RK, rows_R, row_ok_R, k0, K, BLOCK_R, BLOCK_K)
                 pair_max = tl.maximum(abs_bits(x_even), abs_bits(x_odd))
                 amax_bits_R = tl.maximum(amax_bits_R, tl.max(tl.max(pair_max, axis=2), axis=1))
@@ -80,7 +80,7 @@ def _quantize_kernel(
         if not FAKE:  # one store per group: by the program holding its first row
             tl.store(global_scale_G + group_R, s_R, mask=row_ok_R & (rows_R % rows_per_group == 0))
     s_R1 = s_R[:, None]
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         x_even, x_odd = load_pairs(x_RK, rows_R, row_ok_R, k0, K, BLOCK_R, BLOCK_K)
         block_amax_bits = tl.max(tl.maximum(abs_bits(x_even), abs_bits(x_odd)), axis=2)
         # A block holding inf/NaN is poisoned even under a finite caller-given global scale.
@@ -96,30 +96,15 @@ def _quantize_kernel(
         if FAKE:
             sf = block_scale[:, :, None]
             store_values(
-                fake_RK,
-                rows_R,
-                row_ok_R,
-                k0,
-                K,
+                fake_RK, rows_R, row_ok_R, k0, K,
                 dequantize_values(code_even, sf, s_R[:, None, None]),
-                dequantize_values(code_odd, sf, s_R[:, None, None]),
-                BLOCK_R,
-                BLOCK_K,
-            )
+                dequantize_values(code_odd, sf, s_R[:, None, None]), BLOCK_R, BLOCK_K,
+            )  # fmt: skip
         else:
             store_codes(
-                codes_RK2,
-                block_scale_RKB,
-                rows_R,
-                row_ok_R,
-                k0,
-                K,
-                code_even,
-                code_odd,
-                block_byte,
-                BLOCK_R,
-                BLOCK_K,
-            )
+                codes_RK2, block_scale_RKB, rows_R, row_ok_R, k0, K, code_even, code_odd,
+                block_byte, BLOCK_R, BLOCK_K,
+            )  # fmt: skip
 
 
 def launch(
@@ -160,25 +145,12 @@ def launch(
             source, scale_in = "row_amax", x_RK  # never read
         else:
             source, scale_in = "group_amax", amax.group_amax_bits(x_RK, group_rows, config)
-        block_r, block_k = config.shape(num_rows, k)
+        grid, meta = config.launch(num_rows, k)
         with device_of(x):
-            _quantize_kernel[(triton.cdiv(num_rows, block_r),)](
-                x_RK,
-                codes,
-                block_scale,
-                fake_RK,
-                scale_in,
-                s,
-                num_rows,
-                k,
-                group_rows,
-                SCALE_SOURCE=source,
-                FAKE=fake,
-                BLOCK_R=block_r,
-                BLOCK_K=block_k,
-                num_warps=config.num_warps,
-                **LAUNCH_OPTIONS,
-            )
+            _quantize_kernel[grid](
+                x_RK, codes, block_scale, fake_RK, scale_in, s, num_rows, k, group_rows,
+                SCALE_SOURCE=source, FAKE=fake, **meta,
+            )  # fmt: skip
     if fake:
         return fake_RK.view(x.shape)
     return NVFP4Tensor(

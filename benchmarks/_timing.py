@@ -1,0 +1,58 @@
+"""Timing shared by the benchmarks: medians of CUDA-event timings over inputs rotated past L2.
+
+Each repeat enqueues one call per input buffer between two events and keeps the mean per call,
+so the GPU stays busy while Python launches the next call and no call finds its input in L2
+(give enough distinct buffers to exceed the L2 together). The median over repeats is reported.
+On a machine without CUDA (smoke runs under TRITON_INTERPRET) wall-clock time stands in.
+"""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+
+def median_ms(fn: Callable, inputs: Sequence, *, warmup: int, repeats: int) -> float:
+    """Median over ``repeats`` of the mean milliseconds of ``fn(inp)`` for inp in ``inputs``."""
+    for i in range(warmup):
+        fn(inputs[i % len(inputs)])
+    cuda = torch.cuda.is_available()
+    times = []
+    for _ in range(repeats):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for inp in inputs:
+                fn(inp)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / len(inputs))
+        else:
+            t0 = time.perf_counter()
+            for inp in inputs:
+                fn(inp)
+            times.append((time.perf_counter() - t0) * 1e3 / len(inputs))
+    return statistics.median(times)
+
+
+def run_header(command: str) -> str:
+    """Command, device, versions, date and commit: what a benchmark figure is quoted with."""
+    import triton
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    return (
+        f"`{command}` on {device or 'CPU'}, torch {torch.__version__}, triton "
+        f"{triton.__version__}, {datetime.date.today().isoformat()}, commit {commit}"
+    )
