@@ -123,28 +123,29 @@ def launch(
     x_RK = x.view(-1, k)
     num_rows = x_RK.shape[0]
     group_rows = rows_per_group(x.shape, g)
-    scale_shape = reference.global_scale_shape(x.shape, g)
     if global_scale is not None:
-        check_device("global_scale", global_scale, x.device)
-        # The reference's own checks (dtype, broadcast) and its contiguous [groups] layout.
-        given = reference.resolve_global_scale(x, scaling, global_scale)
-    elif num_rows == 0 and group_rows == 0 and 0 not in scale_shape:
-        raise ValueError(f"scaling={scaling!r} makes empty groups for x of shape {tuple(x.shape)}")
-    if fake:  # the codes and scales are never stored: any pointer will do for them
+        # The reference's own checks (dtype, broadcast) and its contiguous per-group layout.
+        s = reference.resolve_global_scale(x, scaling, global_scale)
+        check_device("global_scale", s, x.device)
+        source = "given"
+    else:
+        scale_shape = reference.global_scale_shape(x.shape, g)
+        s = torch.empty(scale_shape, dtype=torch.float32, device=x.device)
+        if num_rows == 0 and group_rows == 0 and s.numel():
+            raise ValueError(f"scaling={scaling!r} makes empty groups for x {tuple(x.shape)}")
+        source = "row_amax" if group_rows == 1 else "group_amax"
+    if fake:  # the codes and block scales are never stored: any pointer will do for them
         fake_RK = torch.empty_like(x_RK)
-        codes = block_scale = s = fake_RK
+        codes = block_scale = fake_RK
     else:
         fake_RK = x_RK  # never stored
         codes = torch.empty((*x.shape[:-1], k // 2), dtype=torch.uint8, device=x.device)
         block_scale = torch.empty((*x.shape[:-1], k // 16), dtype=torch.uint8, device=x.device)
-        s = given if global_scale is not None else torch.empty(scale_shape, device=x.device)
     if num_rows:
-        if global_scale is not None:
-            source, scale_in = "given", given
-        elif group_rows == 1:
-            source, scale_in = "row_amax", x_RK  # never read
+        if source == "group_amax":
+            scale_in = amax.group_amax_bits(x_RK, group_rows, config)
         else:
-            source, scale_in = "group_amax", amax.group_amax_bits(x_RK, group_rows, config)
+            scale_in = s if source == "given" else x_RK  # x_RK: never read
         grid, meta = config.launch(num_rows, k)
         with device_of(x):
             _quantize_kernel[grid](

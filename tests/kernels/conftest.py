@@ -13,13 +13,13 @@ import pytest
 import torch
 
 ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    if "fp4rl.kernels" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError(
-            "fp4rl.kernels was imported before tests/kernels/conftest.py could set "
-            "TRITON_INTERPRET=1; run with TRITON_INTERPRET=1 in the environment"
-        )
+if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
     os.environ["TRITON_INTERPRET"] = "1"
+    # If a test collected earlier imported the kernels compiled-style, import them afresh.
+    for name in [n for n in sys.modules if n == "fp4rl.kernels" or n.startswith("fp4rl.kernels.")]:
+        del sys.modules[name]
+    if "fp4rl" in sys.modules:
+        vars(sys.modules["fp4rl"]).pop("kernels", None)
 
 
 @pytest.fixture

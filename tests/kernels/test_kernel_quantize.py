@@ -182,13 +182,18 @@ def test_bad_inputs_name_the_offending_value(device, monkeypatch):
     with pytest.raises(ValueError, match="scaling must be"):
         kernels.quantize(torch.randn(4, 32, device=device), scaling="col")
     with pytest.raises(TypeError, match="global_scale must be float32"):
-        kernels.quantize(torch.randn(4, 32, device=device), global_scale=torch.ones(1, 1).double())
+        kernels.quantize(
+            torch.randn(4, 32, device=device), global_scale=torch.ones(1, 1, device=device).double()
+        )
     with pytest.raises(ValueError, match="does not broadcast"):
         kernels.quantize(
             torch.randn(4, 32, device=device),
             scaling="row",
             global_scale=torch.ones(3, 1, device=device),
         )
+    if device == "cuda":
+        with pytest.raises(ValueError, match="global_scale must be on cuda"):
+            kernels.quantize(torch.randn(4, 32, device=device), global_scale=torch.ones(1, 1))
     monkeypatch.setattr(launch, "interpreting", lambda: False)
     with pytest.raises(ValueError, match="CUDA tensor.*got device cpu"):
         kernels.quantize(torch.randn(4, 32))
