@@ -15,37 +15,10 @@ import statistics
 import torch
 
 from fp4rl.model.attention import CausalAttention
-from fp4rl.model.config import ModelConfig
 from fp4rl.model.logprobs import token_logprobs
 from fp4rl.model.precision import PrecisionConfig
+from fp4rl.model.presets import qwen3_30b_a3b
 from fp4rl.model.transformer import build_model
-
-
-def qwen3_30b_a3b(layers: int, vocab: int) -> ModelConfig:
-    return ModelConfig(
-        architecture="qwen3_moe",
-        vocab_size=vocab,
-        hidden_size=2048,
-        intermediate_size=6144,
-        moe_intermediate_size=768,
-        num_hidden_layers=layers,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        head_dim=128,
-        rms_norm_eps=1e-6,
-        rope_theta=1e6,
-        max_position_embeddings=40960,
-        num_experts=128,
-        num_experts_per_tok=8,
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=(),
-        shared_expert_intermediate_size=0,
-        qk_norm=True,
-        attention_bias=False,
-        tie_word_embeddings=False,
-    )
-
 
 VARIANTS = {
     "bf16": PrecisionConfig(experts="bf16"),
@@ -94,7 +67,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--variants", default="bf16,qat,qat+kv")
     args = parser.parse_args()
-    config = qwen3_30b_a3b(args.layers, args.vocab)
+    config = qwen3_30b_a3b(num_hidden_layers=args.layers, vocab_size=args.vocab)
     seq_lens = [args.seq_len] * args.seqs
     g = torch.Generator(device="cuda").manual_seed(0)
     tokens_T = torch.randint(0, args.vocab, (sum(seq_lens),), device="cuda", generator=g)

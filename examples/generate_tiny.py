@@ -11,35 +11,13 @@ import tempfile
 import torch
 
 from fp4rl.model.checkpoint import save_checkpoint
-from fp4rl.model.config import ModelConfig
 from fp4rl.model.precision import PrecisionConfig
+from fp4rl.model.presets import tiny_qwen3_moe
 from fp4rl.model.transformer import build_model, init_weights
 from fp4rl.rollout import Engine, EngineConfig, SamplingParams
 from fp4rl.rollout.records import capture_bytes_per_generated_token
 
-config = ModelConfig(
-    architecture="qwen3_moe",
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    moe_intermediate_size=32,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    rms_norm_eps=1e-6,
-    rope_theta=1e6,
-    max_position_embeddings=512,
-    num_experts=8,
-    num_experts_per_tok=2,
-    norm_topk_prob=True,
-    decoder_sparse_step=1,
-    mlp_only_layers=(),
-    shared_expert_intermediate_size=0,
-    qk_norm=True,
-    attention_bias=False,
-    tie_word_embeddings=False,
-)
+config = tiny_qwen3_moe(vocab_size=256, max_position_embeddings=512, mlp_only_layers=())
 # Layers 1 and 2 run NVFP4 experts and an NVFP4 KV cache; layers 0 and 3 stay BF16.
 precision = PrecisionConfig(kv_cache="nvfp4", bf16_first_layers=1, bf16_last_layers=1)
 

@@ -5,38 +5,13 @@ import torch
 
 from fp4rl.fp4 import reference as R
 from fp4rl.model.attention import CausalAttention
-from fp4rl.model.config import ModelConfig
 from fp4rl.model.experts import Experts
 from fp4rl.model.logprobs import token_logprobs
 from fp4rl.model.precision import PrecisionConfig, resolve_plan
+from fp4rl.model.presets import tiny_qwen3_moe
 from fp4rl.model.transformer import build_model, init_weights
 
-
-def tiny_config(**overrides) -> ModelConfig:
-    fields = dict(
-        architecture="qwen3_moe",
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-6,
-        rope_theta=1e6,
-        max_position_embeddings=256,
-        num_experts=8,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=(0,),
-        shared_expert_intermediate_size=0,
-        qk_norm=True,
-        attention_bias=False,
-        tie_word_embeddings=False,
-    )
-    return ModelConfig(**{**fields, **overrides})
+tiny_config = tiny_qwen3_moe
 
 
 FP4_EVERYWHERE = PrecisionConfig(bf16_first_layers=0, bf16_last_layers=0, kv_cache="nvfp4")

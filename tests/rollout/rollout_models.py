@@ -14,35 +14,13 @@ import torch
 from fp4rl.model.attention import CausalAttention
 from fp4rl.model.config import ModelConfig
 from fp4rl.model.precision import PrecisionConfig
+from fp4rl.model.presets import tiny_qwen3_moe
 from fp4rl.model.transformer import build_model, init_weights
 from fp4rl.model.weights import load_weights
 
 
 def tiny_config(**overrides) -> ModelConfig:
-    fields = dict(
-        architecture="qwen3_moe",
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-6,
-        rope_theta=1e4,
-        max_position_embeddings=256,
-        num_experts=8,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=(0,),
-        shared_expert_intermediate_size=0,
-        qk_norm=True,
-        attention_bias=False,
-        tie_word_embeddings=False,
-    )
-    return ModelConfig(**{**fields, **overrides})
+    return tiny_qwen3_moe(**{"rope_theta": 1e4, **overrides})
 
 
 def tiny_precision(kv_cache: str = "bf16", experts: str = "nvfp4") -> PrecisionConfig:
