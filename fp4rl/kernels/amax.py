@@ -17,7 +17,8 @@ from fp4rl.kernels.launch import CONFIGS, TileConfig, device_of
 from fp4rl.kernels.numerics import abs_bits, upcast_exact
 
 
-@triton.jit
+# Row counts change with every batch: no recompiling for R == 1 or R % 16 == 0.
+@triton.jit(do_not_specialize=["R", "rows_per_group"])
 def _group_amax_kernel(
     x_RK,
     amax_bits_G,

@@ -25,7 +25,8 @@ from fp4rl.kernels.numerics import dequantize_values, e4m3_value
 from fp4rl.kernels.tiles import load_block_scale_bytes, load_code_pairs, store_values
 
 
-@triton.jit
+# Row counts change with every batch: no recompiling for R == 1 or R % 16 == 0.
+@triton.jit(do_not_specialize=["R", "rows_per_group"])
 def _dequantize_kernel(
     codes_RK2,
     block_scale_RKB,

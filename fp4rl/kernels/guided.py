@@ -42,7 +42,8 @@ from fp4rl.kernels.tiles import (
 )
 
 
-@triton.jit
+# Row counts change with every batch: no recompiling for R == 1 or R % 16 == 0.
+@triton.jit(do_not_specialize=["R", "rows_per_group"])
 def _guided_kernel(
     x_RK,
     guide_RKG,

@@ -31,7 +31,7 @@ class TileConfig:
         """(grid, launch keywords) for ``[num_rows, k]``: a tile no wider than the row and no
         taller than R."""
         block_k = min(self.block_k, triton.next_power_of_2(k))
-        block_r = min(max(1, self.tile // block_k), triton.next_power_of_2(max(num_rows, 1)))
+        block_r = max(1, self.tile // block_k)
         meta = dict(
             BLOCK_R=block_r,
             BLOCK_K=block_k,

@@ -45,7 +45,8 @@ from fp4rl.kernels.numerics import (
 from fp4rl.kernels.tiles import load_pairs, store_codes, store_values
 
 
-@triton.jit
+# Row counts change with every batch: no recompiling for R == 1 or R % 16 == 0.
+@triton.jit(do_not_specialize=["R", "rows_per_group"])
 def _quantize_kernel(
     x_RK,
     codes_RK2,
