@@ -28,8 +28,11 @@ class TileConfig:
     num_stages: int
 
     def launch(self, num_rows: int, k: int) -> tuple[tuple[int], dict]:
-        """(grid, launch keywords) for ``[num_rows, k]``: a tile no wider than the row and no
-        taller than R."""
+        """(grid, launch keywords) for ``[num_rows, k]``: a tile no wider than the row.
+
+        BLOCK_R does not shrink for small R: masked rows cost no memory traffic, and a tile
+        that depends on K alone compiles once per K rather than once per batch size.
+        """
         block_k = min(self.block_k, triton.next_power_of_2(k))
         block_r = max(1, self.tile // block_k)
         meta = dict(
