@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp4rl.fp4 import NVFP4Tensor, dequantize, quantize
-from fp4rl.model.sites import Capture, Fp4Site, GuidanceMap, straight_through
+from fp4rl.fp4 import NVFP4Tensor, dequantize, fake_quantize, quantize
+from fp4rl.model.sites import Capture, Fp4Site, GuidanceMap
 
 
 def grouped_mm(x_AK: torch.Tensor, w_ENK: torch.Tensor, counts_E: list[int]) -> torch.Tensor:
@@ -93,10 +93,8 @@ class QatExperts(Experts):
         self._hidden = Fp4Site(layer, "expert_hidden", guided)
 
     def weights(self):
-        return tuple(
-            straight_through(w, dequantize(quantize(w.detach(), scaling=2), w.dtype))
-            for w in (self.w13, self.w2)
-        )
+        # One global scale per expert: over W1 and W3 together in w13, over W2 alone in w2.
+        return fake_quantize(self.w13, scaling=2), fake_quantize(self.w2, scaling=2)
 
     def input_site(self, x_TH, guidance, capture):
         return self._input(x_TH, guidance, capture)

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from fp4rl.fp4 import CompactCodes, NVFP4Tensor, dequantize, quantize_site
+from fp4rl.fp4 import CompactCodes, NVFP4Tensor, dequantize, fake_quantize, quantize_site
 
 SiteKey = tuple[int, str]  # (decoder layer index, site name)
 # A None value means "round this site to nearest" on purpose (compact guidance leaves out the
@@ -72,13 +72,14 @@ class Fp4Site:
         g = self._guidance(guidance)
         if g is not None and row_order is not None:
             g = _rows(g, torch.argsort(row_order.flatten()))
+        if capture is None:  # the trainer's path: values only, one fused kernel on the GPU
+            return fake_quantize(x, scaling="row", guidance=g)
         t = quantize_site(x.detach(), scaling="row", guidance=g)
-        if capture is not None:
-            record = t
-            if row_order is not None:
-                lead = row_order.shape
-                record = _rows(t, row_order.flatten()).map(lambda m: m.view(*lead, m.shape[-1]))
-            capture.record(self.layer, self.name, record)
+        record = t
+        if row_order is not None:
+            lead = row_order.shape
+            record = _rows(t, row_order.flatten()).map(lambda m: m.view(*lead, m.shape[-1]))
+        capture.record(self.layer, self.name, record)
         return straight_through(x, dequantize(t, x.dtype))
 
     def _guidance(self, guidance: GuidanceMap | None):
