@@ -279,7 +279,7 @@ def _plan(
             continue
         slot = table.get(name) or _fused_slot(name, config)
         if slot is None:
-            problems.unexpected.append(name)
+            problems.unexpected.append(name + _expert_hint(name, config))
             continue
         # A fused tensor fills every piece of its parameter; overlaps are duplicates.
         for piece in pieces_of[slot.name] if slot.expert is None else [slot]:
@@ -304,6 +304,17 @@ def _plan(
     problems.dtype += [f"{n}: pieces mix {sorted(d)}" for n, d in dtypes_of.items() if len(d) > 1]
     problems.raise_if_any(f"checkpoint {path} does not match its {config.architecture} config")
     return sources, tied_head
+
+
+def _expert_hint(name: str, config: ModelConfig) -> str:
+    """Why an expert name outside the routed-expert range is refused."""
+    match = re.search(r"\.mlp\.experts\.(\d+)\.", name)
+    if match is None or int(match.group(1)) < config.num_experts:
+        return ""
+    return (
+        f" (expert {match.group(1)} >= num_experts={config.num_experts}: a shared expert fused "
+        "into the routed experts? fp4rl keeps the shared expert separate and BF16)"
+    )
 
 
 def _fused_slot(name: str, config: ModelConfig) -> Slot | None:

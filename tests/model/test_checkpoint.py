@@ -221,6 +221,21 @@ def test_load_reports_missing_unexpected_and_duplicate_together(loaded, tmp_path
     assert f"duplicate (1):\n    {twice} is in {shards}" in message
 
 
+def test_load_refuses_a_shared_expert_stored_among_the_routed_ones(loaded, tmp_path):
+    _, saved, config, _ = loaded
+    tensors = read_dir(saved)
+    for proj in ("gate_proj", "up_proj", "down_proj"):  # a 9th "expert" in an 8-expert layer
+        tensors[f"model.layers.1.mlp.experts.8.{proj}.weight"] = tensors[
+            f"model.layers.1.mlp.experts.0.{proj}.weight"
+        ].clone()
+    write_shards(tmp_path / "bad", [tensors])
+    with pytest.raises(ValueError, match="unexpected \\(3\\)") as err:
+        load_state_dict(tmp_path / "bad", config)
+    assert "model.layers.1.mlp.experts.8.gate_proj.weight (expert 8 >= num_experts=8" in str(
+        err.value
+    )
+
+
 def test_load_reports_an_expert_given_twice(loaded, tmp_path):
     model, saved, config, _ = loaded
     tensors = read_dir(saved)  # per-expert layer 1, plus the fused copy of the same experts
