@@ -1,0 +1,125 @@
+"""Rollout throughput and the cost of alignment capture, on one GPU.
+
+    python benchmarks/generate.py            # one H200: a 4-layer Qwen3-30B-A3B-shaped model
+
+Generates the same prompts with the same seeds under several engine settings and reports
+generated tokens/s and capture bytes per generated token, each against the BF16-expert engine
+and the uncaptured NVFP4 engine measured in the same run. Every layer is MoE with NVFP4 experts
+(no BF16 boundary layers). The engine's compute is plain PyTorch (part 1): these figures are a
+baseline for the fast path, not a claim about it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from fp4rl.model.precision import PrecisionConfig
+from fp4rl.model.presets import qwen3_30b_a3b
+from fp4rl.model.transformer import build_model
+from fp4rl.model.weights import load_weights
+from fp4rl.rollout import Engine, EngineConfig, SamplingParams
+from fp4rl.rollout.records import capture_bytes_per_generated_token
+
+VARIANTS = {  # name: (experts, kv, capture_routing, guidance)
+    "bf16 experts, bf16 kv": ("bf16", "bf16", False, None),
+    "nvfp4 experts, nvfp4 kv": ("nvfp4", "nvfp4", False, None),
+    "+ routing record": ("nvfp4", "nvfp4", True, None),
+    "+ routing + full guidance": ("nvfp4", "nvfp4", True, "full"),
+    "+ routing + compact guidance": ("nvfp4", "nvfp4", True, "compact"),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--device", default="cuda", help="cpu runs a smoke check")
+    parser.add_argument("--hidden", type=int, default=None, help="override (smoke checks)")
+    args = parser.parse_args()
+    cuda = args.device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    shrink = (
+        {}
+        if args.hidden is None
+        else dict(
+            hidden_size=args.hidden, vocab_size=1024, num_experts=16, moe_intermediate_size=64
+        )
+    )
+    config = qwen3_30b_a3b(num_hidden_layers=args.layers, max_position_embeddings=4096, **shrink)
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, config.vocab_size, (args.prompts, args.prompt_len), generator=g)
+    prompts = prompts.tolist()
+    sampling = SamplingParams(
+        n=args.n, max_tokens=args.max_tokens, temperature=1.0, seed=0, ignore_eos=True
+    )
+    # One set of BF16 weights; each engine's model loads it (packed experts quantize at load).
+    source = build_model(config, PrecisionConfig(experts="bf16"), device=args.device)
+    with torch.no_grad():
+        for name, p in source.named_parameters():
+            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02)
+    weights = source.state_dict()
+    rows, base = [], {}
+    for name, (experts, kv, routing, guidance) in VARIANTS.items():
+        precision = PrecisionConfig(
+            experts=experts, kv_cache=kv, bf16_first_layers=0, bf16_last_layers=0
+        )
+        model = build_model(config, precision, fp4_experts="packed", device=args.device)
+        load_weights(model, weights)
+        engine = Engine(
+            model,
+            EngineConfig(
+                kv_format=kv,
+                kv_memory_bytes=8 << 30,
+                max_model_len=1024,
+                max_num_seqs=256,
+                capture_routing=routing,
+                guidance=guidance,
+            ),
+        )
+        engine.generate(prompts[:2], SamplingParams(n=1, max_tokens=4, seed=1))  # warm-up
+        sync()
+        start = time.perf_counter()
+        out = engine.generate(prompts, sampling)
+        sync()
+        seconds = time.perf_counter() - start
+        generated = sum(len(c.completion_ids) for c in out)
+        tok_s = generated / seconds
+        base.setdefault("bf16", tok_s)
+        if experts == "nvfp4" and not routing:
+            base["fp4"] = tok_s
+        capture = capture_bytes_per_generated_token(out)
+        rows.append(
+            f"| {name} | {seconds:.2f} | {tok_s:,.0f} | {tok_s / base['bf16']:.3f} | "
+            f"{tok_s / base.get('fp4', tok_s):.3f} | {capture['routing']:,.0f} | "
+            f"{capture['guidance']:,.0f} |"
+        )
+        del engine, model
+        if cuda:
+            torch.cuda.empty_cache()
+    table = "\n".join(
+        [
+            f"{torch.cuda.get_device_name() if cuda else 'CPU'}, {args.layers} layers, "
+            f"{args.prompts} prompts x "
+            f"{args.prompt_len} tokens, n={args.n}, {args.max_tokens} new tokens each",
+            "",
+            "| engine | seconds | generated tok/s | vs bf16 | vs nvfp4 uncaptured "
+            "| routing B/tok | guidance B/tok |",
+            "|---|---|---|---|---|---|---|",
+            *rows,
+        ]
+    )
+    print(table)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "generate.md"), "w") as f:
+            f.write(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
