@@ -1,10 +1,10 @@
 """Group amax of ``[R, K]`` rows: the first of the two passes of per-tensor / per-group quantize.
 
-Each program max-reduces the |x| bits of its rows and folds them into its groups' int32 slots
-with `atomic_max`. Max is order-free, so the result is deterministic; as bits of non-negative
-floats it is exact and keeps NaN and inf (above every finite value), which the quantize kernel
-turns into a poisoned (NaN) global scale. Per-row scaling never comes here: its amax is fused
-into the quantize kernel.
+Each program takes the amax of its rows (`tiles.row_amax`) and folds it into its groups' int32
+slots with `atomic_max` on the FP32 bits: max is order-free, so the result is deterministic, and
+bits of non-negative floats order like the floats. A non-finite row contributes NaN bits (above
++inf and every number), which the quantize kernel turns into a poisoned (NaN) global scale.
+Per-row scaling never comes here: its amax is fused into the quantize kernel.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4rl.kernels.launch import CONFIGS, TileConfig, device_of
-from fp4rl.kernels.numerics import abs_bits, upcast_exact
+from fp4rl.kernels.launch import CONFIGS, TileConfig, device_of, pair_view
+from fp4rl.kernels.tiles import row_amax
 
 
 # Row counts change with every batch: no recompiling for R == 1 or R % 16 == 0.
@@ -31,13 +31,9 @@ def _group_amax_kernel(
 ):
     rows_R = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok_R = rows_R < R
-    amax_bits_R = tl.zeros([BLOCK_R], tl.int32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        cols_C = k0 + tl.arange(0, BLOCK_K)
-        offsets = rows_R.to(tl.int64)[:, None] * K + cols_C[None, :]
-        mask = row_ok_R[:, None] & (cols_C < K)[None, :]
-        x_RC = upcast_exact(tl.load(x_RK + offsets, mask=mask, other=0.0))
-        amax_bits_R = tl.maximum(amax_bits_R, tl.max(abs_bits(x_RC), axis=1))
+    amax_R, finite_R = row_amax(x_RK, rows_R, row_ok_R, K, BLOCK_R, BLOCK_K, NUM_STAGES)
+    # As bits, NaN ranks above every number: a non-finite row poisons its group's maximum.
+    amax_bits_R = tl.where(finite_R, amax_R.to(tl.int32, bitcast=True), 0x7FC00000)
     # One atomic per program when all its rows share a group (per-tensor, large groups).
     first_group = (tl.program_id(0) * BLOCK_R) // rows_per_group
     last_group = (tl.minimum(tl.program_id(0) * BLOCK_R + BLOCK_R, R) - 1) // rows_per_group
@@ -65,6 +61,6 @@ def group_amax_bits(
     grid, meta = config.launch(num_rows, k)
     with device_of(x_RK):
         _group_amax_kernel[grid](
-            x_RK, amax_bits_G, num_rows, k, rows_per_group, **meta,
+            pair_view(x_RK), amax_bits_G, num_rows, k, rows_per_group, **meta,
         )  # fmt: skip
     return amax_bits_G

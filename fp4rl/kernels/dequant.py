@@ -21,7 +21,7 @@ from fp4rl.kernels.launch import (
     device_of,
     scale_per_group,
 )
-from fp4rl.kernels.numerics import dequantize_values, e4m3_value
+from fp4rl.kernels.numerics import e2m1_value, e4m3_value, scale_back
 from fp4rl.kernels.tiles import load_block_scale_bytes, load_code_pairs, store_values
 
 
@@ -47,8 +47,8 @@ def _dequantize_kernel(
         block_byte = load_block_scale_bytes(block_scale_RKB, rows_R, row_ok_R, k0, K, BLOCK_K)
         sf = e4m3_value(block_byte)[:, :, None]
         store_values(
-            out_RK, rows_R, row_ok_R, k0, K, dequantize_values(code_even, sf, s_R11),
-            dequantize_values(code_odd, sf, s_R11), BLOCK_R, BLOCK_K,
+            out_RK, rows_R, row_ok_R, k0, K, scale_back(e2m1_value(code_even), sf, s_R11),
+            scale_back(e2m1_value(code_odd), sf, s_R11), BLOCK_R, BLOCK_K,
         )  # fmt: skip
 
 

@@ -22,15 +22,16 @@ from fp4rl.kernels.launch import (
     check_device,
     check_x,
     device_of,
+    pair_view,
     scale_per_group,
 )
 from fp4rl.kernels.numerics import (
-    abs_bits,
     block_reciprocal,
-    dequantize_values,
     e2m1_guided,
+    e2m1_value,
     e4m3_value,
-    is_nonfinite,
+    poison,
+    scale_back,
 )
 from fp4rl.kernels.tiles import (
     load_bit_pairs,
@@ -66,9 +67,9 @@ def _guided_kernel(
     s_R = tl.load(scale_G + rows_R // rows_per_group, mask=row_ok_R, other=0.0)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         x_even, x_odd = load_pairs(x_RK, rows_R, row_ok_R, k0, K, BLOCK_R, BLOCK_K)
-        block_amax_bits = tl.max(tl.maximum(abs_bits(x_even), abs_bits(x_odd)), axis=2)
+        bad = tl.sum(poison(x_even) + poison(x_odd), axis=2) != 0.0  # inf or NaN in the block
         rollout_byte = load_block_scale_bytes(rollout_scale_RKB, rows_R, row_ok_R, k0, K, BLOCK_K)
-        block_byte = tl.where(is_nonfinite(block_amax_bits), 0x7F, rollout_byte)
+        block_byte = tl.where(bad, 0x7F, rollout_byte)
         block_scale = e4m3_value(block_byte)
         live, recip = block_reciprocal(block_scale, s_R[:, None])
         if COMPACT:
@@ -85,8 +86,8 @@ def _guided_kernel(
         if FAKE:
             sf, s_R11 = block_scale[:, :, None], s_R[:, None, None]
             store_values(
-                fake_RK, rows_R, row_ok_R, k0, K, dequantize_values(code_even, sf, s_R11),
-                dequantize_values(code_odd, sf, s_R11), BLOCK_R, BLOCK_K,
+                fake_RK, rows_R, row_ok_R, k0, K, scale_back(e2m1_value(code_even), sf, s_R11),
+                scale_back(e2m1_value(code_odd), sf, s_R11), BLOCK_R, BLOCK_K,
             )  # fmt: skip
         else:
             store_codes(
@@ -148,7 +149,8 @@ def launch(
         grid, meta = config.launch(num_rows, k)
         with device_of(x):
             _guided_kernel[grid](
-                x_RK, guide, guidance.block_scale.view(torch.uint8), scale_G, codes, block_scale,
+                pair_view(x_RK), guide, guidance.block_scale.view(torch.uint8), scale_G, codes,
+                block_scale,
                 fake_RK, num_rows, k, group_rows,
                 COMPACT=isinstance(guidance, CompactCodes), FAKE=fake, **meta,
             )  # fmt: skip

@@ -91,6 +91,12 @@ def check_contiguous(name: str, t: torch.Tensor) -> None:
         )
 
 
+def pair_view(x_RK: torch.Tensor) -> torch.Tensor:
+    """What the kernels load for x: bf16 as int32 pairs (unpacked by bit operations, which
+    also keeps the interpreter's lossy bf16 casts out of the way), other dtypes as they are."""
+    return x_RK.view(torch.int32) if x_RK.dtype == torch.bfloat16 else x_RK
+
+
 def device_of(t: torch.Tensor):
     """Make t's GPU the current one while launching (triton launches on the current device)."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()

@@ -29,20 +29,23 @@ from fp4rl.kernels.launch import (
     check_device,
     check_x,
     device_of,
+    pair_view,
     rows_per_group,
 )
 from fp4rl.kernels.numerics import (
-    abs_bits,
     block_ratio,
     block_reciprocal,
-    dequantize_values,
-    e2m1_rne,
+    e2m1_round,
     e4m3_rne_satfinite,
-    e4m3_value,
     global_scale_from_amax,
     is_nonfinite,
+    nan_like,
+    poison,
+    scale_back,
+    sign_bit,
+    with_sign_of,
 )
-from fp4rl.kernels.tiles import load_pairs, store_codes, store_values
+from fp4rl.kernels.tiles import load_pairs, row_amax, store_codes, store_values
 
 
 # Row counts change with every batch: no recompiling for R == 1 or R % 16 == 0.
@@ -70,38 +73,41 @@ def _quantize_kernel(
         s_R = tl.load(scale_in_G + group_R, mask=row_ok_R, other=0.0)
     else:
         if SCALE_SOURCE == "row_amax":
-            amax_bits_R = tl.zeros([BLOCK_R], tl.int32)
-            for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-                x_even, x_odd = load_pairs(x_RK, rows_R, row_ok_R, k0, K, BLOCK_R, BLOCK_K)
-                pair_max = tl.maximum(abs_bits(x_even), abs_bits(x_odd))
-                amax_bits_R = tl.maximum(amax_bits_R, tl.max(tl.max(pair_max, axis=2), axis=1))
+            amax_R, finite_R = row_amax(x_RK, rows_R, row_ok_R, K, BLOCK_R, BLOCK_K, NUM_STAGES)
+            s_R = global_scale_from_amax(amax_R, finite_R)
         else:
             amax_bits_R = tl.load(scale_in_G + group_R, mask=row_ok_R, other=0)
-        s_R = global_scale_from_amax(amax_bits_R)
+            amax_R = amax_bits_R.to(tl.float32, bitcast=True)
+            s_R = global_scale_from_amax(amax_R, ~is_nonfinite(amax_bits_R))
         if not FAKE:  # one store per group: by the program holding its first row
             tl.store(global_scale_G + group_R, s_R, mask=row_ok_R & (rows_R % rows_per_group == 0))
-    s_R1 = s_R[:, None]
+    s_R1, s_R11 = s_R[:, None], s_R[:, None, None]
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         x_even, x_odd = load_pairs(x_RK, rows_R, row_ok_R, k0, K, BLOCK_R, BLOCK_K)
-        block_amax_bits = tl.max(tl.maximum(abs_bits(x_even), abs_bits(x_odd)), axis=2)
-        # A block holding inf/NaN is poisoned even under a finite caller-given global scale.
-        block_byte = tl.where(
-            is_nonfinite(block_amax_bits),
-            0x7F,
-            e4m3_rne_satfinite(block_ratio(block_amax_bits, s_R1)),
-        )
-        block_scale = e4m3_value(block_byte)
+        block_amax = tl.max(tl.maximum(tl.abs(x_even), tl.abs(x_odd)), axis=2)
+        # A non-finite x makes its group's scale NaN, and so every block scale of the group,
+        # except under a caller's scale: then the blocks holding inf/NaN are poisoned alone.
+        block_byte, block_scale = e4m3_rne_satfinite(block_ratio(block_amax, s_R1))
+        if SCALE_SOURCE == "given":
+            bad = tl.sum(poison(x_even) + poison(x_odd), axis=2) != 0.0
+            block_byte = tl.where(bad, 0x7F, block_byte)
+            block_scale = tl.where(bad, nan_like(block_scale), block_scale)
         live, recip = block_reciprocal(block_scale, s_R1)
-        code_even = tl.where(live[:, :, None], e2m1_rne(x_even * recip[:, :, None]), 0)
-        code_odd = tl.where(live[:, :, None], e2m1_rne(x_odd * recip[:, :, None]), 0)
-        if FAKE:
+        live3, recip3 = live[:, :, None], recip[:, :, None]
+        y_even, y_odd = x_even * recip3, x_odd * recip3
+        index_even, magnitude_even = e2m1_round(y_even)
+        index_odd, magnitude_odd = e2m1_round(y_odd)
+        if FAKE:  # dead blocks hold code 0, i.e. +0
             sf = block_scale[:, :, None]
+            q_even = tl.where(live3, with_sign_of(magnitude_even, y_even), 0.0)
+            q_odd = tl.where(live3, with_sign_of(magnitude_odd, y_odd), 0.0)
             store_values(
-                fake_RK, rows_R, row_ok_R, k0, K,
-                dequantize_values(code_even, sf, s_R[:, None, None]),
-                dequantize_values(code_odd, sf, s_R[:, None, None]), BLOCK_R, BLOCK_K,
+                fake_RK, rows_R, row_ok_R, k0, K, scale_back(q_even, sf, s_R11),
+                scale_back(q_odd, sf, s_R11), BLOCK_R, BLOCK_K,
             )  # fmt: skip
         else:
+            code_even = tl.where(live3, index_even | sign_bit(y_even), 0)
+            code_odd = tl.where(live3, index_odd | sign_bit(y_odd), 0)
             store_codes(
                 codes_RK2, block_scale_RKB, rows_R, row_ok_R, k0, K, code_even, code_odd,
                 block_byte, BLOCK_R, BLOCK_K,
@@ -150,7 +156,7 @@ def launch(
         grid, meta = config.launch(num_rows, k)
         with device_of(x):
             _quantize_kernel[grid](
-                x_RK, codes, block_scale, fake_RK, scale_in, s, num_rows, k, group_rows,
+                pair_view(x_RK), codes, block_scale, fake_RK, scale_in, s, num_rows, k, group_rows,
                 SCALE_SOURCE=source, FAKE=fake, **meta,
             )  # fmt: skip
     if fake:

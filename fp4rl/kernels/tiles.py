@@ -7,13 +7,14 @@ the pair dimension right after the load packs codes without moving data between 
 multiple of 16 and BLOCK_K a power of two >= 16, so a chunk never splits a block.
 
 The per-row arrays a chunk touches have K / DIV entries per row: x and its fake-quant output
-(DIV 1), packed codes (2), compact mantissa bits (8), block scales (16).
+(DIV 1), packed codes and bf16 x seen as int32 pairs (2), compact mantissa bits (8), block
+scales (16).
 """
 
 import triton
 import triton.language as tl
 
-from fp4rl.kernels.numerics import cast_like_torch, upcast_exact
+from fp4rl.kernels.numerics import round_to
 
 
 @triton.jit
@@ -27,9 +28,20 @@ def chunk_offsets(rows_R, row_ok_R, k0, K, DIV: tl.constexpr, WIDTH: tl.constexp
 
 @triton.jit
 def load_pairs(x_RK, rows_R, row_ok_R, k0, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """x's chunk upcast exactly to FP32, as (even, odd) ``[BLOCK_R, NB, 8]``; 0 outside x."""
+    """x's chunk upcast exactly to FP32, as (even, odd) ``[BLOCK_R, NB, 8]``; 0 outside x.
+
+    bf16 x arrives as int32 pairs (`launch.pair_view`): a pair's two FP32 values are its high
+    and low halves moved to the top, two integer ops and no data movement between threads.
+    """
+    if x_RK.dtype.element_ty == tl.int32:
+        offsets, mask = chunk_offsets(rows_R, row_ok_R, k0, K, 2, BLOCK_K // 2)
+        pairs = tl.load(x_RK + offsets, mask=mask, other=0)
+        pairs = tl.reshape(pairs, [BLOCK_R, BLOCK_K // 16, 8])
+        return (pairs << 16).to(tl.float32, bitcast=True), (pairs & -65536).to(
+            tl.float32, bitcast=True
+        )
     offsets, mask = chunk_offsets(rows_R, row_ok_R, k0, K, 1, BLOCK_K)
-    x_RC = upcast_exact(tl.load(x_RK + offsets, mask=mask, other=0.0))
+    x_RC = tl.load(x_RK + offsets, mask=mask, other=0.0).to(tl.float32)
     return tl.split(tl.reshape(x_RC, [BLOCK_R, BLOCK_K // 16, 8, 2]))
 
 
@@ -95,4 +107,25 @@ def store_values(
     """Interleave (even, odd) FP32 values back into the chunk and store them in out's dtype."""
     values_RC = tl.reshape(tl.join(even, odd), [BLOCK_R, BLOCK_K])
     offsets, mask = chunk_offsets(rows_R, row_ok_R, k0, K, 1, BLOCK_K)
-    tl.store(out_RK + offsets, cast_like_torch(values_RC, out_RK.dtype.element_ty), mask=mask)
+    tl.store(out_RK + offsets, round_to(values_RC, out_RK.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def row_amax(
+    x_RK, rows_R, row_ok_R, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):  # fmt: skip
+    """``(max |x|, all finite)`` of each of the BLOCK_R rows, walking them chunk by chunk.
+
+    Accumulates elementwise and reduces once after the loop, so the loop has no cross-thread
+    shuffles. A non-finite value is flagged by summing ``x * 0`` (NaN for inf and NaN) with
+    multiply-adds: the GPU's `max.f32` drops NaN, so the max alone cannot tell.
+    """
+    amax = tl.zeros([BLOCK_R, BLOCK_K // 16, 8], tl.float32)
+    poison = tl.zeros([BLOCK_R, BLOCK_K // 16, 8], tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        even, odd = load_pairs(x_RK, rows_R, row_ok_R, k0, K, BLOCK_R, BLOCK_K)
+        amax = tl.maximum(amax, tl.maximum(tl.abs(even), tl.abs(odd)))
+        poison = tl.fma(even, 0.0, tl.fma(odd, 0.0, poison))
+    amax_R = tl.max(tl.max(amax, axis=2), axis=1)
+    return amax_R, tl.sum(tl.sum(poison, axis=2), axis=1) == 0.0
