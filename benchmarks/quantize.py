@@ -8,7 +8,9 @@ Every op is first checked bit for bit against the reference (CPU) on a slice, th
 CUDA events after warm-up, median over repeats, rotating through 3 distinct random (non-zero)
 inputs that each exceed the L2. Bytes are the op's minimal traffic (input read once, outputs
 written once); per-tensor quantize really reads x twice (amax pass, then quantize), shown
-separately. The copy baseline is ``dst.copy_(src)`` of the activation, counting read + write.
+separately. The copy baseline is ``dst.copy_(src)`` of the activation, counting read + write;
+"tile copy" is the kernels' own chunk walk (load, unpack, repack, store) without the NVFP4
+arithmetic, which separates memory access from rounding cost.
 """
 
 from __future__ import annotations
@@ -18,9 +20,40 @@ import os
 import sys
 
 import torch
-from _timing import median_ms, run_header
+
+if not torch.cuda.is_available():  # --quick on a CPU: kernels must be decorated interpreted
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from _timing import median_ms, run_header  # noqa: E402
+
+from fp4rl import kernels  # noqa: E402
+from fp4rl.fp4 import reference as R  # noqa: E402
+from fp4rl.fp4 import rounding  # noqa: E402
+from fp4rl.kernels import dequant, guided, nearest  # noqa: E402
+from fp4rl.kernels.launch import CONFIGS, TileConfig, pair_view  # noqa: E402
+from fp4rl.kernels.tiles import load_pairs, store_values  # noqa: E402
 
 NUM_BUFFERS = 3
+
+
+@triton.jit
+def _tile_copy_kernel(
+    x_RK, out_RK, R, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr
+):
+    rows_R = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok_R = rows_R < R
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        even, odd = load_pairs(x_RK, rows_R, row_ok_R, k0, K, BLOCK_R, BLOCK_K)
+        store_values(out_RK, rows_R, row_ok_R, k0, K, even, odd, BLOCK_R, BLOCK_K)
+
+
+def tile_copy(x_RK: torch.Tensor, config: TileConfig) -> torch.Tensor:
+    out = torch.empty_like(x_RK)
+    grid, meta = config.launch(*x_RK.shape)
+    _tile_copy_kernel[grid](pair_view(x_RK), out, *x_RK.shape, **meta)
+    return out
 
 
 def main() -> None:
@@ -28,16 +61,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny shapes; runs on a CPU")
     parser.add_argument("--configs", help="comma-separated tile configs to time (default: all)")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        if not args.quick:
-            sys.exit("needs a CUDA GPU; --quick runs a CPU smoke check under TRITON_INTERPRET")
-        os.environ["TRITON_INTERPRET"] = "1"  # before fp4rl.kernels is imported
-    from fp4rl import kernels
-    from fp4rl.fp4 import reference as R
-    from fp4rl.fp4 import rounding
-    from fp4rl.kernels import dequant, guided, nearest
-    from fp4rl.kernels.launch import CONFIGS
-
+    if not torch.cuda.is_available() and not args.quick:
+        sys.exit("needs a CUDA GPU; --quick runs a CPU smoke check under TRITON_INTERPRET")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows, k = (64, 256) if args.quick else (16384, 7168)  # activations [T, D]
     experts, n = (2, 32) if args.quick else (8, 4096)  # a layer's expert weights [E, N, D]
@@ -56,6 +81,8 @@ def main() -> None:
 
     # name, kernel(config) -> fn(input), inputs, reference fn(input), minimal bytes, bytes moved
     ops = [
+        ("tile copy (no arithmetic)", lambda c: lambda x: tile_copy(x, c), acts,
+         lambda x: x.clone(), 4 * act, None),
         ("quantize per-row [T, D]", lambda c: lambda x: nearest.launch(
             x, scaling="row", global_scale=None, fake=False, config=c),
          acts, lambda x: R.quantize(x, scaling="row"), 2 * act + nvfp4_bytes, None),
