@@ -16,7 +16,8 @@ global scales, dequantized values). All arithmetic is FP32, in this order:
    product is exact).
 
 Zero and non-finite groups: a group with ``global_scale == 0`` gets zero codes and zero block
-scales; a block with ``block_scale == 0`` gets zero codes. A poisoned group (any NaN or ±Inf in
+scales; a block with ``block_scale == 0`` gets zero codes. A caller-given global scale is flushed
+the same way below ``MIN_GLOBAL_SCALE``; a negative one is refused. A poisoned group (any NaN or ±Inf in
 it) gets a NaN global scale, NaN block scales (byte 0x7F) and zero codes, so every value of it
 dequantizes to NaN and never to a plausible finite number.
 """
@@ -171,12 +172,16 @@ def resolve_global_scale(
     if global_scale.dtype != torch.float32:
         raise TypeError(f"global_scale must be float32, got {global_scale.dtype}")
     try:
-        return global_scale.expand(shape).contiguous()
+        s = global_scale.expand(shape).contiguous()
     except RuntimeError as err:
         raise ValueError(
             f"global_scale of shape {tuple(global_scale.shape)} does not broadcast to the "
             f"{shape} that scaling={scaling!r} gives for x of shape {tuple(x.shape)}"
         ) from err
+    if (s < 0).any() or (torch.signbit(s) & s.isnan()).any():
+        raise ValueError(f"global_scale must be >= 0 or a positive NaN; got min {s.min().item()}")
+    # The same flush as for computed scales: a tiny scale would make 1 / (sf * s) infinite.
+    return torch.where(s < MIN_GLOBAL_SCALE, torch.zeros_like(s), s)
 
 
 def amax_of(*tensors: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:

@@ -180,5 +180,9 @@ def test_bad_scaling_and_global_scale_are_named():
         R.quantize(x, scaling="col")
     with pytest.raises(ValueError, match=r"\(3, 1\)"):
         R.quantize(x, scaling="row", global_scale=torch.ones(3, 1))
+    with pytest.raises(ValueError, match=r">= 0 or a positive NaN; got min -1.0"):
+        R.quantize(x, scaling="row", global_scale=-torch.ones(4, 1))
+    tiny = R.quantize(x, scaling="row", global_scale=torch.full((4, 1), 1e-36))
+    assert (tiny.global_scale == 0).all() and (tiny.codes == 0).all()
     with pytest.raises(TypeError, match="float32"):
         R.quantize(x, scaling="row", global_scale=torch.ones(4, 1, dtype=torch.float64))
