@@ -16,10 +16,10 @@ global scales, dequantized values). All arithmetic is FP32, in this order:
    product is exact).
 
 Zero and non-finite groups: a group with ``global_scale == 0`` gets zero codes and zero block
-scales; a block with ``block_scale == 0`` gets zero codes. A caller-given global scale is flushed
-the same way below ``MIN_GLOBAL_SCALE``; a negative one is refused. A poisoned group (any NaN or ±Inf in
-it) gets a NaN global scale, NaN block scales (byte 0x7F) and zero codes, so every value of it
-dequantizes to NaN and never to a plausible finite number.
+scales; a block with ``block_scale == 0`` gets zero codes. A caller-given global scale is
+flushed the same way below ``MIN_GLOBAL_SCALE``; a negative one is refused. A poisoned group
+(any NaN or ±Inf in it) gets a NaN global scale, NaN block scales (byte 0x7F) and zero codes, so
+every value of it dequantizes to NaN and never to a plausible finite number.
 """
 
 from __future__ import annotations

