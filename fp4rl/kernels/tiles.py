@@ -127,5 +127,17 @@ def row_amax(
         even, odd = load_pairs(x_RK, rows_R, row_ok_R, k0, K, BLOCK_R, BLOCK_K)
         amax = tl.maximum(amax, tl.maximum(tl.abs(even), tl.abs(odd)))
         poison = tl.fma(even, 0.0, tl.fma(odd, 0.0, poison))
+    return reduce_rows(amax, poison)
+
+
+@triton.jit
+def pairs_amax(even, odd):
+    """`row_amax` of one chunk already in registers (rows that fit in a single chunk)."""
+    return reduce_rows(tl.maximum(tl.abs(even), tl.abs(odd)), tl.fma(even, 0.0, odd * 0.0))
+
+
+@triton.jit
+def reduce_rows(amax, poison):
+    """Per-row ``(max, all finite)`` of elementwise ``[BLOCK_R, NB, 8]`` accumulators."""
     amax_R = tl.max(tl.max(amax, axis=2), axis=1)
     return amax_R, tl.sum(tl.sum(poison, axis=2), axis=1) == 0.0

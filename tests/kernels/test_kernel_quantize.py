@@ -166,10 +166,12 @@ def test_every_tile_config_matches_reference(device, config):
         x, scaling="row", global_scale=None, fake=False, config=launch.CONFIGS[config]
     )
     assert_nvfp4_equal(cpu(got), want, config)
-    fake = nearest.launch(
-        x, scaling="tensor", global_scale=None, fake=True, config=launch.CONFIGS[config]
-    )
-    assert_bitwise(fake, R.dequantize(R.quantize(x.cpu(), scaling="tensor"), x.dtype), config)
+    for scaling in ("tensor", "row"):  # per-row: one chunk ("row") or a chunked walk
+        fake = nearest.launch(
+            x, scaling=scaling, global_scale=None, fake=True, config=launch.CONFIGS[config]
+        )
+        want_fake = R.dequantize(R.quantize(x.cpu(), scaling=scaling), x.dtype)
+        assert_bitwise(fake, want_fake, config)
 
 
 def test_bad_inputs_name_the_offending_value(device, monkeypatch):
