@@ -9,6 +9,7 @@ On a machine without CUDA (smoke runs under TRITON_INTERPRET) wall-clock time st
 from __future__ import annotations
 
 import datetime
+import os
 import platform
 import statistics
 import subprocess
@@ -56,3 +57,12 @@ def run_header(command: str) -> str:
         f"`{command}` on {device or 'CPU'}, torch {torch.__version__}, triton "
         f"{triton.__version__}, {datetime.date.today().isoformat()}, commit {commit}"
     )
+
+
+def report(name: str, lines: Sequence[str]) -> None:
+    """Print a result table and, where OUT is set (the GPU machine), write it to OUT/name."""
+    table = "\n".join(lines)
+    print(table)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], name), "w") as f:
+            f.write(table + "\n")

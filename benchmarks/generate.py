@@ -12,10 +12,11 @@ baseline for the fast path, not a claim about it.
 from __future__ import annotations
 
 import argparse
-import os
+import sys
 import time
 
 import torch
+from _timing import report, run_header
 
 from fp4rl.model.precision import PrecisionConfig
 from fp4rl.model.presets import qwen3_30b_a3b
@@ -103,22 +104,20 @@ def main() -> None:
         del engine, model
         if cuda:
             torch.cuda.empty_cache()
-    table = "\n".join(
+    report(
+        "generate.md",
         [
-            f"{torch.cuda.get_device_name() if cuda else 'CPU'}, {args.layers} layers, "
-            f"{args.prompts} prompts x "
-            f"{args.prompt_len} tokens, n={args.n}, {args.max_tokens} new tokens each",
+            run_header("python benchmarks/generate.py " + " ".join(sys.argv[1:])),
+            "",
+            f"{args.layers} layers, {args.prompts} prompts x {args.prompt_len} tokens, "
+            f"n={args.n}, {args.max_tokens} new tokens each",
             "",
             "| engine | seconds | generated tok/s | vs bf16 | vs nvfp4 uncaptured "
             "| routing B/tok | guidance B/tok |",
             "|---|---|---|---|---|---|---|",
             *rows,
-        ]
+        ],
     )
-    print(table)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "generate.md"), "w") as f:
-            f.write(table + "\n")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ if not torch.cuda.is_available():  # --quick on a CPU: kernels must be decorated
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from _timing import median_ms, run_header  # noqa: E402
+from _timing import median_ms, report, run_header  # noqa: E402
 
 from fp4rl import kernels  # noqa: E402
 from fp4rl.fp4 import reference as R  # noqa: E402
@@ -139,11 +139,7 @@ def main() -> None:
                 f"| {name} | {config} | {ms * 1e3:.1f} | {gbs:.0f} | {100 * gbs / copy_gbs:.0f} "
                 f"| {moved_gbs} | {ref_ms * 1e3:.0f} | {ref_ms / ms:.1f}x |"
             )
-    table = "\n".join(lines)
-    print(table)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "quantize.md"), "w") as f:
-            f.write(table + "\n")
+    report("quantize.md", lines)
 
 
 def slice_input(inp, rows: int):

@@ -9,10 +9,11 @@ uses. Timed with CUDA events after warm-up; the median of the timed steps is rep
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
+import sys
 
 import torch
+from _timing import report, run_header
 
 from fp4rl.model.attention import CausalAttention
 from fp4rl.model.logprobs import token_logprobs
@@ -83,20 +84,19 @@ def main() -> None:
             f"| {tok_s / base:.3f} |"
         )
         torch.cuda.empty_cache()  # the variant's model is gone; give its memory back
-    table = "\n".join(
+    report(
+        "train_step.md",
         [
-            f"{torch.cuda.get_device_name()}, {args.layers} layers, {len(tokens_T)} tokens/step "
-            f"({args.seqs} x {args.seq_len}), forward+backward",
+            run_header("python benchmarks/train_step.py " + " ".join(sys.argv[1:])),
+            "",
+            f"{args.layers} layers, {len(tokens_T)} tokens/step ({args.seqs} x {args.seq_len}), "
+            "forward+backward",
             "",
             "| variant | params | step ms | tokens/s | vs bf16 |",
             "|---|---|---|---|---|",
             *rows,
-        ]
+        ],
     )
-    print(table)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "train_step.md"), "w") as f:
-            f.write(table + "\n")
 
 
 if __name__ == "__main__":
