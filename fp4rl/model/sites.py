@@ -30,6 +30,21 @@ class Capture(Protocol):
     def record_routing(self, layer: int, topk_ids_Tk: torch.Tensor) -> None: ...
 
 
+class SiteRecords:
+    """A `Capture` that keeps, per forward, the record of every site and each layer's routing:
+    what a trainer compares with the rollout's records (mismatch metrics, tests)."""
+
+    def __init__(self) -> None:
+        self.sites: dict[SiteKey, NVFP4Tensor] = {}
+        self.routing: dict[int, torch.Tensor] = {}
+
+    def record(self, layer: int, site: str, t: NVFP4Tensor) -> None:
+        self.sites[(layer, site)] = t
+
+    def record_routing(self, layer: int, topk_ids_Tk: torch.Tensor) -> None:
+        self.routing[layer] = topk_ids_Tk
+
+
 class _StraightThrough(torch.autograd.Function):
     """Forward returns the quantized value; backward hands the gradient to the original."""
 

@@ -9,6 +9,7 @@ from fp4rl.model.experts import Experts
 from fp4rl.model.logprobs import token_logprobs
 from fp4rl.model.precision import PrecisionConfig, resolve_plan
 from fp4rl.model.presets import tiny_qwen3_moe
+from fp4rl.model.sites import SiteRecords
 from fp4rl.model.transformer import build_model, init_weights
 
 tiny_config = tiny_qwen3_moe
@@ -99,21 +100,10 @@ def test_straight_through_gradients_match_the_reference_twin():
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-class Recorder:
-    def __init__(self):
-        self.sites, self.routing = {}, {}
-
-    def record(self, layer, site, t):
-        self.sites[(layer, site)] = t
-
-    def record_routing(self, layer, ids):
-        self.routing[layer] = ids
-
-
 def test_router_replay_reproduces_outputs_and_counts_fallbacks():
     model = tiny_model()
     tokens = torch.randint(0, 128, (16,), generator=torch.Generator().manual_seed(2))
-    rec = Recorder()
+    rec = SiteRecords()
     live = model(tokens, CausalAttention([16]), capture=rec)
     routing = torch.stack([rec.routing[i] for i in model.moe_layers])
     assert routing.shape == (3, 16, 2) and routing.dtype == torch.int32
@@ -142,7 +132,7 @@ def test_replay_shape_is_checked():
 def test_guidance_from_own_capture_reproduces_nearest_and_missing_sites_fail_closed():
     model = tiny_model()
     tokens = torch.randint(0, 128, (10,), generator=torch.Generator().manual_seed(3))
-    rec = Recorder()
+    rec = SiteRecords()
     out = model(
         tokens,
         CausalAttention([10], nvfp4_kv_layers=model.plan.fp4_layers, capture=rec),

@@ -13,18 +13,11 @@ import torch
 import torch.nn.functional as F
 
 from fp4rl.fp4 import dequantize, quantize
+from fp4rl.model.sites import SiteRecords
 from fp4rl.rollout.attention import AttentionMetadata, PagedAttention, Segment
 from fp4rl.rollout.kv_cache import KVCache, KVCacheSpec
 
 HQ, HKV, D, BLOCK = 4, 2, 32, 4
-
-
-class Recorder:
-    def __init__(self):
-        self.records = []
-
-    def record(self, layer, site, t):
-        self.records.append((layer, site, t))
 
 
 def fake_quant(x):
@@ -67,7 +60,7 @@ def test_paged_attention_matches_dense_over_steps(dtype, atol):
     for step in steps:
         segments = [Segment(tables[s], start, n) for s, start, n in step]
         meta = AttentionMetadata.build(segments, BLOCK, "cpu")
-        rec = Recorder()
+        rec = SiteRecords()
         backend = PagedAttention(cache, meta, rec)
         expected_positions = torch.cat([torch.arange(st, st + n) for _, st, n in step])
         assert torch.equal(backend.positions, expected_positions)
@@ -86,9 +79,9 @@ def test_paged_attention_matches_dense_over_steps(dtype, atol):
                 torch.testing.assert_close(o[row : row + n].float(), ref, rtol=0, atol=atol)
                 row += n
         # Only the NVFP4 layer records, and it records exactly the trainer's quantization.
-        assert [(layer, site) for layer, site, _ in rec.records] == [(1, "k"), (1, "v")]
-        assert rec.records[0][2].equal(quantize(k, scaling="row"))
-        assert rec.records[1][2].equal(quantize(v, scaling="row"))
+        assert list(rec.sites) == [(1, "k"), (1, "v")]
+        assert rec.sites[(1, "k")].equal(quantize(k, scaling="row"))
+        assert rec.sites[(1, "v")].equal(quantize(v, scaling="row"))
 
     # Every sequence's cache, read back: BF16 exact, NVFP4 bitwise the fake-quantized values.
     for s, n in full_len.items():

@@ -20,6 +20,7 @@ from rollout_models import picked, rollout_model, trainer_logprobs
 
 from fp4rl.fp4 import CompactCodes, NVFP4Tensor, compact
 from fp4rl.fp4.reference import unpack_e2m1
+from fp4rl.model.sites import SiteRecords
 from fp4rl.rollout import Engine, EngineConfig, SamplingParams
 from fp4rl.rollout.records import capture_bytes_per_generated_token
 
@@ -46,19 +47,6 @@ def models():
         key: rollout_model(*key)
         for key in (("bf16", "bf16"), ("bf16", "nvfp4"), ("nvfp4", "nvfp4"))
     }
-
-
-class Recorder:
-    """A `Capture` for the trainer's forward: the last record of each site and layer."""
-
-    def __init__(self):
-        self.sites, self.routing = {}, {}
-
-    def record(self, layer, site, t):
-        self.sites[(layer, site)] = t
-
-    def record_routing(self, layer, ids):
-        self.routing[layer] = ids
 
 
 def same_codes_up_to_signed_zero(a: NVFP4Tensor, b: NVFP4Tensor) -> bool:
@@ -131,7 +119,7 @@ def test_trainer_with_replay_and_guidance_reproduces_the_rollout(models):
     out = engine.generate(PROMPTS[:2], SamplingParams(n=2, max_tokens=16, seed=7))
 
     for c in out:
-        rec = Recorder()
+        rec = SiteRecords()
         logprobs = picked(
             trainer_logprobs(qat, c, replay=True, guidance=c.guidance, capture=rec), c
         )
@@ -149,7 +137,7 @@ def test_trainer_follows_compact_guidance_in_the_layers_it_keeps(models):
     packed, qat = models[("nvfp4", "nvfp4")]
     engine = Engine(packed, config("nvfp4", capture_routing=True, guidance="compact"))
     for c in engine.generate(PROMPTS[:2], SamplingParams(n=2, max_tokens=12, seed=9)):
-        rec = Recorder()
+        rec = SiteRecords()
         logprobs = picked(
             trainer_logprobs(qat, c, replay=True, guidance=c.guidance, capture=rec), c
         )
@@ -170,7 +158,7 @@ def test_bf16_trainer_guided_by_the_rollout_recomputes_its_codes():
     out = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16))
     unguided_mismatch = []
     for c in out:
-        guided, plain = Recorder(), Recorder()
+        guided, plain = SiteRecords(), SiteRecords()
         logprobs = picked(
             trainer_logprobs(qat, c, replay=True, guidance=c.guidance, capture=guided), c
         )

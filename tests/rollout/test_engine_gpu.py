@@ -11,6 +11,7 @@ from rollout_models import tiny_config, tiny_precision
 
 from fp4rl.fp4.reference import unpack_e2m1
 from fp4rl.model.attention import CausalAttention
+from fp4rl.model.sites import SiteRecords
 from fp4rl.model.transformer import build_model, init_weights
 from fp4rl.model.weights import load_weights
 from fp4rl.rollout import Engine, EngineConfig, SamplingParams
@@ -31,17 +32,6 @@ def models():
     )
     load_weights(packed, qat.state_dict())
     return packed.eval(), qat.eval()
-
-
-class Recorder:
-    def __init__(self):
-        self.sites = {}
-
-    def record(self, layer, site, t):
-        self.sites[(layer, site)] = t
-
-    def record_routing(self, layer, ids):
-        pass
 
 
 @torch.no_grad()
@@ -71,7 +61,7 @@ def test_guided_trainer_on_gpu_recomputes_the_rollout_codes_and_logprobs():
     out = Engine(packed, config).generate(PROMPTS, SamplingParams(n=2, max_tokens=16, seed=1))
     assert len(out) == 2 * len(PROMPTS)
     for c in out:
-        rec = Recorder()
+        rec = SiteRecords()
         got = trainer_logprobs(qat, c, rec)
         torch.testing.assert_close(got.cpu(), c.raw_logprobs.cpu(), rtol=0, atol=0.03)
         for key, t in c.guidance.items():
