@@ -25,12 +25,17 @@ from fp4rl.fp4 import NVFP4Tensor, dequantize, fake_quantize, quantize
 from fp4rl.model.sites import Capture, Fp4Site, GuidanceMap
 
 
-def grouped_mm(x_AK: torch.Tensor, w_ENK: torch.Tensor, counts_E: list[int]) -> torch.Tensor:
-    """``x`` rows grouped by expert (``counts_E`` rows each) times each expert's ``w.T``."""
+def grouped_mm(x_AK: torch.Tensor, w_ENK: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """``x`` rows grouped by expert (``counts_E[e]`` rows each) times each expert's ``w.T``.
+
+    On the GPU one grouped GEMM reads the group offsets on the device (no host sync); the CPU
+    path is a loop of plain matmuls.
+    """
     if x_AK.is_cuda and x_AK.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
-        offsets = torch.tensor(counts_E, device=x_AK.device).cumsum(0).to(torch.int32)
+        offsets = counts_E.cumsum(0).to(torch.int32)
         return torch._grouped_mm(x_AK, w_ENK.transpose(-2, -1), offs=offsets)
-    outs = [x.matmul(w.t()) for x, w in zip(x_AK.split(counts_E), w_ENK, strict=True) if x.numel()]
+    rows = x_AK.split(counts_E.tolist())
+    outs = [x.matmul(w.t()) for x, w in zip(rows, w_ENK, strict=True) if x.numel()]
     return torch.cat(outs) if outs else x_AK.new_zeros(0, w_ENK.shape[1])
 
 
@@ -67,7 +72,7 @@ class Experts(nn.Module):
         x_TH = self.input_site(x_TH, guidance, capture)
         # Sort the T*k assignments by expert so each expert's rows are contiguous.
         order_A = torch.argsort(topk_ids_Tk.flatten(), stable=True)
-        counts_E = torch.bincount(topk_ids_Tk.flatten(), minlength=self.num_experts).tolist()
+        counts_E = torch.bincount(topk_ids_Tk.flatten(), minlength=self.num_experts)
         x_AH = x_TH[order_A // k]
         gate_up_A2I = grouped_mm(x_AH, w13, counts_E)
         h_AI = F.silu(gate_up_A2I[:, : self.intermediate]) * gate_up_A2I[:, self.intermediate :]
