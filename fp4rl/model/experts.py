@@ -39,19 +39,17 @@ def grouped_mm(x_AK: torch.Tensor, w_ENK: torch.Tensor, counts_E: torch.Tensor) 
     return torch.cat(outs) if outs else x_AK.new_zeros(0, w_ENK.shape[1])
 
 
-class Experts(nn.Module):
-    """BF16 routed experts; the base class holds the dispatch shared by all three variants."""
+class RoutedExperts(nn.Module):
+    """The dispatch all three variants share; subclasses say how weights and sites look."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, layer: int) -> None:
+    def __init__(self, num_experts: int, intermediate: int, layer: int) -> None:
         super().__init__()
         self.layer = layer
         self.num_experts, self.intermediate = num_experts, intermediate
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(w13 [E, 2I, H], w2 [E, H, I])`` as the GEMMs see them."""
-        return self.w13, self.w2
+        raise NotImplementedError
 
     def input_site(self, x_TH, guidance, capture):
         return x_TH
@@ -89,17 +87,25 @@ class Experts(nn.Module):
         return (y_TkH * topk_weights_Tk.unsqueeze(-1).to(y_TkH.dtype)).sum(1)
 
 
-class QatExperts(Experts):
-    """Fake-quantized W4A4 experts for training (straight-through gradients)."""
+class Experts(RoutedExperts):
+    """BF16 routed experts: BF16 parameters, BF16 compute."""
 
-    def __init__(self, num_experts, hidden, intermediate, layer, *, guided: bool = True) -> None:
-        super().__init__(num_experts, hidden, intermediate, layer)
-        self._input = Fp4Site(layer, "expert_input", guided)
-        self._hidden = Fp4Site(layer, "expert_hidden", guided)
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, layer: int) -> None:
+        super().__init__(num_experts, intermediate, layer)
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
 
     def weights(self):
-        # One global scale per expert: over W1 and W3 together in w13, over W2 alone in w2.
-        return fake_quantize(self.w13, scaling=2), fake_quantize(self.w2, scaling=2)
+        return self.w13, self.w2
+
+
+class Fp4Sites:
+    """The two W4A4 activation sites: the expert input per token, the intermediate per
+    token-expert row (mixed into `QatExperts` and `PackedExperts`)."""
+
+    def init_sites(self, layer: int, guided: bool) -> None:
+        self._input = Fp4Site(layer, "expert_input", guided)
+        self._hidden = Fp4Site(layer, "expert_hidden", guided)
 
     def input_site(self, x_TH, guidance, capture):
         return self._input(x_TH, guidance, capture)
@@ -108,15 +114,24 @@ class QatExperts(Experts):
         return self._hidden(h_AI, guidance, capture, row_order=row_order_Tk)
 
 
-class PackedExperts(QatExperts):
+class QatExperts(Fp4Sites, Experts):
+    """Fake-quantized W4A4 experts for training (straight-through gradients)."""
+
+    def __init__(self, num_experts, hidden, intermediate, layer, *, guided: bool = True) -> None:
+        super().__init__(num_experts, hidden, intermediate, layer)
+        self.init_sites(layer, guided)
+
+    def weights(self):
+        # One global scale per expert: over W1 and W3 together in w13, over W2 alone in w2.
+        return fake_quantize(self.w13, scaling=2), fake_quantize(self.w2, scaling=2)
+
+
+class PackedExperts(Fp4Sites, RoutedExperts):
     """Rollout experts: weights held packed as NVFP4 and quantized when they are loaded."""
 
     def __init__(self, num_experts, hidden, intermediate, layer, *, guided: bool = True) -> None:
-        nn.Module.__init__(self)
-        self.layer = layer
-        self.num_experts, self.intermediate = num_experts, intermediate
-        self._input = Fp4Site(layer, "expert_input", guided)
-        self._hidden = Fp4Site(layer, "expert_hidden", guided)
+        super().__init__(num_experts, intermediate, layer)
+        self.init_sites(layer, guided)
         self.compute_dtype = torch.bfloat16
         self.w13_packed: NVFP4Tensor | None = None
         self.w2_packed: NVFP4Tensor | None = None
