@@ -2,8 +2,8 @@
 
 Each program takes the amax of its rows (`tiles.row_amax`) and folds it into its groups' int32
 slots with `atomic_max` on the FP32 bits: max is order-free, so the result is deterministic, and
-bits of non-negative floats order like the floats. A non-finite row contributes NaN bits (above
-+inf and every number), which the quantize kernel turns into a poisoned (NaN) global scale.
+bits of non-negative floats order like the floats. A non-finite row contributes +inf or NaN bits
+(above every number), which the quantize kernel turns into a poisoned (NaN) global scale.
 Per-row scaling never comes here: its amax is fused into the quantize kernel.
 """
 
@@ -31,9 +31,10 @@ def _group_amax_kernel(
 ):
     rows_R = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok_R = rows_R < R
-    amax_R, finite_R = row_amax(x_RK, rows_R, row_ok_R, K, BLOCK_R, BLOCK_K, NUM_STAGES)
-    # As bits, NaN ranks above every number: a non-finite row poisons its group's maximum.
-    amax_bits_R = tl.where(finite_R, amax_R.to(tl.int32, bitcast=True), 0x7FC00000)
+    amax_R = row_amax(x_RK, rows_R, row_ok_R, K, BLOCK_R, BLOCK_K, NUM_STAGES)
+    # As bits, +inf and (positive) NaN rank above every number: a non-finite row poisons its
+    # group's maximum.
+    amax_bits_R = amax_R.to(tl.int32, bitcast=True)
     # One atomic per program when all its rows share a group (per-tensor, large groups).
     first_group = (tl.program_id(0) * BLOCK_R) // rows_per_group
     last_group = (tl.minimum(tl.program_id(0) * BLOCK_R + BLOCK_R, R) - 1) // rows_per_group

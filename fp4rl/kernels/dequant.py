@@ -22,7 +22,13 @@ from fp4rl.kernels.launch import (
     scale_per_group,
 )
 from fp4rl.kernels.numerics import e2m1_value, e4m3_value, scale_back
-from fp4rl.kernels.tiles import load_block_scale_bytes, load_code_pairs, store_values
+from fp4rl.kernels.tiles import (
+    load_block_scale_bytes,
+    load_code_pairs,
+    per_block,
+    per_row,
+    store_values,
+)
 
 
 # Row counts change with every batch: no recompiling for R == 1 or R % 16 == 0.
@@ -41,14 +47,14 @@ def _dequantize_kernel(
 ):
     rows_R = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok_R = rows_R < R
-    s_R11 = tl.load(scale_G + rows_R // rows_per_group, mask=row_ok_R, other=0.0)[:, None, None]
+    s = per_row(tl.load(scale_G + rows_R // rows_per_group, mask=row_ok_R, other=0.0))
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        code_even, code_odd = load_code_pairs(codes_RK2, rows_R, row_ok_R, k0, K, BLOCK_R, BLOCK_K)
+        code_even, code_odd = load_code_pairs(codes_RK2, rows_R, row_ok_R, k0, K, BLOCK_K)
         block_byte = load_block_scale_bytes(block_scale_RKB, rows_R, row_ok_R, k0, K, BLOCK_K)
-        sf = e4m3_value(block_byte)[:, :, None]
+        sf = per_block(e4m3_value(block_byte))
         store_values(
-            out_RK, rows_R, row_ok_R, k0, K, scale_back(e2m1_value(code_even), sf, s_R11),
-            scale_back(e2m1_value(code_odd), sf, s_R11), BLOCK_R, BLOCK_K,
+            out_RK, rows_R, row_ok_R, k0, K, scale_back(e2m1_value(code_even), sf, s),
+            scale_back(e2m1_value(code_odd), sf, s), BLOCK_K,
         )  # fmt: skip
 
 

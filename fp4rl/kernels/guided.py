@@ -30,14 +30,17 @@ from fp4rl.kernels.numerics import (
     e2m1_guided,
     e2m1_value,
     e4m3_value,
-    poison,
+    is_finite,
     scale_back,
 )
 from fp4rl.kernels.tiles import (
+    block_amax,
     load_bit_pairs,
     load_block_scale_bytes,
     load_code_pairs,
     load_pairs,
+    per_block,
+    per_row,
     store_codes,
     store_values,
 )
@@ -66,33 +69,29 @@ def _guided_kernel(
     row_ok_R = rows_R < R
     s_R = tl.load(scale_G + rows_R // rows_per_group, mask=row_ok_R, other=0.0)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        x_even, x_odd = load_pairs(x_RK, rows_R, row_ok_R, k0, K, BLOCK_R, BLOCK_K)
-        bad = tl.sum(poison(x_even) + poison(x_odd), axis=2) != 0.0  # inf or NaN in the block
+        x_even, x_odd = load_pairs(x_RK, rows_R, row_ok_R, k0, K, BLOCK_K)
+        bad = ~is_finite(block_amax(x_even, x_odd))  # inf or NaN in the block
         rollout_byte = load_block_scale_bytes(rollout_scale_RKB, rows_R, row_ok_R, k0, K, BLOCK_K)
         block_byte = tl.where(bad, 0x7F, rollout_byte)
         block_scale = e4m3_value(block_byte)
         live, recip = block_reciprocal(block_scale, s_R[:, None])
         if COMPACT:
-            guide_even, guide_odd = load_bit_pairs(
-                guide_RKG, rows_R, row_ok_R, k0, K, BLOCK_R, BLOCK_K
-            )
+            guide_even, guide_odd = load_bit_pairs(guide_RKG, rows_R, row_ok_R, k0, K, BLOCK_K)
         else:
-            guide_even, guide_odd = load_code_pairs(
-                guide_RKG, rows_R, row_ok_R, k0, K, BLOCK_R, BLOCK_K
-            )
-        live3, recip3 = live[:, :, None], recip[:, :, None]
-        code_even = tl.where(live3, e2m1_guided(x_even * recip3, guide_even, COMPACT), 0)
-        code_odd = tl.where(live3, e2m1_guided(x_odd * recip3, guide_odd, COMPACT), 0)
+            guide_even, guide_odd = load_code_pairs(guide_RKG, rows_R, row_ok_R, k0, K, BLOCK_K)
+        live4, recip4 = per_block(live), per_block(recip)
+        code_even = tl.where(live4, e2m1_guided(x_even * recip4, guide_even, COMPACT), 0)
+        code_odd = tl.where(live4, e2m1_guided(x_odd * recip4, guide_odd, COMPACT), 0)
         if FAKE:
-            sf, s_R11 = block_scale[:, :, None], s_R[:, None, None]
+            sf, s = per_block(block_scale), per_row(s_R)
             store_values(
-                fake_RK, rows_R, row_ok_R, k0, K, scale_back(e2m1_value(code_even), sf, s_R11),
-                scale_back(e2m1_value(code_odd), sf, s_R11), BLOCK_R, BLOCK_K,
+                fake_RK, rows_R, row_ok_R, k0, K, scale_back(e2m1_value(code_even), sf, s),
+                scale_back(e2m1_value(code_odd), sf, s), BLOCK_K,
             )  # fmt: skip
         else:
             store_codes(
-                codes_RK2, block_scale_RKB, rows_R, row_ok_R, k0, K, code_even, code_odd,
-                block_byte, BLOCK_R, BLOCK_K,
+                codes_RK2, block_scale_RKB, rows_R, row_ok_R, k0, K, code_even | (code_odd << 4),
+                block_byte, BLOCK_K,
             )  # fmt: skip
 
 

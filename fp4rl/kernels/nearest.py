@@ -35,17 +35,26 @@ from fp4rl.kernels.launch import (
 from fp4rl.kernels.numerics import (
     block_ratio,
     block_reciprocal,
+    code_byte,
     e2m1_round,
     e4m3_rne_satfinite,
     global_scale_from_amax,
-    is_nonfinite,
+    is_finite,
+    max_nan,
     nan_like,
-    poison,
+    ratio_divisor,
     scale_back,
-    sign_bit,
     with_sign_of,
 )
-from fp4rl.kernels.tiles import load_pairs, pairs_amax, row_amax, store_codes, store_values
+from fp4rl.kernels.tiles import (
+    block_amax,
+    load_pairs,
+    per_block,
+    per_row,
+    row_amax,
+    store_codes,
+    store_values,
+)
 
 
 # Row counts change with every batch: no recompiling for R == 1 or R % 16 == 0.
@@ -75,49 +84,49 @@ def _quantize_kernel(
     else:
         if ONE_CHUNK:  # set only for SCALE_SOURCE == "row_amax"
             # The whole row is one chunk: load it once and keep it in registers for pass 2.
-            x_even, x_odd = load_pairs(x_RK, rows_R, row_ok_R, 0, K, BLOCK_R, BLOCK_K)
-            amax_R, finite_R = pairs_amax(x_even, x_odd)
-            s_R = global_scale_from_amax(amax_R, finite_R)
+            x_even, x_odd = load_pairs(x_RK, rows_R, row_ok_R, 0, K, BLOCK_K)
+            block_amax_RB = block_amax(x_even, x_odd)
+            amax_R = tl.reduce(block_amax_RB, 1, max_nan)
         elif SCALE_SOURCE == "row_amax":
-            amax_R, finite_R = row_amax(x_RK, rows_R, row_ok_R, K, BLOCK_R, BLOCK_K, NUM_STAGES)
-            s_R = global_scale_from_amax(amax_R, finite_R)
+            amax_R = row_amax(x_RK, rows_R, row_ok_R, K, BLOCK_R, BLOCK_K, NUM_STAGES)
         else:
             amax_bits_R = tl.load(scale_in_G + group_R, mask=row_ok_R, other=0)
             amax_R = amax_bits_R.to(tl.float32, bitcast=True)
-            s_R = global_scale_from_amax(amax_R, ~is_nonfinite(amax_bits_R))
+        s_R = global_scale_from_amax(amax_R, is_finite(amax_R))
         if not FAKE:  # one store per group: by the program holding its first row
             tl.store(global_scale_G + group_R, s_R, mask=row_ok_R & (rows_R % rows_per_group == 0))
-    s_R1, s_R11 = s_R[:, None], s_R[:, None, None]
+    s_RB = s_R[:, None]
+    scale_R, d_scaled_R, reciprocal_R = ratio_divisor(s_R)
+    divisor_RB = scale_R[:, None], d_scaled_R[:, None], reciprocal_R[:, None]
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         if not ONE_CHUNK:
-            x_even, x_odd = load_pairs(x_RK, rows_R, row_ok_R, k0, K, BLOCK_R, BLOCK_K)
-        block_amax = tl.max(tl.maximum(tl.abs(x_even), tl.abs(x_odd)), axis=2)
+            x_even, x_odd = load_pairs(x_RK, rows_R, row_ok_R, k0, K, BLOCK_K)
+            block_amax_RB = block_amax(x_even, x_odd)
         # A non-finite x makes its group's scale NaN, and so every block scale of the group,
         # except under a caller's scale: then the blocks holding inf/NaN are poisoned alone.
-        block_byte, block_scale = e4m3_rne_satfinite(block_ratio(block_amax, s_R1))
+        ratio = block_ratio(block_amax_RB, s_RB, *divisor_RB)
+        block_byte, block_scale = e4m3_rne_satfinite(ratio)
         if SCALE_SOURCE == "given":
-            bad = tl.sum(poison(x_even) + poison(x_odd), axis=2) != 0.0
+            bad = ~is_finite(block_amax_RB)
             block_byte = tl.where(bad, 0x7F, block_byte)
             block_scale = tl.where(bad, nan_like(block_scale), block_scale)
-        live, recip = block_reciprocal(block_scale, s_R1)
-        live3, recip3 = live[:, :, None], recip[:, :, None]
-        y_even, y_odd = x_even * recip3, x_odd * recip3
-        index_even, magnitude_even = e2m1_round(y_even)
-        index_odd, magnitude_odd = e2m1_round(y_odd)
-        if FAKE:  # dead blocks hold code 0, i.e. +0
-            sf = block_scale[:, :, None]
-            q_even = tl.where(live3, with_sign_of(magnitude_even, y_even), 0.0)
-            q_odd = tl.where(live3, with_sign_of(magnitude_odd, y_odd), 0.0)
+        live, recip = block_reciprocal(block_scale, s_RB)
+        # Dead blocks (zero or NaN scale) round everything to +0: no saturation cap, no sign.
+        cap = per_block(tl.where(live, 6.0, 0.0))
+        sign_mask = per_block(tl.where(live, -0x80000000, 0))
+        y_even, y_odd = x_even * per_block(recip), x_odd * per_block(recip)
+        q_even = with_sign_of(e2m1_round(y_even, cap), y_even, sign_mask)
+        q_odd = with_sign_of(e2m1_round(y_odd, cap), y_odd, sign_mask)
+        if FAKE:
+            sf, s = per_block(block_scale), per_row(s_R)
             store_values(
-                fake_RK, rows_R, row_ok_R, k0, K, scale_back(q_even, sf, s_R11),
-                scale_back(q_odd, sf, s_R11), BLOCK_R, BLOCK_K,
+                fake_RK, rows_R, row_ok_R, k0, K, scale_back(q_even, sf, s),
+                scale_back(q_odd, sf, s), BLOCK_K,
             )  # fmt: skip
         else:
-            code_even = tl.where(live3, index_even | sign_bit(y_even), 0)
-            code_odd = tl.where(live3, index_odd | sign_bit(y_odd), 0)
             store_codes(
-                codes_RK2, block_scale_RKB, rows_R, row_ok_R, k0, K, code_even, code_odd,
-                block_byte, BLOCK_R, BLOCK_K,
+                codes_RK2, block_scale_RKB, rows_R, row_ok_R, k0, K, code_byte(q_even, q_odd),
+                block_byte, BLOCK_K,
             )  # fmt: skip
 
 

@@ -30,6 +30,7 @@ _F32_INF_BITS = tl.constexpr(0x7F800000)
 _F32_NAN_BITS = tl.constexpr(0x7FC00000)
 _F32_480_BITS = tl.constexpr(0x43F00000)  # 480.0: torch's e4m3fn cast gives NaN at and above it
 _F32_2POW_M6_BITS = tl.constexpr(0x3C800000)  # 2**-6, the smallest normal E4M3 value
+_F32_2POW_M126 = tl.constexpr(2.0**-126)  # the smallest normal FP32 value
 # Kernels are decorated interpreted-or-compiled when this package is imported; so is this.
 _INTERPRETED = tl.constexpr(bool(triton.knobs.runtime.interpret))
 
@@ -41,9 +42,15 @@ def nan_like(v):
 
 
 @triton.jit
-def is_nonfinite(bits):
-    """For the int32 bits of a non-negative FP32 value: True for +inf and NaN."""
-    return bits >= _F32_INF_BITS
+def max_nan(a, b):
+    """``max(a, b)`` that returns NaN if either is NaN (PTX ``max.NaN.f32``, one instruction)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def is_finite(v):
+    """True where FP32 ``v`` is finite (False for ±inf and NaN)."""
+    return tl.abs(v) < float("inf")
 
 
 @triton.jit
@@ -56,19 +63,41 @@ def global_scale_from_amax(amax, finite):
 
 
 @triton.jit
-def poison(x):
-    """``x * 0``: ±0 for finite x, NaN for ±inf and NaN. Summed over a group it flags a
-    non-finite value with FP32 multiply-adds, which the GPU issues at twice the rate of the
-    integer and compare instructions a bit test needs (and `max.f32` would drop a NaN)."""
-    return x * 0.0
+def ratio_divisor(global_scale):
+    """What `block_ratio` needs of a group's global scale, computed once per group:
+    ``(S, d * S, 1 / (d * S))`` for ``d = 6 * global_scale`` (rounded to FP32) and S the power of
+    two that puts ``d * S`` in [1, 2) (garbage, harmlessly, where d is 0, inf or NaN)."""
+    d = global_scale * 6.0
+    exponent = d.to(tl.int32, bitcast=True) & 0x7F800000
+    scale = ((254 << 23) - exponent).to(tl.float32, bitcast=True)  # 2**(127 - e)
+    d_scaled = d * scale  # exact
+    one = tl.full(d.shape, 1.0, tl.float32)
+    return scale, d_scaled, tl.math.div_rn(one, d_scaled)
 
 
 @triton.jit
-def block_ratio(block_amax, global_scale):
-    """``block_amax / (6 * global_scale)``, 0 where the global scale is 0 (shapes broadcast)."""
-    zero = global_scale == 0.0
-    ratio = tl.math.div_rn(block_amax, tl.where(zero, 1.0, global_scale * 6.0))
-    return tl.where(zero, 0.0, ratio)
+def block_ratio(block_amax, global_scale, scale, d_scaled, reciprocal):
+    """``block_amax / (6 * global_scale)`` correctly rounded, 0 where the global scale is 0 or
+    ``6 * global_scale`` overflows (shapes broadcast; the last three from `ratio_divisor`).
+
+    On the GPU the division is Markstein's: with ``y = RN(1 / b)`` and a quotient ``q0`` within
+    an ulp of ``a / b``, the residual ``a - b * q0`` is exact in one FMA and ``RN(q0 + r * y)`` is
+    the correctly rounded quotient. Scaling a and b by the same power of two keeps every step
+    in the normal range wherever the result matters (a ratio at or below 2**-10 rounds to the
+    zero block scale however it is computed; one above 1024 saturates to 448). That is four
+    multiply-adds per block instead of a full division. The interpreter divides directly.
+    """
+    if _INTERPRETED:
+        quotient = tl.math.div_rn(
+            block_amax, tl.where(global_scale == 0.0, 1.0, global_scale * 6.0)
+        )
+    else:
+        a = block_amax * scale  # exact where it matters (see above)
+        q0 = a * reciprocal
+        residual = tl.fma(-d_scaled, q0, a)
+        quotient = tl.where(q0 > 1024.0, q0, tl.fma(residual, reciprocal, q0))
+    dead = (global_scale == 0.0) | (global_scale * 6.0 == float("inf"))
+    return tl.where(dead, 0.0, quotient)
 
 
 @triton.jit
@@ -80,6 +109,12 @@ def e4m3_rne_satfinite(v):
     magnitude that rounds past 448 (only negative ones can, after the clamp) or NaN -> 0x7F.
     """
     v = tl.where(v > _E4M3_MAX, _E4M3_MAX, v)  # a compare, so NaN passes through
+    if not _INTERPRETED:
+        # The GPU's cvt.rn.satfinite.e4m3x2.f32: nearest even, subnormals kept, NaN -> 0x7F.
+        # It saturates rather than overflowing to NaN, which differs from torch only for
+        # magnitudes past 464, i.e. negative inputs: the kernels pass non-negative ratios.
+        fp8 = v.to(tl.float8e4nv)
+        return fp8.to(tl.uint8, bitcast=True).to(tl.int32), fp8.to(tl.float32)
     bits = v.to(tl.int32, bitcast=True)
     sign = bits & -0x80000000
     # Clamping the magnitude bits at 480 maps NaN and overflow to 0x7F below and keeps the
@@ -104,7 +139,10 @@ def e4m3_rne_satfinite(v):
 
 @triton.jit
 def e4m3_value(byte):
-    """float8_e4m3fn byte (int32) -> FP32, by integer arithmetic; 0x7F / 0xFF -> NaN."""
+    """float8_e4m3fn byte (int32) -> FP32, exactly; 0x7F / 0xFF -> NaN. The GPU converts in
+    hardware; the interpreter, whose fp8 casts are emulated, by integer arithmetic."""
+    if not _INTERPRETED:
+        return byte.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
     exponent = (byte >> 3) & 0xF
     mantissa = byte & 0x7
     normal = (((exponent + (127 - 7)) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
@@ -139,29 +177,66 @@ def sign_bit(y):
 
 
 @triton.jit
-def e2m1_round(y):
-    """Round FP32 ``|y|`` to E2M1, ties to even, saturating at 6: (magnitude index, magnitude).
+def e2m1_round(y, cap):
+    """``min(|y|, cap)`` rounded to the E2M1 grid, ties to even (FP32). ``cap`` is 6 for live
+    blocks (saturation) and 0 for dead ones, which so get +0 whatever y is (NaN included: the
+    GPU's min, like `tl.minimum` in the interpreter, returns the non-NaN operand).
 
     Adding ``2**(e + 22)`` (for ``|y|`` in ``[2**e, 2**(e + 1))``, at least ``2**22``) leaves the
     E2M1 spacing (0.5 below 2, 1 below 4, 2 up to 6) as the unit in the last place, so that one
-    FP32 add rounds ``|y|`` onto the grid, ties to even; its low bits count grid steps. The same
-    decisions as `reference.e2m1_rne`'s boundary comparisons, in a few instructions, most of
-    them FP32 ones, which the GPU issues at twice the rate of integer and compare instructions.
+    FP32 add rounds ``|y|`` onto the grid, ties to even, and subtracting it back is exact. The
+    same decisions as `reference.e2m1_rne`'s boundary comparisons, in FP32 instructions, which
+    the GPU issues at twice the rate of integer and compare instructions.
     """
-    a = tl.minimum(tl.abs(y), 6.0)  # saturation (the GPU's min also takes NaN to 6)
-    # The binade of max(a, 1) (its exponent bits alone) times 2**22, exactly.
+    a = tl.minimum(tl.abs(y), cap)
+    # The binade of max(a, 1): its exponent bits alone. Its product with 2**22 is exact, so each
+    # multiply-add below rounds once, exactly as the separate add would (and the second is exact).
     binade = (tl.maximum(a, 1.0).to(tl.int32, bitcast=True) & 0x7F800000).to(
         tl.float32, bitcast=True
     )
-    magic = binade * 4194304.0
-    rounded = a + magic
-    # index = steps in this binade's spacing + 0, 2 or 4 for [0, 2), [2, 4), [4, 8)
-    #       = bits(rounded) - bits(magic) + (bits(binade) >> 22) - 254; the 254 units of the
-    # last place are folded into a second exact product, bits(binade * (2**22 + 127)).
-    start = binade * 4194431.0
-    index = rounded.to(tl.int32, bitcast=True) - start.to(tl.int32, bitcast=True)
-    index += binade.to(tl.int32, bitcast=True) >> 22
-    return index, rounded - magic  # the difference is exact
+    rounded = tl.fma(binade, 4194304.0, a)
+    return tl.fma(binade, -4194304.0, rounded)
+
+
+@triton.jit
+def e2m1_bits(q, SHIFT: tl.constexpr):
+    """For an E2M1 value ``q`` (FP32, signed): a uint32 with its magnitude index in bits
+    ``SHIFT`` to ``SHIFT + 2``, its sign in bit ``SHIFT + 9`` and zeros elsewhere.
+
+    ``q * 2**-126`` maps the grid onto FP32's smallest numbers, where E2M1's subnormal 0.5 lands
+    on an FP32 subnormal and 1 on the smallest normal: bits 22-24 of the product are then the
+    index (0, 0.5, 1, 1.5, 2, 3, 4, 6 -> 0..7). The product is exact and must not be flushed to
+    zero (PTX ``mul.rn.f32``, no ``.ftz``).
+    """
+    bits = (q * _F32_2POW_M126).to(tl.uint32, bitcast=True)
+    return shift_right(bits, 22 - SHIFT)
+
+
+@triton.jit
+def shift_right(u, N: tl.constexpr):
+    """``u >> N`` for a uint32 whose low N bits are zero, as the high word of ``u * (2**(32 - N)
+    + 1)``: the product's low word is u itself (no carry), and the multiply runs on the GPU's
+    multiply-add units, which have the throughput to spare that its integer unit, the
+    bottleneck of these kernels, does not (a plain shift by a power of two would go there)."""
+    return tl.umulhi(u, tl.full(u.shape, (1 << (32 - N)) + 1, tl.uint32))
+
+
+@triton.jit
+def e2m1_index(magnitude):
+    """Magnitude index (int32, 0..7) of a non-negative E2M1 value."""
+    return e2m1_bits(magnitude, 0).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def code_byte(q_even, q_odd):
+    """The packed byte of an (even, odd) pair of signed E2M1 values, in the low 8 bits of a
+    uint32 (the bits above are not zero; the uint8 store drops them): even code in the low
+    nibble, odd in the high one, each ``sign << 3 | index``."""
+    # Indices at bits 0-2 and 4-6, signs at 9 and 13: the fields do not overlap, so + is |.
+    w = e2m1_bits(q_even, 0) + e2m1_bits(q_odd, 4)
+    # Bits 0-5 of w go to the product's low word, below w's own bits: `shift_right` is exact.
+    signs = tl.umulhi(w, tl.full(w.shape, (1 << 26) + 1, tl.uint32))  # w >> 6: signs at 3, 7
+    return (signs & 0x88) | (w & 0x77)
 
 
 @triton.jit
@@ -178,16 +253,18 @@ def e2m1_bracket(y):
     """Magnitude indices ``(lo, hi)`` (int32) of the E2M1 values just below and above ``|y|``
     (equal on the grid, both 7 from 6 up): the nearest one and, by the side it lies on, its
     neighbour."""
-    index, magnitude = e2m1_round(y)
     a = tl.minimum(tl.abs(y), 6.0)
+    magnitude = e2m1_round(a, 6.0)
+    index = e2m1_index(magnitude)
     lo = tl.where(magnitude > a, index - 1, index)
     return lo, tl.where(magnitude < a, index + 1, index)
 
 
 @triton.jit
-def with_sign_of(magnitude, y):
-    """``magnitude`` (non-negative FP32) with the sign bit of ``y``, -0 included."""
-    bits = magnitude.to(tl.int32, bitcast=True) | (y.to(tl.int32, bitcast=True) & -0x80000000)
+def with_sign_of(magnitude, y, sign_mask):
+    """``magnitude`` (non-negative FP32) with the sign bit of ``y`` (-0 included) where
+    ``sign_mask`` is ``-0x80000000``, unsigned where it is 0 (dead blocks)."""
+    bits = magnitude.to(tl.int32, bitcast=True) | (y.to(tl.int32, bitcast=True) & sign_mask)
     return bits.to(tl.float32, bitcast=True)
 
 

@@ -1,113 +1,167 @@
-"""`@triton.jit` loads and stores of one chunk (BLOCK_R rows x BLOCK_K columns of x) of ``[R, K]``.
+"""`@triton.jit` loads and stores of one chunk (BLOCK_R rows x BLOCK_K columns) of ``[R, K]``.
 
-Every kernel walks its rows in chunks of BLOCK_K columns and sees a chunk as pairs
-``[BLOCK_R, NB, 8]`` (``NB = BLOCK_K // 16`` blocks of 8 (even, odd) element pairs): the even
-element of a pair goes to a byte's low nibble and the odd one to its high nibble, so splitting
-the pair dimension right after the load packs codes without moving data between threads. K is a
-multiple of 16 and BLOCK_K a power of two >= 16, so a chunk never splits a block.
+Every kernel walks its rows in chunks of BLOCK_K columns (a power of two >= 16, so a chunk never
+splits a 16-value block) and sees a chunk as (even, odd) element pairs ``[BLOCK_R, NB, 8]``:
+NB = BLOCK_K // 16 blocks of 8 pairs. The even element of a pair goes to a byte's low nibble and
+the odd one to its high nibble, so codes pack without moving data between threads.
 
-The per-row arrays a chunk touches have K / DIV entries per row: x and its fake-quant output
-(DIV 1), packed codes and bf16 x seen as int32 pairs (2), compact mantissa bits (8), block
-scales (16).
+A block is loaded as its two halves (4 pairs each: 16 bytes of bf16 x, 4 bytes of codes), two
+loads of ``[BLOCK_R, NB, 4]`` joined along a new last axis. Triton lays both loads out alike and
+keeps a joined axis in registers, so each thread holds whole blocks whatever its version's
+layout heuristics: block maxima are reduced without shuffles and each block's scale is computed
+once, by the thread that owns it. Joined and reshaped, the pair axis runs ``i = 2 * j + h`` for
+pair ``j`` of half ``h``, i.e. pair ``q = 4 * h + j`` of the block; every load and store here
+uses that order, so kernels never see it.
+
+Block-level values are ``[BLOCK_R, NB]`` (`per_block` lifts them onto the pairs), row-level ones
+``[BLOCK_R]`` (`per_row`). The arrays a chunk touches have ``PER_BLOCK`` entries per block:
+x as int32 pairs and packed codes 8, x as elements 16, block scales 1.
 """
 
 import triton
 import triton.language as tl
 
-from fp4rl.kernels.numerics import round_to
+from fp4rl.kernels.numerics import max_nan, round_to
 
 
 @triton.jit
-def chunk_offsets(rows_R, row_ok_R, k0, K, DIV: tl.constexpr, WIDTH: tl.constexpr):
-    """Offsets ``[BLOCK_R, WIDTH]`` (int64) and mask of the chunk at column k0 of x in an array
-    with ``K // DIV`` entries per row."""
-    cols_W = k0 // DIV + tl.arange(0, WIDTH)
-    offsets = rows_R.to(tl.int64)[:, None] * (K // DIV) + cols_W[None, :]
-    return offsets, row_ok_R[:, None] & (cols_W < K // DIV)[None, :]
+def per_block(v_RB):
+    """A ``[BLOCK_R, NB]`` block value broadcastable against ``[BLOCK_R, NB, 8]`` pairs."""
+    return v_RB[:, :, None]
 
 
 @triton.jit
-def load_pairs(x_RK, rows_R, row_ok_R, k0, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+def per_row(v_R):
+    """A ``[BLOCK_R]`` row value broadcastable against ``[BLOCK_R, NB, 8]`` pairs."""
+    return v_R[:, None, None]
+
+
+@triton.jit
+def half_offsets(rows_R, row_ok_R, k0, K, PER_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Offsets ``[BLOCK_R, NB, PER_BLOCK // 2]`` (int64) and mask of the first half of each of
+    the chunk's blocks (add ``PER_BLOCK // 2`` for the second) in an array with PER_BLOCK entries
+    per block."""
+    blocks_B = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+    offsets = (
+        per_row(rows_R.to(tl.int64)) * (K // 16 * PER_BLOCK)
+        + blocks_B[None, :, None] * PER_BLOCK
+        + tl.arange(0, PER_BLOCK // 2)[None, None, :]
+    )
+    return offsets, per_row(row_ok_R) & (blocks_B < K // 16)[None, :, None]
+
+
+@triton.jit
+def join_halves(first, second):
+    """``[BLOCK_R, NB, W]`` halves -> ``[BLOCK_R, NB, 2 * W]`` in the pair order above."""
+    return tl.reshape(tl.join(first, second), [first.shape[0], first.shape[1], 2 * first.shape[2]])
+
+
+@triton.jit
+def split_halves(v):
+    """The inverse of `join_halves`."""
+    return tl.split(tl.reshape(v, [v.shape[0], v.shape[1], v.shape[2] // 2, 2]))
+
+
+@triton.jit
+def block_offsets(rows_R, row_ok_R, k0, K, BLOCK_K: tl.constexpr):
+    """Offsets ``[BLOCK_R, NB]`` and mask of the chunk's blocks in a ``[R, K // 16]`` array."""
+    blocks_B = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+    offsets = rows_R.to(tl.int64)[:, None] * (K // 16) + blocks_B[None, :]
+    return offsets, row_ok_R[:, None] & (blocks_B < K // 16)[None, :]
+
+
+@triton.jit
+def load_halves(ptr, rows_R, row_ok_R, k0, K, PER_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Both halves of every block of the chunk, joined: ``[BLOCK_R, NB, PER_BLOCK]``."""
+    offsets, mask = half_offsets(rows_R, row_ok_R, k0, K, PER_BLOCK, BLOCK_K)
+    first = tl.load(ptr + offsets, mask=mask, other=0)
+    second = tl.load(ptr + offsets + PER_BLOCK // 2, mask=mask, other=0)
+    return join_halves(first, second)
+
+
+@triton.jit
+def store_halves(ptr, rows_R, row_ok_R, k0, K, v, BLOCK_K: tl.constexpr):
+    """Store ``[BLOCK_R, NB, PER_BLOCK]`` values held in the joined order."""
+    first, second = split_halves(v)
+    offsets, mask = half_offsets(rows_R, row_ok_R, k0, K, v.shape[2], BLOCK_K)
+    tl.store(ptr + offsets, first, mask=mask)
+    tl.store(ptr + offsets + v.shape[2] // 2, second, mask=mask)
+
+
+@triton.jit
+def load_pairs(x_RK, rows_R, row_ok_R, k0, K, BLOCK_K: tl.constexpr):
     """x's chunk upcast exactly to FP32, as (even, odd) ``[BLOCK_R, NB, 8]``; 0 outside x.
 
-    bf16 x arrives as int32 pairs (`launch.pair_view`): a pair's two FP32 values are its high
-    and low halves moved to the top, two integer ops and no data movement between threads.
+    bf16 x arrives as int32 pairs (`launch.pair_view`): a pair's two FP32 values are its low and
+    high halves moved to the top, one integer op each and no data movement between threads.
     """
     if x_RK.dtype.element_ty == tl.int32:
-        offsets, mask = chunk_offsets(rows_R, row_ok_R, k0, K, 2, BLOCK_K // 2)
-        pairs = tl.load(x_RK + offsets, mask=mask, other=0)
-        pairs = tl.reshape(pairs, [BLOCK_R, BLOCK_K // 16, 8])
+        pairs = load_halves(x_RK, rows_R, row_ok_R, k0, K, 8, BLOCK_K)
         return (pairs << 16).to(tl.float32, bitcast=True), (pairs & -65536).to(
             tl.float32, bitcast=True
         )
-    offsets, mask = chunk_offsets(rows_R, row_ok_R, k0, K, 1, BLOCK_K)
-    x_RC = tl.load(x_RK + offsets, mask=mask, other=0.0).to(tl.float32)
-    return tl.split(tl.reshape(x_RC, [BLOCK_R, BLOCK_K // 16, 8, 2]))
+    values = load_halves(x_RK, rows_R, row_ok_R, k0, K, 16, BLOCK_K).to(tl.float32)
+    # Joined halves of 8 values: element e of half h sits at 2 * e + h; pair j of half h is
+    # elements 2j, 2j + 1, i.e. positions 4j + h and 4j + 2 + h, and must land at 2j + h.
+    values = tl.reshape(values, [values.shape[0], values.shape[1], 4, 2, 2])
+    values = tl.permute(values, [0, 1, 2, 4, 3])
+    return tl.split(tl.reshape(values, [values.shape[0], values.shape[1], 8, 2]))
 
 
 @triton.jit
-def load_code_pairs(
-    codes_RK2, rows_R, row_ok_R, k0, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr
-):
+def store_values(out_RK, rows_R, row_ok_R, k0, K, even, odd, BLOCK_K: tl.constexpr):
+    """Interleave (even, odd) FP32 values back into the chunk and store them in out's dtype."""
+    values = tl.reshape(tl.join(even, odd), [even.shape[0], even.shape[1], 4, 2, 2])
+    values = tl.reshape(tl.permute(values, [0, 1, 2, 4, 3]), [even.shape[0], even.shape[1], 16])
+    store_halves(
+        out_RK, rows_R, row_ok_R, k0, K, round_to(values, out_RK.dtype.element_ty), BLOCK_K
+    )
+
+
+@triton.jit
+def load_code_pairs(codes_RK2, rows_R, row_ok_R, k0, K, BLOCK_K: tl.constexpr):
     """Packed E2M1 codes as (even, odd) int32 codes ``[BLOCK_R, NB, 8]``."""
-    offsets, mask = chunk_offsets(rows_R, row_ok_R, k0, K, 2, BLOCK_K // 2)
-    packed = tl.load(codes_RK2 + offsets, mask=mask, other=0).to(tl.int32)
-    packed = tl.reshape(packed, [BLOCK_R, BLOCK_K // 16, 8])
+    packed = load_halves(codes_RK2, rows_R, row_ok_R, k0, K, 8, BLOCK_K).to(tl.int32)
     return packed & 0xF, packed >> 4
 
 
 @triton.jit
-def load_bit_pairs(bits_RK8, rows_R, row_ok_R, k0, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+def store_codes(
+    codes_RK2, block_scale_RKB, rows_R, row_ok_R, k0, K, packed, block_scale_byte,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Store each pair's code byte (the low 8 bits of ``packed``) and the block-scale bytes."""
+    store_halves(codes_RK2, rows_R, row_ok_R, k0, K, packed.to(tl.uint8), BLOCK_K)
+    offsets, mask = block_offsets(rows_R, row_ok_R, k0, K, BLOCK_K)
+    tl.store(block_scale_RKB + offsets, block_scale_byte.to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def load_bit_pairs(bits_RK8, rows_R, row_ok_R, k0, K, BLOCK_K: tl.constexpr):
     """Compact mantissa bits (element 8j+b in bit b of byte j) as (even, odd) ``[BLOCK_R, NB,
-    8]``. Pair p holds elements 2p and 2p+1: both in byte p // 4, at bits 2(p % 4) and +1."""
-    pairs_P = tl.arange(0, BLOCK_K // 2)
-    cols_P = k0 // 8 + pairs_P // 4
-    offsets = rows_R.to(tl.int64)[:, None] * (K // 8) + cols_P[None, :]
-    mask = row_ok_R[:, None] & (cols_P < K // 8)[None, :]
-    byte = tl.load(bits_RK8 + offsets, mask=mask, other=0).to(tl.int32)
-    shift = (2 * (pairs_P % 4))[None, :]
-    even = tl.reshape((byte >> shift) & 1, [BLOCK_R, BLOCK_K // 16, 8])
-    odd = tl.reshape((byte >> (shift + 1)) & 1, [BLOCK_R, BLOCK_K // 16, 8])
-    return even, odd
+    8]``. A block's 16 bits are two bytes; its pair q holds bits 2q and 2q + 1."""
+    offsets, mask = block_offsets(rows_R, row_ok_R, k0, K, BLOCK_K)
+    low = tl.load(bits_RK8 + 2 * offsets, mask=mask, other=0).to(tl.int32)
+    high = tl.load(bits_RK8 + 2 * offsets + 1, mask=mask, other=0).to(tl.int32)
+    i = tl.arange(0, 8)
+    pair = 4 * (i % 2) + i // 2  # the pair order above
+    bits = per_block(low | (high << 8)) >> (2 * pair)[None, None, :]
+    return bits & 1, (bits >> 1) & 1
 
 
 @triton.jit
 def load_block_scale_bytes(block_scale_RKB, rows_R, row_ok_R, k0, K, BLOCK_K: tl.constexpr):
     """float8_e4m3fn block scales (stored as uint8) as int32 bytes ``[BLOCK_R, NB]``."""
-    offsets, mask = chunk_offsets(rows_R, row_ok_R, k0, K, 16, BLOCK_K // 16)
+    offsets, mask = block_offsets(rows_R, row_ok_R, k0, K, BLOCK_K)
     return tl.load(block_scale_RKB + offsets, mask=mask, other=0).to(tl.int32)
 
 
 @triton.jit
-def store_codes(
-    codes_RK2,
-    block_scale_RKB,
-    rows_R,
-    row_ok_R,
-    k0,
-    K,
-    code_even,
-    code_odd,
-    block_scale_byte,
-    BLOCK_R: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """Pack (even, odd) int32 codes two to a byte and store them with the block-scale bytes."""
-    packed = tl.reshape(code_even | (code_odd << 4), [BLOCK_R, BLOCK_K // 2]).to(tl.uint8)
-    offsets, mask = chunk_offsets(rows_R, row_ok_R, k0, K, 2, BLOCK_K // 2)
-    tl.store(codes_RK2 + offsets, packed, mask=mask)
-    offsets, mask = chunk_offsets(rows_R, row_ok_R, k0, K, 16, BLOCK_K // 16)
-    tl.store(block_scale_RKB + offsets, block_scale_byte.to(tl.uint8), mask=mask)
-
-
-@triton.jit
-def store_values(
-    out_RK, rows_R, row_ok_R, k0, K, even, odd, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr
-):
-    """Interleave (even, odd) FP32 values back into the chunk and store them in out's dtype."""
-    values_RC = tl.reshape(tl.join(even, odd), [BLOCK_R, BLOCK_K])
-    offsets, mask = chunk_offsets(rows_R, row_ok_R, k0, K, 1, BLOCK_K)
-    tl.store(out_RK + offsets, round_to(values_RC, out_RK.dtype.element_ty), mask=mask)
+def block_amax(even, odd):
+    """``max |x|`` of each block, ``[BLOCK_R, NB]``: inf if the block holds an inf, NaN if it
+    holds a NaN (the maximum propagates NaN), so the block maximum also says whether the block
+    is finite. Reduced within each thread (see the module docstring)."""
+    return tl.reduce(max_nan(tl.abs(even), tl.abs(odd)), 2, max_nan)
 
 
 @triton.jit
@@ -115,29 +169,12 @@ def row_amax(
     x_RK, rows_R, row_ok_R, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
-    """``(max |x|, all finite)`` of each of the BLOCK_R rows, walking them chunk by chunk.
+    """``max |x|`` of each of the BLOCK_R rows (NaN-propagating), walking them chunk by chunk.
 
-    Accumulates elementwise and reduces once after the loop, so the loop has no cross-thread
-    shuffles. A non-finite value is flagged by summing ``x * 0`` (NaN for inf and NaN) with
-    multiply-adds: the GPU's `max.f32` drops NaN, so the max alone cannot tell.
+    Accumulates block maxima and reduces across threads once, after the loop.
     """
-    amax = tl.zeros([BLOCK_R, BLOCK_K // 16, 8], tl.float32)
-    poison = tl.zeros([BLOCK_R, BLOCK_K // 16, 8], tl.float32)
+    amax = tl.zeros([BLOCK_R, BLOCK_K // 16], tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        even, odd = load_pairs(x_RK, rows_R, row_ok_R, k0, K, BLOCK_R, BLOCK_K)
-        amax = tl.maximum(amax, tl.maximum(tl.abs(even), tl.abs(odd)))
-        poison = tl.fma(even, 0.0, tl.fma(odd, 0.0, poison))
-    return reduce_rows(amax, poison)
-
-
-@triton.jit
-def pairs_amax(even, odd):
-    """`row_amax` of one chunk already in registers (rows that fit in a single chunk)."""
-    return reduce_rows(tl.maximum(tl.abs(even), tl.abs(odd)), tl.fma(even, 0.0, odd * 0.0))
-
-
-@triton.jit
-def reduce_rows(amax, poison):
-    """Per-row ``(max, all finite)`` of elementwise ``[BLOCK_R, NB, 8]`` accumulators."""
-    amax_R = tl.max(tl.max(amax, axis=2), axis=1)
-    return amax_R, tl.sum(tl.sum(poison, axis=2), axis=1) == 0.0
+        even, odd = load_pairs(x_RK, rows_R, row_ok_R, k0, K, BLOCK_K)
+        amax = max_nan(amax, block_amax(even, odd))
+    return tl.reduce(amax, 1, max_nan)
