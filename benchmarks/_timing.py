@@ -1,8 +1,9 @@
 """Timing shared by the benchmarks: medians of CUDA-event timings over inputs rotated past L2.
 
 Each repeat enqueues one call per input buffer between two events and keeps the mean per call,
-so the GPU stays busy while Python launches the next call and no call finds its input in L2
-(give enough distinct buffers to exceed the L2 together). The median over repeats is reported.
+so that no call finds its input in L2 (give enough distinct buffers to exceed the L2 together).
+Eager calls include whatever time Python takes to launch them when that exceeds the GPU's;
+replaying a CUDA graph of the calls measures the GPU alone. The median over repeats is reported.
 On a machine without CUDA (smoke runs under TRITON_INTERPRET) wall-clock time stands in.
 """
 
@@ -19,25 +20,37 @@ from collections.abc import Callable, Sequence
 import torch
 
 
-def median_ms(fn: Callable, inputs: Sequence, *, warmup: int, repeats: int) -> float:
-    """Median over ``repeats`` of the mean milliseconds of ``fn(inp)`` for inp in ``inputs``."""
+def median_ms(
+    fn: Callable, inputs: Sequence, *, warmup: int, repeats: int, graph: bool = False
+) -> float:
+    """Median over ``repeats`` of the mean milliseconds of ``fn(inp)`` for inp in ``inputs``.
+
+    With ``graph`` the calls are captured once in a CUDA graph and the graph is replayed, so the
+    figure is the GPU's time alone, however long Python takes to launch each call.
+    """
     for i in range(warmup):
         fn(inputs[i % len(inputs)])
     cuda = torch.cuda.is_available()
+    run = lambda: [fn(inp) for inp in inputs]  # noqa: E731
+    if cuda and graph:
+        torch.cuda.synchronize()
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            run()
+        run = captured.replay
+        run()
     times = []
     for _ in range(repeats):
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            for inp in inputs:
-                fn(inp)
+            run()
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end) / len(inputs))
         else:
             t0 = time.perf_counter()
-            for inp in inputs:
-                fn(inp)
+            run()
             times.append((time.perf_counter() - t0) * 1e3 / len(inputs))
     return statistics.median(times)
 
