@@ -13,11 +13,11 @@ import triton.language as tl
 from fp4rl.fp4.reference import SUPPORTED_DTYPES
 from fp4rl.fp4.tensor import NVFP4Tensor
 from fp4rl.kernels.launch import (
-    CONFIGS,
     TileConfig,
     check_contiguous,
     check_device,
     check_kernel_device,
+    config_for,
     device_of,
     scale_per_group,
 )
@@ -59,7 +59,7 @@ def _dequantize_kernel(
 
 
 def launch(
-    t: NVFP4Tensor, dtype: torch.dtype = torch.float32, *, config: TileConfig = CONFIGS["default"]
+    t: NVFP4Tensor, dtype: torch.dtype = torch.float32, *, config: TileConfig | None = None
 ) -> torch.Tensor:
     """``reference.dequantize(t, dtype)``: the values of ``t`` as a ``[..., K]`` tensor."""
     if dtype not in SUPPORTED_DTYPES:
@@ -74,7 +74,7 @@ def launch(
     num_rows = out.numel() // k
     if num_rows:
         scale_G, group_rows = scale_per_group("global_scale", t.global_scale, t.shape)
-        grid, meta = config.launch(num_rows, k)
+        grid, meta = (config or config_for(k)).launch(num_rows, k)
         with device_of(out):
             _dequantize_kernel[grid](
                 t.codes, t.block_scale.view(torch.uint8), scale_G, out, num_rows, k, group_rows,

@@ -16,11 +16,11 @@ from fp4rl.fp4.format import BLOCK_SIZE
 from fp4rl.fp4.rounding import CompactCodes
 from fp4rl.fp4.tensor import NVFP4Tensor
 from fp4rl.kernels.launch import (
-    CONFIGS,
     TileConfig,
     check_contiguous,
     check_device,
     check_x,
+    config_for,
     device_of,
     pair_view,
     scale_per_group,
@@ -127,7 +127,7 @@ def launch(
     guidance: NVFP4Tensor | CompactCodes,
     *,
     fake: bool,
-    config: TileConfig = CONFIGS["default"],
+    config: TileConfig | None = None,
 ) -> NVFP4Tensor | torch.Tensor:
     """Guided quantization of ``x [..., K]`` with the rollout's scales (and codes or mantissa
     bits); with ``fake``, ``reference.dequantize`` of that result in x's dtype instead."""
@@ -145,7 +145,7 @@ def launch(
         codes = torch.empty((*x.shape[:-1], k // 2), dtype=torch.uint8, device=x.device)
         block_scale = torch.empty_like(guidance.block_scale, dtype=torch.uint8)
     if num_rows:
-        grid, meta = config.launch(num_rows, k)
+        grid, meta = (config or config_for(k)).launch(num_rows, k)
         with device_of(x):
             _guided_kernel[grid](
                 pair_view(x_RK), guide, guidance.block_scale.view(torch.uint8), scale_G, codes,

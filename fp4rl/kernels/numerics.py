@@ -234,9 +234,9 @@ def code_byte(q_even, q_odd):
     nibble, odd in the high one, each ``sign << 3 | index``."""
     # Indices at bits 0-2 and 4-6, signs at 9 and 13: the fields do not overlap, so + is |.
     w = e2m1_bits(q_even, 0) + e2m1_bits(q_odd, 4)
-    # Bits 0-5 of w go to the product's low word, below w's own bits: `shift_right` is exact.
+    # w < 2**14, so the low word of w * (2**26 + 1) does not carry: its high word is w >> 6.
     signs = tl.umulhi(w, tl.full(w.shape, (1 << 26) + 1, tl.uint32))  # w >> 6: signs at 3, 7
-    return (signs & 0x88) | (w & 0x77)
+    return w ^ ((w ^ signs) & 0x88)  # bits 3 and 7 from signs, the rest from w: one LOP3
 
 
 @triton.jit
