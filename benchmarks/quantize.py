@@ -51,9 +51,9 @@ def _tile_copy_kernel(
         store_values(out_RK, rows_R, row_ok_R, k0, K, even, odd, BLOCK_K)
 
 
-def tile_copy(x_RK: torch.Tensor, config: TileConfig) -> torch.Tensor:
+def tile_copy(x_RK: torch.Tensor, config: TileConfig | None) -> torch.Tensor:
     out = torch.empty_like(x_RK)
-    grid, meta = config.launch(*x_RK.shape)
+    grid, meta = (config or CONFIGS["row"]).launch(*x_RK.shape)
     _tile_copy_kernel[grid](pair_view(x_RK), out, *x_RK.shape, **meta)
     return out
 
@@ -63,8 +63,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny shapes; runs on a CPU")
     parser.add_argument(
         "--configs",
-        help="comma-separated tile configs to time: names from launch.CONFIGS or specs "
-        "BLOCK_K:TILE:WARPS:STAGES such as 1024:4096:4:3 (default: every named config)",
+        help="comma-separated tile configs to time: auto (each launcher's choice), names from "
+        "launch.CONFIGS or specs BLOCK_K:TILE:WARPS:STAGES such as 1024:4096:4:3 (default: auto)",
     )
     args = parser.parse_args()
     if not torch.cuda.is_available() and not args.quick:
@@ -111,7 +111,7 @@ def main() -> None:
          lambda xr: R.dequantize(rounding.round_guided_full(*xr), bf16),
          4 * act + nvfp4_bytes, None),
     ]  # fmt: skip
-    configs = {name: tile_config(name) for name in (args.configs or ",".join(CONFIGS)).split(",")}
+    configs = {name: tile_config(name) for name in (args.configs or "auto").split(",")}
 
     # Bit-exactness on a slice first: a fast wrong kernel is not a result.
     for name, make, inputs, ref, _, _ in ops:
@@ -153,7 +153,9 @@ def main() -> None:
     report("quantize.md", lines)
 
 
-def tile_config(spec: str) -> TileConfig:
+def tile_config(spec: str) -> TileConfig | None:
+    if spec == "auto":  # each launcher's own choice
+        return None
     if spec in CONFIGS:
         return CONFIGS[spec]
     try:
