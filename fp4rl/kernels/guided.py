@@ -24,6 +24,7 @@ from fp4rl.kernels.launch import (
     device_of,
     pair_view,
     scale_per_group,
+    word_view,
 )
 from fp4rl.kernels.numerics import (
     block_reciprocal,
@@ -53,7 +54,7 @@ def _guided_kernel(
     guide_RKG,
     rollout_scale_RKB,
     scale_G,
-    codes_RK2,
+    codes_RK8,
     block_scale_RKB,
     fake_RK,
     R,
@@ -90,7 +91,7 @@ def _guided_kernel(
             )  # fmt: skip
         else:
             store_codes(
-                codes_RK2, block_scale_RKB, rows_R, row_ok_R, k0, K, code_even | (code_odd << 4),
+                codes_RK8, block_scale_RKB, rows_R, row_ok_R, k0, K, code_even | (code_odd << 4),
                 block_byte, BLOCK_K,
             )  # fmt: skip
 
@@ -139,17 +140,18 @@ def launch(
     num_rows = x_RK.shape[0]
     if fake:  # the codes and scales are never stored: any pointer will do for them
         fake_RK = torch.empty_like(x_RK)
-        codes = block_scale = fake_RK
+        codes = block_scale = codes_words = fake_RK
     else:
         fake_RK = x_RK  # never stored
         codes = torch.empty((*x.shape[:-1], k // 2), dtype=torch.uint8, device=x.device)
+        codes_words = word_view(codes)
         block_scale = torch.empty_like(guidance.block_scale, dtype=torch.uint8)
     if num_rows:
         grid, meta = (config or config_for(k)).launch(num_rows, k)
         with device_of(x):
             _guided_kernel[grid](
-                pair_view(x_RK), guide, guidance.block_scale.view(torch.uint8), scale_G, codes,
-                block_scale,
+                pair_view(x_RK), guide, guidance.block_scale.view(torch.uint8), scale_G,
+                codes_words, block_scale,
                 fake_RK, num_rows, k, group_rows,
                 COMPACT=isinstance(guidance, CompactCodes), FAKE=fake, **meta,
             )  # fmt: skip

@@ -105,6 +105,12 @@ def pair_view(x_RK: torch.Tensor) -> torch.Tensor:
     return x_RK.view(torch.int32) if x_RK.dtype == torch.bfloat16 else x_RK
 
 
+def word_view(codes: torch.Tensor) -> torch.Tensor:
+    """Packed codes ``[..., K / 2]`` (uint8) as the int32 words the kernels store, 4 codes bytes
+    each (K is a multiple of 16, so rows are whole words)."""
+    return codes.view(torch.int32)
+
+
 def device_of(t: torch.Tensor):
     """Make t's GPU the current one while launching (triton launches on the current device)."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()

@@ -31,6 +31,7 @@ from fp4rl.kernels.launch import (
     device_of,
     pair_view,
     rows_per_group,
+    word_view,
 )
 from fp4rl.kernels.numerics import (
     block_ratio,
@@ -61,7 +62,7 @@ from fp4rl.kernels.tiles import (
 @triton.jit(do_not_specialize=["R", "rows_per_group"])
 def _quantize_kernel(
     x_RK,
-    codes_RK2,
+    codes_RK8,
     block_scale_RKB,
     fake_RK,
     scale_in_G,
@@ -125,7 +126,7 @@ def _quantize_kernel(
             )  # fmt: skip
         else:
             store_codes(
-                codes_RK2, block_scale_RKB, rows_R, row_ok_R, k0, K, code_byte(q_even, q_odd),
+                codes_RK8, block_scale_RKB, rows_R, row_ok_R, k0, K, code_byte(q_even, q_odd),
                 block_byte, BLOCK_K,
             )  # fmt: skip
 
@@ -170,10 +171,11 @@ def launch(
         source = "row_amax" if group_rows == 1 else "group_amax"
     if fake:  # the codes and block scales are never stored: any pointer will do for them
         fake_RK = torch.empty_like(x_RK)
-        codes = block_scale = fake_RK
+        codes = block_scale = codes_words = fake_RK
     else:
         fake_RK = x_RK  # never stored
         codes = torch.empty((*x.shape[:-1], k // 2), dtype=torch.uint8, device=x.device)
+        codes_words = word_view(codes)
         block_scale = torch.empty((*x.shape[:-1], k // 16), dtype=torch.uint8, device=x.device)
     if num_rows:
         if config is None:
@@ -186,7 +188,8 @@ def launch(
         one_chunk = source == "row_amax" and k <= meta["BLOCK_K"]
         with device_of(x):
             _quantize_kernel[grid](
-                pair_view(x_RK), codes, block_scale, fake_RK, scale_in, s, num_rows, k, group_rows,
+                pair_view(x_RK), codes_words, block_scale, fake_RK, scale_in, s, num_rows, k,
+                group_rows,
                 SCALE_SOURCE=source, FAKE=fake, ONE_CHUNK=one_chunk, **meta,
             )  # fmt: skip
     if fake:
