@@ -84,6 +84,11 @@ def main() -> None:
     packed = [kernels.quantize(x, scaling="row") for x in acts]
     act, wt = rows * k, experts * n * k  # element counts
     nvfp4_bytes = act // 2 + act // 16 + 4 * rows  # codes + block scales + global scales
+    # The same activations as rows of 2048 (Qwen3-30B-A3B's hidden size, a power of two).
+    narrow = [x.view(-1, 2048) for x in acts]
+    # Weights with their global scale known beforehand: the quantize pass alone.
+    scaled = [(w.view(-1, k), R.global_scale_from_amax(w.abs().amax()).view(1, 1)) for w in weights]
+    narrow_bytes = act // 2 + act // 16 + 4 * (act // 2048)
 
     # name, kernel(config) -> fn(input), inputs, reference fn(input), minimal bytes, bytes moved
     ops = [
@@ -92,10 +97,17 @@ def main() -> None:
         ("quantize per-row [T, D]", lambda c: lambda x: nearest.launch(
             x, scaling="row", global_scale=None, fake=False, config=c),
          acts, lambda x: R.quantize(x, scaling="row"), 2 * act + nvfp4_bytes, None),
+        ("quantize per-row [T*D/2048, 2048]", lambda c: lambda x: nearest.launch(
+            x, scaling="row", global_scale=None, fake=False, config=c),
+         narrow, lambda x: R.quantize(x, scaling="row"), 2 * act + narrow_bytes, None),
         ("quantize per-tensor [E*N, D]", lambda c: lambda w: nearest.launch(
             w.view(-1, k), scaling="tensor", global_scale=None, fake=False, config=c),
          weights, lambda w: R.quantize(w.view(-1, k), scaling="tensor"),
          2 * wt + wt // 2 + wt // 16 + 4, 4 * wt + wt // 2 + wt // 16 + 4),
+        ("quantize, given global scale [E*N, D]", lambda c: lambda ws: nearest.launch(
+            ws[0], scaling="tensor", global_scale=ws[1], fake=False, config=c),
+         scaled, lambda ws: R.quantize(ws[0], scaling="tensor", global_scale=ws[1]),
+         2 * wt + wt // 2 + wt // 16, None),
         ("quantize per-expert [E, N, D]", lambda c: lambda w: nearest.launch(
             w, scaling=2, global_scale=None, fake=False, config=c),
          weights, lambda w: R.quantize(w, scaling=2),
