@@ -60,10 +60,14 @@ def run_header(command: str) -> str:
     import triton
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, check=True).stdout
+
     try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
+        commit = git("rev-parse", "--short", "HEAD").strip()
+        if git("status", "--porcelain", "--untracked-files=no").strip():
+            commit += " + uncommitted changes"  # the figures are not that commit's
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
     return (

@@ -35,7 +35,7 @@ from fp4rl.fp4 import reference as R  # noqa: E402
 from fp4rl.fp4 import rounding  # noqa: E402
 from fp4rl.kernels import dequant, guided, nearest  # noqa: E402
 from fp4rl.kernels.launch import CONFIGS, TileConfig, pair_view  # noqa: E402
-from fp4rl.kernels.tiles import load_pairs, store_values  # noqa: E402
+from fp4rl.kernels.tiles import load_pairs, program_rows, store_values  # noqa: E402
 
 NUM_BUFFERS = 3
 
@@ -44,8 +44,7 @@ NUM_BUFFERS = 3
 def _tile_copy_kernel(
     x_RK, out_RK, R, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr
 ):
-    rows_R = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok_R = rows_R < R
+    rows_R, row_ok_R = program_rows(R, BLOCK_R)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         even, odd = load_pairs(x_RK, rows_R, row_ok_R, k0, K, BLOCK_K)
         store_values(out_RK, rows_R, row_ok_R, k0, K, even, odd, BLOCK_K)

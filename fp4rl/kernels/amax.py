@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from fp4rl.kernels.launch import CONFIGS, TileConfig, device_of, pair_view
-from fp4rl.kernels.tiles import row_amax
+from fp4rl.kernels.tiles import program_rows, row_amax
 
 
 # Row counts change with every batch: no recompiling for R == 1 or R % 16 == 0.
@@ -29,8 +29,7 @@ def _group_amax_kernel(
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
-    rows_R = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok_R = rows_R < R
+    rows_R, row_ok_R = program_rows(R, BLOCK_R)
     amax_R = row_amax(x_RK, rows_R, row_ok_R, K, BLOCK_R, BLOCK_K, NUM_STAGES)
     # As bits, +inf and (positive) NaN rank above every number: a non-finite row poisons its
     # group's maximum.

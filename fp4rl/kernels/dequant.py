@@ -27,6 +27,7 @@ from fp4rl.kernels.tiles import (
     load_code_pairs,
     per_block,
     per_row,
+    program_rows,
     store_values,
 )
 
@@ -45,8 +46,7 @@ def _dequantize_kernel(
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
-    rows_R = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok_R = rows_R < R
+    rows_R, row_ok_R = program_rows(R, BLOCK_R)
     s = per_row(tl.load(scale_G + rows_R // rows_per_group, mask=row_ok_R, other=0.0))
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         code_even, code_odd = load_code_pairs(codes_RK2, rows_R, row_ok_R, k0, K, BLOCK_K)

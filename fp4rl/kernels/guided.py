@@ -22,9 +22,9 @@ from fp4rl.kernels.launch import (
     check_x,
     config_for,
     device_of,
+    outputs,
     pair_view,
     scale_per_group,
-    word_view,
 )
 from fp4rl.kernels.numerics import (
     block_reciprocal,
@@ -42,6 +42,7 @@ from fp4rl.kernels.tiles import (
     load_pairs,
     per_block,
     per_row,
+    program_rows,
     store_codes,
     store_values,
 )
@@ -66,8 +67,7 @@ def _guided_kernel(
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
-    rows_R = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok_R = rows_R < R
+    rows_R, row_ok_R = program_rows(R, BLOCK_R)
     s_R = tl.load(scale_G + rows_R // rows_per_group, mask=row_ok_R, other=0.0)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         x_even, x_odd = load_pairs(x_RK, rows_R, row_ok_R, k0, K, BLOCK_K)
@@ -138,14 +138,7 @@ def launch(
     k = x.shape[-1]
     x_RK = x.view(-1, k)
     num_rows = x_RK.shape[0]
-    if fake:  # the codes and scales are never stored: any pointer will do for them
-        fake_RK = torch.empty_like(x_RK)
-        codes = block_scale = codes_words = fake_RK
-    else:
-        fake_RK = x_RK  # never stored
-        codes = torch.empty((*x.shape[:-1], k // 2), dtype=torch.uint8, device=x.device)
-        codes_words = word_view(codes)
-        block_scale = torch.empty_like(guidance.block_scale, dtype=torch.uint8)
+    fake_RK, codes, codes_words, block_scale = outputs(x, fake)
     if num_rows:
         grid, meta = (config or config_for(k)).launch(num_rows, k)
         with device_of(x):

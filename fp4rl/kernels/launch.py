@@ -111,6 +111,20 @@ def word_view(codes: torch.Tensor) -> torch.Tensor:
     return codes.view(torch.int32)
 
 
+def outputs(x: torch.Tensor, fake: bool):
+    """``(values_RK, codes, codes_words, block_scale)`` for a quantizing kernel over x:
+    fake-quant values ``[R, K]`` in x's dtype, or packed codes (uint8, and the int32 words the
+    kernel stores them as) and block-scale bytes. Buffers a launch will not store are stand-ins
+    (any pointer will do)."""
+    k = x.shape[-1]
+    if fake:
+        values_RK = torch.empty_like(x.view(-1, k))
+        return values_RK, values_RK, values_RK, values_RK
+    codes = torch.empty((*x.shape[:-1], k // 2), dtype=torch.uint8, device=x.device)
+    block_scale = torch.empty((*x.shape[:-1], k // 16), dtype=torch.uint8, device=x.device)
+    return x.view(-1, k), codes, word_view(codes), block_scale
+
+
 def device_of(t: torch.Tensor):
     """Make t's GPU the current one while launching (triton launches on the current device)."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()

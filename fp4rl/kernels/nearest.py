@@ -3,8 +3,9 @@
 One kernel; SCALE_SOURCE says where each row's FP32 global scale comes from:
 
 - ``"row_amax"`` (per-row scaling, the rollout's per-token activations): pass 1 over the
-  program's rows takes their amax, pass 2 quantizes them; pass 2 re-reads rows that pass 1 just
-  brought into L1/L2, so x leaves DRAM once and there is a single launch.
+  program's rows takes their amax, pass 2 quantizes them. Rows of up to 8192 values are loaded
+  once and kept in registers between the passes (ONE_CHUNK); longer rows are walked twice, the
+  second walk re-reading what the first brought into L1/L2.
 - ``"group_amax"`` (per-tensor, per-expert): the int32 group amax from `amax.group_amax_bits`,
   a first launch that reads x once more.
 - ``"given"``: the caller's global scale per group (a group spanning several tensors).
@@ -29,9 +30,9 @@ from fp4rl.kernels.launch import (
     check_device,
     check_x,
     device_of,
+    outputs,
     pair_view,
     rows_per_group,
-    word_view,
 )
 from fp4rl.kernels.numerics import (
     block_ratio,
@@ -52,6 +53,7 @@ from fp4rl.kernels.tiles import (
     load_pairs,
     per_block,
     per_row,
+    program_rows,
     row_amax,
     store_codes,
     store_values,
@@ -77,8 +79,7 @@ def _quantize_kernel(
     NUM_STAGES: tl.constexpr,
     ONE_CHUNK: tl.constexpr,
 ):
-    rows_R = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok_R = rows_R < R
+    rows_R, row_ok_R = program_rows(R, BLOCK_R)
     group_R = rows_R // rows_per_group
     if SCALE_SOURCE == "given":
         s_R = tl.load(scale_in_G + group_R, mask=row_ok_R, other=0.0)
@@ -169,14 +170,7 @@ def launch(
         if num_rows == 0 and group_rows == 0 and s.numel():
             raise ValueError(f"scaling={scaling!r} makes empty groups for x {tuple(x.shape)}")
         source = "row_amax" if group_rows == 1 else "group_amax"
-    if fake:  # the codes and block scales are never stored: any pointer will do for them
-        fake_RK = torch.empty_like(x_RK)
-        codes = block_scale = codes_words = fake_RK
-    else:
-        fake_RK = x_RK  # never stored
-        codes = torch.empty((*x.shape[:-1], k // 2), dtype=torch.uint8, device=x.device)
-        codes_words = word_view(codes)
-        block_scale = torch.empty((*x.shape[:-1], k // 16), dtype=torch.uint8, device=x.device)
+    fake_RK, codes, codes_words, block_scale = outputs(x, fake)
     if num_rows:
         if config is None:
             config = _default_config(source, k, fake)

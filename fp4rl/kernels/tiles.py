@@ -25,6 +25,13 @@ from fp4rl.kernels.numerics import max_nan, round_to
 
 
 @triton.jit
+def program_rows(R, BLOCK_R: tl.constexpr):
+    """This program's rows ``[BLOCK_R]`` and which of them exist (the last program's may not)."""
+    rows_R = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    return rows_R, rows_R < R
+
+
+@triton.jit
 def per_block(v_RB):
     """A ``[BLOCK_R, NB]`` block value broadcastable against ``[BLOCK_R, NB, 8]`` pairs."""
     return v_RB[:, :, None]
