@@ -51,7 +51,8 @@ CONFIGS = {
     # 4 rows x 1024 columns (7 chunks of a 7168-wide row); latency hidden by occupancy.
     "default": TileConfig(block_k=1024, tile=4096, num_warps=4, num_stages=1),
     # The same tile with the next chunk prefetched (cp.async): slower on one H200 (per-tensor
-    # quantize of 8 x 4096 x 7168 BF16: 570 us against 294 us), kept as a tested alternative.
+    # quantize of 8 x 4096 x 7168 BF16: 562-570 us against 339-341 us without, in one run),
+    # kept as a tested alternative.
     "prefetch": TileConfig(block_k=1024, tile=4096, num_warps=4, num_stages=3),
     # Whole rows up to 8192 values in registers (per-row quantize reads x once).
     "row": TileConfig(block_k=8192, tile=8192, num_warps=8, num_stages=1),

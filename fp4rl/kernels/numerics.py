@@ -1,20 +1,23 @@
 """The NVFP4 recipe's elementwise pieces as `@triton.jit` device functions.
 
-Each function is the bit-exact twin of a piece of `fp4rl.fp4.reference` (or of
-`fp4rl.fp4.rounding` for the bracket); the kernels in this package are built from them. No
-kernel lives here. Two rules run through the file:
+Each function computes the same bits as a piece of `fp4rl.fp4.reference` (or of
+`fp4rl.fp4.rounding` for the bracket), often by a cheaper exact route (docs/numerics.md lists
+them); the kernels in this package are built from them. No kernel lives here. Rules that run
+through the file:
 
-- Divisions use `tl.math.div_rn`. Triton's plain `/` on FP32 lowers to `div.full.f32` on NVIDIA
-  GPUs, which is not IEEE-rounded; `div_rn` lowers to `div.rn.f32` (no `.ftz`), as the reference's
-  true FP32 division needs.
-- E4M3 and E2M1 encodings are built from FP32 arithmetic and integer bit operations, never from
-  Triton's fp8 casts, whose rounding and NaN handling may differ between the interpreter and the
-  GPU. Multiplications here never feed an addition except where the product is exact, so FMA
-  contraction cannot change a result; the launchers disable it all the same.
+- Divisions are IEEE-rounded: `tl.math.div_rn` (PTX `div.rn.f32`, no `.ftz`), or Markstein's
+  correction from a correctly rounded reciprocal (`block_ratio`). Triton's plain `/` on FP32
+  lowers to `div.full.f32` on NVIDIA GPUs, which is not.
+- Products feed an addition only where the product is exact, so FMA contraction cannot change a
+  result; the launchers disable it all the same, and explicit `tl.fma` is used where a single
+  rounding is the point.
+- Under Triton's interpreter, whose fp8 casts are emulated and whose bf16 cast truncates, E4M3
+  and bf16 conversions are built from integer arithmetic; on the GPU the hardware converts
+  (`cvt.rn.satfinite.e4m3x2.f32`, `cvt.rn.bf16.f32`), which is exact for what the kernels pass.
 
-The kernels are limited by integer/compare throughput more than by memory, so the per-element
-pieces (`e2m1_round`, `e2m1_value`) lean on one FP32 add with a magic constant rather than on
-chains of comparisons, and the GPU path uses the hardware casts where they are exact.
+The kernels are bound by instruction issue and the integer/logic unit more than by memory, so
+the per-element pieces lean on FP32 and multiply-add instructions (a magic-number FMA for E2M1
+rounding, multiply-highs for shifts) rather than on chains of comparisons and shifts.
 """
 
 import triton

@@ -138,19 +138,16 @@ def store_codes(
     BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Store each pair's code byte (``packed``, integers below 256 in the pair order above) and
-    the block-scale bytes. ``codes_RK8`` is the packed codes seen as int32 words (`launch.
-    word_view`): a half block's four bytes are summed into one word by multiplies, which the GPU
-    runs on its multiply-add units, rather than assembled with byte permutes."""
+    the block-scale bytes. ``codes_RK8`` is the packed codes seen as int32 words
+    (`launch.word_view`): a half block's four bytes are summed into one word by multiplies,
+    which the GPU runs on its multiply-add units, rather than assembled with byte permutes; a
+    block's two words go out as one 8-byte store."""
     first, second = split_halves(packed.to(tl.int32))  # [BLOCK_R, NB, 4] bytes of each half
     weight = (1 << (8 * tl.arange(0, 4)))[None, None, :]
     words = tl.join(tl.sum(first * weight, axis=2), tl.sum(second * weight, axis=2))
     offsets, mask = block_offsets(rows_R, row_ok_R, k0, K, BLOCK_K)
-    tl.store(
-        codes_RK8 + 2 * offsets[:, :, None] + tl.arange(0, 2)[None, None, :],
-        words,
-        mask=mask[:, :, None],
-    )
-    offsets, mask = block_offsets(rows_R, row_ok_R, k0, K, BLOCK_K)
+    word_offsets = 2 * offsets[:, :, None] + tl.arange(0, 2)[None, None, :]
+    tl.store(codes_RK8 + word_offsets, words, mask=mask[:, :, None])
     tl.store(block_scale_RKB + offsets, block_scale_byte.to(tl.uint8), mask=mask)
 
 
