@@ -33,7 +33,8 @@ class TileConfig:
         BLOCK_R does not shrink for small R: masked rows cost no memory traffic, and a tile
         that depends on K alone compiles once per K rather than once per batch size.
         """
-        block_k = min(self.block_k, triton.next_power_of_2(k))
+        # Plain integer arithmetic: triton.cdiv and friends cost microseconds per call from Python.
+        block_k = min(self.block_k, 1 << max(k - 1, 0).bit_length())
         block_r = max(1, self.tile // block_k)
         meta = dict(
             BLOCK_R=block_r,
@@ -44,7 +45,7 @@ class TileConfig:
             # they are exact); fixing it off keeps triton versions' defaults out of the picture.
             enable_fp_fusion=False,
         )
-        return (triton.cdiv(num_rows, block_r),), meta
+        return (-(-num_rows // block_r),), meta
 
 
 CONFIGS = {
