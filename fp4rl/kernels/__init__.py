@@ -1,6 +1,6 @@
 """Triton kernels that reproduce `fp4rl.fp4.reference` and `fp4rl.fp4.rounding` bit for bit.
 
-`fp4rl.fp4.ops` sends CUDA tensors here; the signatures mirror the reference. Each kernel file
+`fp4rl.ops` sends CUDA tensors here; the signatures mirror the reference. Each kernel file
 holds one `@triton.jit` kernel and its checked `launch`, which also takes a `TileConfig` from
 `launch.CONFIGS` for benchmarking variants. With TRITON_INTERPRET=1 set before this package is
 imported, the same kernels run on CPU tensors (slowly): that is how CI checks them.
@@ -48,7 +48,7 @@ def fake_quantize(
     guidance: NVFP4Tensor | CompactCodes | None = None,
 ) -> torch.Tensor:
     """``reference.dequantize(q, x.dtype)`` in one pass over x, where q is the nearest
-    quantization of x or, given ``guidance``, its guided one (which, as in `fp4rl.fp4.ops`,
+    quantization of x or, given ``guidance``, its guided one (which, as in `fp4rl.ops`,
     uses the rollout's scales and ignores ``scaling`` and ``global_scale``)."""
     if guidance is None:
         return nearest.launch(x, scaling=scaling, global_scale=global_scale, fake=True)

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp4rl.fp4 import NVFP4Tensor, dequantize, fake_quantize, quantize
+from fp4rl.fp4 import NVFP4Tensor
+from fp4rl.ops import dequantize, fake_quantize, quantize
 from fp4rl.model.sites import Capture, Fp4Site, GuidanceMap
 
 

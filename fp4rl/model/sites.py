@@ -14,7 +14,8 @@ from typing import Protocol
 
 import torch
 
-from fp4rl.fp4 import CompactCodes, NVFP4Tensor, dequantize, fake_quantize, quantize_site
+from fp4rl.fp4 import CompactCodes, NVFP4Tensor
+from fp4rl.ops import dequantize, fake_quantize, quantize_site
 
 SiteKey = tuple[int, str]  # (decoder layer index, site name)
 # A None value means "round this site to nearest" on purpose (compact guidance leaves out the

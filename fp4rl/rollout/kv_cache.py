@@ -4,7 +4,7 @@ Legend: N blocks, B block size (token slots per block), K kv heads, D head dim, 
 written this step, C context tokens gathered. A *slot* is ``block * B + offset``.
 
 - "bf16" pages hold K and V as the model gave them: ``[N, B, K, D]`` in the model dtype.
-- "nvfp4" pages hold ``fp4rl.fp4.quantize(x_TKD, scaling="row")`` of K (after RoPE) and V: one
+- "nvfp4" pages hold ``fp4rl.ops.quantize(x_TKD, scaling="row")`` of K (after RoPE) and V: one
   FP32 global scale per token-head and 1x16 E4M3 block scales along D, i.e. an `NVFP4Tensor`
   whose members are ``codes [N, B, K, D/2]``, ``block_scale [N, B, K, D/16]`` and
   ``global_scale [N, B, K, 1]`` (4.5 bits per value plus 4 bytes per token-head). Reading
@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fp4rl.fp4 import BLOCK_SIZE, NVFP4Tensor, dequantize, quantize
+from fp4rl.fp4 import BLOCK_SIZE, NVFP4Tensor
+from fp4rl.ops import dequantize, quantize
 from fp4rl.rollout.config import KV_FORMATS, EngineConfig
 
 

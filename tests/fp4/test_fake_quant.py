@@ -2,7 +2,8 @@
 
 import torch
 
-from fp4rl.fp4 import compact, dequantize, fake_quantize, quantize, quantize_guided
+from fp4rl.fp4 import compact
+from fp4rl.ops import dequantize, fake_quantize, quantize, quantize_guided
 from fp4rl.fp4 import reference as R
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fp4rl.fp4 import dequantize, quantize
+from fp4rl.ops import dequantize, quantize
 from fp4rl.model.sites import SiteRecords
 from fp4rl.rollout.attention import AttentionMetadata, PagedAttention, Segment
 from fp4rl.rollout.kv_cache import KVCache, KVCacheSpec

@@ -2,7 +2,8 @@
 
 import torch
 
-from fp4rl.fp4 import CompactCodes, compact, quantize
+from fp4rl.fp4 import CompactCodes, compact
+from fp4rl.ops import quantize
 from fp4rl.rollout.capture import SequenceCapture, StepCapture, kept_layers
 
 

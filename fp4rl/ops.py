@@ -1,7 +1,8 @@
 """The NVFP4 operations the rest of fp4rl calls: one entry point per op, two implementations.
 
-CUDA tensors go to the Triton kernels in `fp4rl.kernels`; everything else runs the plain-PyTorch
-specification in `fp4rl.fp4.reference` / `fp4rl.fp4.rounding`. The two are bitwise identical
+This module sits above both of them: CUDA tensors go to the Triton kernels in `fp4rl.kernels`;
+everything else runs the plain-PyTorch specification in `fp4rl.fp4.reference` /
+`fp4rl.fp4.rounding`. Neither implementation imports this module. The two are bitwise identical
 (tests/kernels), so the choice changes speed only, never a single bit of the result. If Triton
 is missing on a CUDA machine the call raises instead of silently running the slow path.
 """

@@ -1,0 +1,55 @@
+"""Imports flow one way (docs/design.md): each package of fp4rl imports only those below it.
+
+Read from the source with `ast`, so a lazy import inside a function counts as much as one at
+the top of a module. A new package must be given its place in ``ALLOWED`` before it passes.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "fp4rl"
+
+# package (first component under fp4rl/, a module's stem for top-level files) -> what it may import
+ALLOWED = {
+    "fp4": {"fp4"},
+    "kernels": {"fp4", "kernels"},
+    "ops": {"fp4", "kernels"},
+    "records": {"fp4"},
+    "model": {"fp4", "ops", "records", "model"},
+    "rollout": {"fp4", "ops", "records", "model", "rollout"},
+}
+
+
+def package_of(path: Path) -> str:
+    rel = path.relative_to(ROOT)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def fp4rl_imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "fp4rl" and len(parts) > 1:
+                found.add(parts[1])
+    return found
+
+
+MODULES = sorted(p for p in ROOT.rglob("*.py") if p.name != "__init__.py" or p.parent != ROOT)
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_module_imports_only_the_packages_below_it(path):
+    package = package_of(path)
+    assert package in ALLOWED, f"{package} has no place in the import order; add it to ALLOWED"
+    imported = fp4rl_imports(path)
+    assert imported <= ALLOWED[package], (
+        f"{path.relative_to(ROOT)} ({package}) imports {sorted(imported - ALLOWED[package])}"
+    )
