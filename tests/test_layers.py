@@ -19,6 +19,8 @@ ALLOWED = {
     "records": {"fp4"},
     "model": {"fp4", "ops", "records", "model"},
     "rollout": {"fp4", "ops", "records", "model", "rollout"},
+    "train": {"fp4", "ops", "records", "model", "train"},
+    "tasks": {"tasks"},
 }
 
 
