@@ -16,7 +16,6 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from fp4rl.model import checkpoint
 from fp4rl.model.checkpoint import (
     INDEX_FILE,
     MODEL_FILE,
@@ -25,6 +24,7 @@ from fp4rl.model.checkpoint import (
     load_state_dict,
     parameter_shapes,
     save_checkpoint,
+    writer,
 )
 from fp4rl.model.config import ModelConfig
 
@@ -169,7 +169,7 @@ def test_save_failure_leaves_nothing(loaded, tmp_path, monkeypatch):
         written.append(filename)
         save_file(tensors, filename, metadata=metadata)
 
-    monkeypatch.setattr(checkpoint, "save_file", fail_on_second_shard)
+    monkeypatch.setattr(writer, "save_file", fail_on_second_shard)
     with pytest.raises(OSError, match="disk full"):
         save_checkpoint(state, config, tmp_path / "ckpt", max_shard_bytes=40_000)
     assert written and os.listdir(tmp_path) == []

@@ -1,0 +1,104 @@
+"""Writing an fp4rl state dict as a Hugging Face safetensors checkpoint.
+
+Owns ``save_checkpoint``: the hub per-expert layout (whatever layout was read), sharding with an
+index, config.json, and the atomic write through a temporary sibling directory. Does not own the
+name table (``names``) or reading (``reader``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from fp4rl.model.checkpoint.names import INDEX_FILE, MODEL_FILE, fp4rl_to_hf
+from fp4rl.model.config import ModelConfig
+
+
+def save_checkpoint(
+    state_dict: Mapping[str, torch.Tensor],
+    config: ModelConfig,
+    path: str | Path,
+    *,
+    max_shard_bytes: int = 5 * 2**30,
+) -> None:
+    """Write config.json and the hub per-expert safetensors layout (sharded with an index when
+    larger than ``max_shard_bytes``) to the new directory ``path``.
+
+    Atomic: everything is written and fsynced in a temporary sibling directory that is then
+    renamed to ``path``, so a crash or error never leaves a partial checkpoint. An existing
+    non-empty ``path`` is never overwritten.
+    """
+    if type(max_shard_bytes) is not int or max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
+    path = Path(path)
+    if path.exists() and not (path.is_dir() and not any(path.iterdir())):
+        raise FileExistsError(f"{path} exists and is not an empty directory; not overwriting it")
+    tensors = fp4rl_to_hf(state_dict, config)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # mkdir rather than tempfile.mkdtemp: that makes the directory 0700, unreadable by others.
+    tmp = path.parent / f".{path.name}.partial-{uuid.uuid4().hex[:12]}"
+    tmp.mkdir()
+    try:
+        _write(tmp, tensors, config, max_shard_bytes)
+        _fsync(tmp)  # the file names inside it, before they become visible under `path`
+        os.rename(tmp, path)
+        _fsync(path.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _write(
+    directory: Path, tensors: dict[str, torch.Tensor], config: ModelConfig, max_shard_bytes: int
+) -> None:
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, t in tensors.items():  # model order keeps a layer's tensors together
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    n = len(shards)
+    files = (
+        [MODEL_FILE]
+        if n == 1
+        else [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
+    )
+    for file, shard in zip(files, shards, strict=True):
+        # safetensors refuses tensors that share storage (w13's gate and up views of one expert),
+        # so each shard is copied out; the copies last one shard.
+        shard_tensors = {name: tensors[name].detach().to("cpu", copy=True) for name in shard}
+        save_file(shard_tensors, directory / file, metadata={"format": "pt"})
+        _fsync(directory / file)
+    if n > 1:
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        weight_map = {
+            name: file for file, shard in zip(files, shards, strict=True) for name in shard
+        }
+        _write_json(
+            directory / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map}
+        )
+    dtype = str(tensors["model.embed_tokens.weight"].dtype).removeprefix("torch.")
+    _write_json(directory / "config.json", config.to_hf_dict(dtype=dtype))
+
+
+def _write_json(file: Path, obj: object) -> None:
+    file.write_text(json.dumps(obj, indent=2) + "\n")
+    _fsync(file)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
