@@ -1,0 +1,219 @@
+"""The GRPO objective as plain functions over flat per-token tensors.
+
+Owns group advantages, the clipped surrogate, the correction for the rollout/trainer mismatch,
+the optional KL to a reference policy and the aggregation over the batch (including the
+normalizers that make micro-batching exact). Does not own computing log-probabilities (the
+model), packing completions into one token stream (the train step) or the optimizer.
+
+Legend: G prompts (groups), S samples per prompt, N trained token positions of this call (the
+completions of several samples packed one after another), Q completions of this call.
+
+Three policies meet here, as in decoupled PPO:
+
+- rollout ``mu``: the engine that sampled (NVFP4 kernels, cached decode): ``logp_rollout_N``;
+- proximal ``pi_prox``: the trainer's policy at the start of this optimizer step, i.e. its own
+  recompute of the sampled tokens: ``logp_prox_N``;
+- current ``pi``: ``logp_new_N``, the only input that carries a gradient.
+
+Per token, with ``r = exp(logp_new - logp_prox)`` and ``rho = exp(logp_prox - logp_rollout)``::
+
+    loss_t = w(rho) * -min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A) + kl_coef * k3_t
+
+The clip keeps several steps on one rollout near ``pi_prox``; ``w`` corrects for the sample
+having come from ``mu``, not ``pi_prox``. With one step per rollout ``logp_prox`` is left out
+and defaults to ``logp_new.detach()``: ``r`` is 1 in value and its gradient is that of
+``logp_new``, so nothing is clipped and ``w`` alone handles the FP4 rollout.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import torch
+
+Aggregation = Literal["token_mean", "seq_mean"]
+Correction = Literal["none", "tis", "mask"]
+
+
+def _number(key: str, value, bound: str, ok) -> None:
+    real = isinstance(value, int | float) and not isinstance(value, bool)
+    if not (real and math.isfinite(value) and ok(value)):
+        raise ValueError(f"grpo.{key} must be a finite number {bound}, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GrpoConfig:
+    normalize_std: bool = True  # divide each group's advantages by its reward std
+    leave_one_out: bool = False  # baseline = mean of the other samples of the group
+    clip_low: float = 0.2  # r below 1 - clip_low stops pushing a negative-advantage token down
+    clip_high: float = 0.28  # larger than clip_low ("clip higher") so rare tokens can rise
+    aggregation: Aggregation = "token_mean"
+    correction: Correction = "tis"  # rollout/trainer mismatch: none | tis | mask
+    tis_cap: float = 2.0  # "tis": weight = min(rho, tis_cap)
+    mask_low: float = 0.5  # "mask": tokens with rho outside [mask_low, mask_high] get weight 0
+    mask_high: float = 2.0
+    kl_coef: float = 0.0  # > 0 needs logp_ref_N (a frozen reference policy)
+
+    def __post_init__(self) -> None:
+        for key in ("normalize_std", "leave_one_out"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"grpo.{key} must be a bool, got {getattr(self, key)!r}")
+        for key, allowed in (("aggregation", Aggregation), ("correction", Correction)):
+            if getattr(self, key) not in get_args(allowed):
+                raise ValueError(
+                    f"grpo.{key} must be one of {get_args(allowed)}, got {getattr(self, key)!r}"
+                )
+        # 1 - clip_low must stay positive, or the low clip would never bind.
+        _number("clip_low", self.clip_low, "in [0, 1)", lambda v: 0 <= v < 1)
+        _number("clip_high", self.clip_high, ">= 0", lambda v: v >= 0)
+        # A cap below 1 would down-weight tokens on which rollout and trainer agree exactly.
+        _number("tis_cap", self.tis_cap, ">= 1", lambda v: v >= 1)
+        _number("mask_low", self.mask_low, "in (0, 1]", lambda v: 0 < v <= 1)
+        _number("mask_high", self.mask_high, ">= 1", lambda v: v >= 1)
+        _number("kl_coef", self.kl_coef, ">= 0", lambda v: v >= 0)
+        for key in ("clip_low", "clip_high", "tis_cap", "mask_low", "mask_high", "kl_coef"):
+            object.__setattr__(self, key, float(getattr(self, key)))
+
+
+def group_advantages(
+    rewards_GS: torch.Tensor,
+    *,
+    normalize_std: bool = True,
+    leave_one_out: bool = False,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Advantages ``[G, S]`` (FP32) of each sample against its group, and ``zero_var_G`` (bool):
+    the groups whose rewards are all equal, whose advantages are exactly 0.
+
+    ``A = r - mean(r)``; with ``leave_one_out`` the baseline excludes the sample itself,
+    ``r_i - mean_{j != i} r_j = S / (S - 1) * (r_i - mean(r))``; with ``normalize_std`` the
+    result is divided by ``std(r) + eps`` (the unbiased std of the group's rewards).
+    """
+    if rewards_GS.ndim != 2 or rewards_GS.shape[1] < 2:
+        raise ValueError(f"rewards must be [prompts, samples >= 2], got {tuple(rewards_GS.shape)}")
+    if not rewards_GS.dtype.is_floating_point or not torch.isfinite(rewards_GS).all():
+        raise ValueError("rewards must be finite floating-point values")
+    # FP64 so that a group of equal rewards centres to exactly zero before the cast.
+    r_GS = rewards_GS.double()
+    num_samples = r_GS.shape[1]
+    adv_GS = r_GS - r_GS.mean(dim=1, keepdim=True)
+    if leave_one_out:
+        adv_GS = adv_GS * (num_samples / (num_samples - 1))
+    if normalize_std:
+        adv_GS = adv_GS / (r_GS.std(dim=1, keepdim=True) + eps)
+    zero_var_G = (r_GS == r_GS[:, :1]).all(dim=1)
+    adv_GS = torch.where(zero_var_G[:, None], 0.0, adv_GS)
+    return adv_GS.float(), zero_var_G
+
+
+def _check_tokens(logp_new_N: torch.Tensor, seq_index_N: torch.Tensor, **others) -> None:
+    if logp_new_N.ndim != 1 or not logp_new_N.dtype.is_floating_point:
+        raise ValueError(f"logp_new_N must be 1-D floating point, got {logp_new_N.shape}")
+    if seq_index_N.dtype != torch.long or seq_index_N.shape != logp_new_N.shape:
+        raise ValueError(
+            f"seq_index_N must be long {tuple(logp_new_N.shape)}, "
+            f"got {seq_index_N.dtype} {tuple(seq_index_N.shape)}"
+        )
+    for name, t in others.items():
+        if t is not None and t.shape != logp_new_N.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, logp_new_N {logp_new_N.shape}")
+
+
+def grpo_loss(
+    logp_new_N: torch.Tensor,
+    *,
+    logp_rollout_N: torch.Tensor,
+    advantages_N: torch.Tensor,
+    seq_index_N: torch.Tensor,
+    num_seqs: int,
+    config: GrpoConfig,
+    logp_prox_N: torch.Tensor | None = None,
+    logp_ref_N: torch.Tensor | None = None,
+    entropy_N: torch.Tensor | None = None,
+    total_tokens: int | None = None,
+    total_seqs: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The GRPO loss of one (micro-)batch and its metrics (detached 0-d FP32 tensors, so that
+    reading them costs no device sync until the caller logs them).
+
+    ``seq_index_N`` in ``[0, num_seqs)`` names each token's completion; ``advantages_N`` is the
+    completion's advantage repeated over its tokens. ``total_tokens`` / ``total_seqs`` are the
+    counts of the whole batch when this call sees one micro-batch of it: the sum of the
+    micro-batch losses is then the whole-batch loss, however the batch was split (seq_mean
+    needs each completion whole inside one micro-batch). They default to this call's counts.
+    """
+    _check_tokens(
+        logp_new_N, seq_index_N, logp_rollout_N=logp_rollout_N, advantages_N=advantages_N,
+        logp_prox_N=logp_prox_N, logp_ref_N=logp_ref_N, entropy_N=entropy_N,
+    )  # fmt: skip
+    num_tokens = logp_new_N.shape[0]
+    total_tokens = num_tokens if total_tokens is None else total_tokens
+    total_seqs = num_seqs if total_seqs is None else total_seqs
+    if total_tokens < num_tokens or total_seqs < num_seqs:
+        raise ValueError(
+            f"total_tokens={total_tokens}, total_seqs={total_seqs} count fewer than this call's "
+            f"{num_tokens} tokens / {num_seqs} completions"
+        )
+    if config.kl_coef > 0 and logp_ref_N is None:
+        raise ValueError(f"grpo.kl_coef={config.kl_coef} needs logp_ref_N")
+    f32 = torch.float32
+    logp_new_N = logp_new_N.to(f32)
+    adv_N = advantages_N.to(f32)
+    logp_prox_N = logp_new_N.detach() if logp_prox_N is None else logp_prox_N.to(f32)
+
+    ratio_N = torch.exp(logp_new_N - logp_prox_N)
+    clipped_N = ratio_N.clamp(1.0 - config.clip_low, 1.0 + config.clip_high)
+    surrogate_N = -torch.minimum(ratio_N * adv_N, clipped_N * adv_N)
+
+    with torch.no_grad():
+        log_rho_N = logp_prox_N - logp_rollout_N.to(f32)
+        rho_N = torch.exp(log_rho_N)
+        if config.correction == "tis":
+            weight_N = rho_N.clamp(max=config.tis_cap)
+            touched_N = rho_N > config.tis_cap
+        elif config.correction == "mask":
+            touched_N = (rho_N < config.mask_low) | (rho_N > config.mask_high)
+            weight_N = (~touched_N).to(f32)
+        else:
+            weight_N = torch.ones_like(rho_N)
+            touched_N = torch.zeros_like(rho_N, dtype=torch.bool)
+    loss_N = weight_N * surrogate_N
+
+    kl_N = None
+    if logp_ref_N is not None:
+        # k3 = exp(d) - d - 1 with d = log pi_ref - log pi: unbiased for KL(pi || pi_ref) under
+        # samples of pi, never negative. Not importance-weighted: it regularizes, not estimates.
+        d_N = logp_ref_N.to(f32) - logp_new_N
+        kl_N = torch.exp(d_N) - d_N - 1.0
+        loss_N = loss_N + config.kl_coef * kl_N
+
+    if config.aggregation == "token_mean":
+        loss = loss_N.sum() / max(total_tokens, 1)
+    else:
+        len_Q = torch.zeros(num_seqs, dtype=f32, device=loss_N.device)
+        len_Q = len_Q.index_add(0, seq_index_N, torch.ones_like(loss_N))
+        sum_Q = torch.zeros(num_seqs, dtype=f32, device=loss_N.device)
+        sum_Q = sum_Q.index_add(0, seq_index_N, loss_N)
+        loss = (sum_Q / len_Q.clamp(min=1.0)).sum() / max(total_seqs, 1)
+
+    with torch.no_grad():
+
+        def mean(x_N: torch.Tensor) -> torch.Tensor:
+            return x_N.to(f32).sum() / max(num_tokens, 1)
+
+        metrics = {
+            "clip_frac_low": mean((adv_N < 0) & (ratio_N < 1.0 - config.clip_low)),
+            "clip_frac_high": mean((adv_N > 0) & (ratio_N > 1.0 + config.clip_high)),
+            "correction_frac": mean(touched_N),
+            "ratio_mean": mean(ratio_N),
+            "is_ratio_mean": mean(rho_N),
+            # The issue's rollout/trainer gap: mean over tokens of exp(|logp_train - logp_rollout|).
+            "token_mult_prob_error": mean(torch.exp(log_rho_N.abs())),
+        }
+        if kl_N is not None:
+            metrics["kl"] = mean(kl_N)
+        if entropy_N is not None:
+            metrics["entropy"] = mean(entropy_N)
+    return loss, metrics

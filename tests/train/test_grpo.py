@@ -1,0 +1,275 @@
+"""GRPO advantages, clipped surrogate, mismatch correction and aggregation against worked examples.
+
+Every expected number is written out next to the case as the arithmetic that gives it. Values
+are FP32; ``TOL`` covers the few ulps that ``exp(log(x))`` and a sum of four terms cost.
+"""
+
+import math
+
+import pytest
+import torch
+
+from fp4rl.train.grpo import GrpoConfig, group_advantages, grpo_loss
+
+TOL = dict(rtol=0, atol=1e-6)  # FP32 results of size ~1: a few ulps
+NONE = GrpoConfig(correction="none")
+
+
+def t(*values):
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def leaf(*values):
+    return t(*values).requires_grad_(True)
+
+
+def loss_and_grad(logp_new_N, **kwargs):
+    kwargs.setdefault("seq_index_N", torch.zeros(logp_new_N.shape[0], dtype=torch.long))
+    kwargs.setdefault("num_seqs", 1)
+    kwargs.setdefault("logp_rollout_N", logp_new_N.detach())
+    loss, metrics = grpo_loss(logp_new_N, **kwargs)
+    loss.backward()
+    return loss, logp_new_N.grad, metrics
+
+
+# --- advantages ---------------------------------------------------------------------------
+
+
+def test_advantages_std_normalized():
+    adv, zero_var = group_advantages(t(1, 0, 0, 1)[None], eps=0.0)
+    # mean 0.5 -> centred [.5, -.5, -.5, .5]; unbiased std = sqrt(4 * .25 / 3) = sqrt(1/3);
+    # .5 / sqrt(1/3) = .5 * sqrt(3) = 0.8660254
+    a = 0.5 * math.sqrt(3)
+    torch.testing.assert_close(adv, t(a, -a, -a, a)[None], **TOL)
+    assert zero_var.tolist() == [False]
+
+
+def test_advantages_leave_one_out_without_std():
+    adv, _ = group_advantages(t(1, 0, 0)[None], normalize_std=False, leave_one_out=True)
+    # r0 - mean(0, 0) = 1;  r1 - mean(1, 0) = -0.5;  r2 - mean(1, 0) = -0.5
+    torch.testing.assert_close(adv, t(1, -0.5, -0.5)[None], **TOL)
+    plain, _ = group_advantages(t(1, 0, 0)[None], normalize_std=False)
+    # mean 1/3: [2/3, -1/3, -1/3]
+    torch.testing.assert_close(plain, t(2 / 3, -1 / 3, -1 / 3)[None], **TOL)
+
+
+def test_zero_variance_groups_are_exactly_zero_and_reported():
+    rewards = torch.tensor([[0.1, 0.1, 0.1], [1.0, 0.0, 1.0], [0.0, 0.0, 0.0]])
+    adv, zero_var = group_advantages(rewards)
+    assert zero_var.tolist() == [True, False, True]
+    assert adv[0].eq(0).all() and adv[2].eq(0).all()  # exactly, not up to 0.1 * 3 / 3 rounding
+    # group 1: mean 2/3, centred [1/3, -2/3, 1/3], std = sqrt((1/9 + 4/9 + 1/9) / 2) = 1/sqrt(3)
+    s = 1 / math.sqrt(3)
+    torch.testing.assert_close(adv[1], t(1 / 3 / s, -2 / 3 / s, 1 / 3 / s), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "rewards", [torch.ones(3), torch.ones(2, 1), torch.tensor([[1.0, float("nan")]])]
+)
+def test_advantages_reject_bad_rewards(rewards):
+    with pytest.raises(ValueError, match="rewards"):
+        group_advantages(rewards)
+
+
+# --- the surrogate --------------------------------------------------------------------------
+
+
+def test_one_step_loss_is_minus_mean_advantage_with_policy_gradient():
+    logp = leaf(-1.0, -2.0, -0.5)
+    loss, grad, metrics = loss_and_grad(logp, advantages_N=t(1, 1, -2), config=NONE)
+    # r = 1 everywhere: loss = -(1 + 1 - 2) / 3 = 0; d loss / d logp_t = -A_t / 3
+    torch.testing.assert_close(loss, torch.tensor(0.0), **TOL)
+    torch.testing.assert_close(grad, t(-1 / 3, -1 / 3, 2 / 3), **TOL)
+    assert float(metrics["ratio_mean"]) == 1.0
+    assert float(metrics["clip_frac_low"]) == float(metrics["clip_frac_high"]) == 0.0
+
+
+def test_clipping_low_and_high():
+    prox = t(-1, -1, -1, -1)
+    r = t(1.5, 0.5, 0.5, 1.5)
+    logp = (prox + r.log()).requires_grad_(True)
+    loss, grad, m = loss_and_grad(
+        logp, logp_prox_N=prox, logp_rollout_N=prox, advantages_N=t(1, -1, 1, -1), config=NONE
+    )
+    # clip range [0.8, 1.28]:
+    # t0 A=+1 r=1.5: min(1.5, 1.28) = 1.28, clipped high, grad 0
+    # t1 A=-1 r=0.5: min(-0.5, -0.8) = -0.8, clipped low, grad 0
+    # t2 A=+1 r=0.5: min(0.5, 0.8) = 0.5, unclipped, d(-r A)/d logp = -r A = -0.5
+    # t3 A=-1 r=1.5: min(-1.5, -1.28) = -1.5, unclipped (pessimistic side), grad +1.5
+    # loss = -(1.28 - 0.8 + 0.5 - 1.5) / 4 = 0.52 / 4 = 0.13; grads / 4
+    torch.testing.assert_close(loss, torch.tensor(0.13), **TOL)
+    torch.testing.assert_close(grad, t(0, 0, -0.125, 0.375), **TOL)
+    assert float(m["clip_frac_low"]) == float(m["clip_frac_high"]) == 0.25
+    torch.testing.assert_close(m["ratio_mean"], torch.tensor(1.0), **TOL)  # (1.5+.5+.5+1.5)/4
+
+
+# --- rollout / trainer mismatch correction ---------------------------------------------------
+
+
+def test_truncated_importance_sampling():
+    logp = leaf(-1.0, -1.0, -1.0)
+    rollout = t(-1 - math.log(3), -1 + math.log(2), -1)
+    loss, grad, m = loss_and_grad(
+        logp, logp_rollout_N=rollout, advantages_N=t(1, 1, 1), config=GrpoConfig(tis_cap=2.0)
+    )
+    # rho = exp(logp_train - logp_rollout) = [3, 0.5, 1] -> weight min(rho, 2) = [2, 0.5, 1]
+    # loss = -(2 + 0.5 + 1) / 3 = -7/6; grad = -w / 3 = [-2/3, -1/6, -1/3]
+    torch.testing.assert_close(loss, torch.tensor(-7 / 6), **TOL)
+    torch.testing.assert_close(grad, t(-2 / 3, -1 / 6, -1 / 3), **TOL)
+    torch.testing.assert_close(m["correction_frac"], torch.tensor(1 / 3), **TOL)  # rho=3 only
+    torch.testing.assert_close(m["is_ratio_mean"], torch.tensor(1.5), **TOL)  # (3+.5+1)/3
+    # exp|log rho| = [3, 2, 1] -> mean 2
+    torch.testing.assert_close(m["token_mult_prob_error"], torch.tensor(2.0), **TOL)
+
+
+def test_correction_weight_uses_the_proximal_policy_not_the_current_one():
+    prox = t(-1.0)
+    logp = (prox + math.log(1.1)).requires_grad_(True)
+    loss, _, _ = loss_and_grad(
+        logp, logp_prox_N=prox, logp_rollout_N=prox, advantages_N=t(1), config=GrpoConfig()
+    )
+    # tis with cap 2: rho = exp(prox - rollout) = 1 -> weight 1; r = 1.1 (inside [0.8, 1.28]),
+    # loss = -1.1.
+    # Weighting by exp(new - rollout) = 1.1 instead would give -1.21.
+    torch.testing.assert_close(loss, torch.tensor(-1.1), **TOL)
+
+
+def test_mask_drops_tokens_but_keeps_them_in_the_token_count():
+    logp = leaf(-1.0, -1.0, -1.0, -1.0)
+    rollout = -1 - t(3, 0.4, 1.5, 1).log()  # rho = [3, 0.4, 1.5, 1]
+    config = GrpoConfig(correction="mask", mask_low=0.5, mask_high=2.0)
+    loss, grad, m = loss_and_grad(
+        logp, logp_rollout_N=rollout, advantages_N=t(1, 1, 1, -1), config=config
+    )
+    # rho outside [0.5, 2]: t0 (3), t1 (0.4) -> weight [0, 0, 1, 1]
+    # loss = -(0 + 0 + 1 - 1) / 4 = 0; grad = -w A / 4 = [0, 0, -1/4, 1/4] (not / 2)
+    torch.testing.assert_close(loss, torch.tensor(0.0), **TOL)
+    torch.testing.assert_close(grad, t(0, 0, -0.25, 0.25), **TOL)
+    assert float(m["correction_frac"]) == 0.5
+
+
+# --- aggregation, KL, entropy ----------------------------------------------------------------
+
+SEQ_3_1 = torch.tensor([0, 0, 0, 1])  # completion 0 has three tokens, completion 1 one
+
+
+@pytest.mark.parametrize(
+    "aggregation, expected_loss, expected_grad",
+    [
+        # -(1 + 1 + 1 - 1) / 4 tokens = -0.5; every token -A / 4
+        ("token_mean", -0.5, (-1 / 4, -1 / 4, -1 / 4, 1 / 4)),
+        # (-(3 / 3) + (1 / 1)) / 2 completions = 0; seq 0 tokens -1 / (3 * 2), seq 1 +1 / 2
+        ("seq_mean", 0.0, (-1 / 6, -1 / 6, -1 / 6, 1 / 2)),
+    ],
+)
+def test_token_mean_and_seq_mean(aggregation, expected_loss, expected_grad):
+    logp = leaf(-0.1, -0.2, -0.3, -0.4)
+    loss, grad, _ = loss_and_grad(
+        logp,
+        seq_index_N=SEQ_3_1,
+        num_seqs=2,
+        advantages_N=t(1, 1, 1, -1),
+        config=GrpoConfig(correction="none", aggregation=aggregation),
+    )
+    torch.testing.assert_close(loss, torch.tensor(expected_loss), **TOL)
+    torch.testing.assert_close(grad, t(*expected_grad), **TOL)
+
+
+def test_kl_k3_to_reference():
+    logp = leaf(-1.0, -2.0)
+    ref = t(-1.0, -2.0 + math.log(2))
+    config = GrpoConfig(correction="none", kl_coef=0.1)
+    loss, grad, m = loss_and_grad(logp, logp_ref_N=ref, advantages_N=t(0, 0), config=config)
+    # d = ref - new = [0, ln 2]; k3 = e^d - d - 1 = [0, 1 - ln 2]; loss = 0.1 * (1 - ln 2) / 2
+    # d k3 / d new = 1 - e^d = [0, -1] -> grad = 0.1 * [0, -1] / 2
+    k3 = 1 - math.log(2)
+    torch.testing.assert_close(loss, torch.tensor(0.1 * k3 / 2), **TOL)
+    torch.testing.assert_close(grad, t(0, -0.05), **TOL)
+    torch.testing.assert_close(m["kl"], torch.tensor(k3 / 2), **TOL)
+    with pytest.raises(ValueError, match="kl_coef=0.1 needs logp_ref_N"):
+        grpo_loss(logp, logp_rollout_N=ref, advantages_N=t(0, 0), seq_index_N=SEQ_3_1[:2],
+                  num_seqs=1, config=config)  # fmt: skip
+
+
+def test_entropy_is_reported_only_when_given():
+    logp = leaf(-1.0, -2.0)
+    _, _, m = loss_and_grad(logp, advantages_N=t(1, 1), config=NONE, entropy_N=t(0.5, 1.5))
+    assert float(m["entropy"]) == 1.0  # (0.5 + 1.5) / 2
+    _, _, m = loss_and_grad(leaf(-1.0), advantages_N=t(1), config=NONE)
+    assert "entropy" not in m and "kl" not in m
+    assert all(v.ndim == 0 and not v.requires_grad for v in m.values())
+
+
+# --- micro-batching --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean"])
+def test_micro_batches_sum_to_the_whole_batch(aggregation):
+    gen = torch.Generator().manual_seed(0)
+    lengths = [3, 1, 4, 2, 5]
+    seq_N = torch.repeat_interleave(torch.arange(5), torch.tensor(lengths))
+    logp = -torch.rand(15, generator=gen)
+    adv = torch.randn(5, generator=gen)[seq_N]
+    rollout = logp - 0.3 * torch.randn(15, generator=gen)
+    config = GrpoConfig(aggregation=aggregation, kl_coef=0.05)
+    ref = logp - 0.1
+
+    def run(token_slices, seq_ranges):
+        x = logp.clone().requires_grad_(True)
+        total = 0.0
+        for (a, b), (s0, s1) in zip(token_slices, seq_ranges, strict=True):
+            loss, _ = grpo_loss(
+                x[a:b], logp_rollout_N=rollout[a:b], advantages_N=adv[a:b],
+                seq_index_N=seq_N[a:b] - s0, num_seqs=s1 - s0, config=config,
+                logp_ref_N=ref[a:b], total_tokens=15, total_seqs=5,
+            )  # fmt: skip
+            loss.backward()
+            total += float(loss.detach())
+        return total, x.grad
+
+    whole_loss, whole_grad = run([(0, 15)], [(0, 5)])
+    split_loss, split_grad = run([(0, 4), (4, 10), (10, 15)], [(0, 2), (2, 4), (4, 5)])
+    assert split_loss == pytest.approx(whole_loss, abs=1e-6)  # three FP32 sums vs one
+    torch.testing.assert_close(split_grad, whole_grad, rtol=0, atol=1e-7)
+
+
+def test_inputs_are_checked():
+    logp = leaf(-1.0, -2.0)
+    seq = torch.zeros(2, dtype=torch.long)
+    common = dict(logp_rollout_N=t(-1, -2), advantages_N=t(1, 1), num_seqs=1, config=NONE)
+    with pytest.raises(ValueError, match="total_tokens=1"):
+        grpo_loss(logp, seq_index_N=seq, total_tokens=1, **common)
+    with pytest.raises(ValueError, match="seq_index_N must be long"):
+        grpo_loss(logp, seq_index_N=seq.int(), **common)
+    with pytest.raises(ValueError, match="advantages_N has shape"):
+        grpo_loss(logp, seq_index_N=seq, **{**common, "advantages_N": t(1)})
+
+
+# --- config -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("clip_low", 1.0),
+        ("clip_low", -0.1),
+        ("clip_high", float("inf")),
+        ("tis_cap", 0.5),
+        ("mask_low", 0.0),
+        ("mask_high", 0.9),
+        ("kl_coef", -1e-3),
+        ("kl_coef", True),
+        ("normalize_std", 1),
+        ("aggregation", "sum"),
+        ("correction", "icepop"),
+    ],
+)
+def test_config_rejects_naming_key_and_value(key, value):
+    with pytest.raises(ValueError, match=rf"grpo\.{key} .*got {value!r}"):
+        GrpoConfig(**{key: value})
+
+
+def test_config_names_allowed_modes():
+    with pytest.raises(ValueError, match=r"\('none', 'tis', 'mask'\)"):
+        GrpoConfig(correction="is")
+    assert GrpoConfig(clip_low=0, tis_cap=3).tis_cap == 3.0  # ints become floats
