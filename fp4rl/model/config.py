@@ -125,8 +125,18 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained_dir(cls, path: str | Path) -> ModelConfig:
-        with open(Path(path) / "config.json") as f:
-            return cls.from_hf_dict(json.load(f))
+        """The config.json of a local checkpoint directory; every refusal names that file."""
+        file = Path(path) / "config.json"
+        try:
+            d = json.loads(file.read_text())  # ValueError also covers bytes that are not UTF-8
+        except ValueError as err:
+            raise ValueError(f"{file}: not valid JSON: {err}") from err
+        if not isinstance(d, dict):
+            raise ValueError(f"{file}: holds a JSON {type(d).__name__}, not an object")
+        try:
+            return cls.from_hf_dict(d)
+        except ValueError as err:
+            raise ValueError(f"{file}: {err}") from err
 
     @classmethod
     def from_hf_dict(cls, d: Mapping[str, Any]) -> ModelConfig:

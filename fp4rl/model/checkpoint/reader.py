@@ -16,11 +16,13 @@ from __future__ import annotations
 import json
 import re
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from fp4rl.model.checkpoint.names import (
     INDEX_FILE,
@@ -58,7 +60,7 @@ def load_state_dict(path: str | Path, config: ModelConfig) -> dict[str, torch.Te
     for src in sources:
         by_file[src.file].append(src)
     for file, file_sources in by_file.items():
-        with safe_open(path / file, framework="pt") as f:
+        with _open(path / file) as f:
             for src in file_sources:
                 tensor, slot = f.get_tensor(src.hf_name), src.slot
                 if slot.expert is None:
@@ -68,7 +70,7 @@ def load_state_dict(path: str | Path, config: ModelConfig) -> dict[str, torch.Te
                     params[slot.name] = torch.empty(shapes[slot.name], dtype=tensor.dtype)
                 params[slot.name][slot.index].copy_(tensor)
     if tied_head is not None:
-        with safe_open(path / tied_head, framework="pt") as f:
+        with _open(path / tied_head) as f:
             if not torch.equal(f.get_tensor("lm_head.weight"), params["embed_tokens.weight"]):
                 raise ValueError(
                     f"{path}: tie_word_embeddings=True but lm_head.weight differs from "
@@ -85,12 +87,33 @@ def _checkpoint_files(path: Path) -> tuple[list[str], dict[str, str] | None]:
         return [MODEL_FILE], None
     if not index.exists():
         raise FileNotFoundError(f"no {MODEL_FILE} or {INDEX_FILE} in {path}")
-    weight_map = json.loads(index.read_text())["weight_map"]
+    weight_map = _read_index(index)
     files = sorted(set(weight_map.values()))
     for file in files:
         if not (path / file).is_file():
             raise FileNotFoundError(f"{INDEX_FILE} names {file}, which is not in {path}")
     return files, weight_map
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    try:
+        d = json.loads(index.read_text())  # ValueError also covers bytes that are not UTF-8
+    except ValueError as err:
+        raise ValueError(f"{index}: not valid JSON: {err}") from err
+    weight_map = d.get("weight_map") if isinstance(d, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f'{index}: has no "weight_map" object of tensor name -> file name')
+    return weight_map
+
+
+@contextmanager
+def _open(file: Path) -> Iterator:
+    """``safe_open``, with safetensors' errors (a truncated or corrupt file) naming the file."""
+    try:
+        with safe_open(file, framework="pt") as f:
+            yield f
+    except SafetensorError as err:
+        raise ValueError(f"{file}: not a readable safetensors file: {err}") from err
 
 
 _Header = tuple[str, list[int], str]  # (file, shape, safetensors dtype) of one stored tensor
@@ -100,7 +123,7 @@ def _read_headers(path: Path, files: list[str]) -> dict[str, list[_Header]]:
     """Every stored tensor name -> each file holding it (more than one is a duplicate)."""
     headers = defaultdict(list)
     for file in files:
-        with safe_open(path / file, framework="pt") as f:
+        with _open(path / file) as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
                 piece = f.get_slice(name)
                 headers[name].append((file, piece.get_shape(), piece.get_dtype()))
