@@ -1,10 +1,10 @@
 """Putting BF16 weights into a built model: checkpoints at start-up, and every refit.
 
 `load_weights` is the one path by which weights enter a model. It checks the whole state dict
-against the model before touching anything (names, shapes, dtypes, and finiteness of the routed
-experts, which a NaN global scale reveals at no extra cost), quantizes the routed experts of
-`PackedExperts` layers, and only then copies into the existing storage. A bad state dict raises
-with every problem named and leaves the model exactly as it was: no half-applied weights.
+against the model before touching anything (names, shapes, dtypes, and that every tensor is
+finite in the dtype the model will hold it in), quantizes the routed experts of `PackedExperts`
+layers, and only then copies into the existing storage. A bad state dict raises with every
+problem named and leaves the model exactly as it was: no half-applied weights.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from fp4rl.model.checkpoint import load_state_dict
+from fp4rl.model.checkpoint import load_state_dict, non_finite
 from fp4rl.model.config import ModelConfig
 from fp4rl.model.experts import PackedExperts
 from fp4rl.model.precision import PrecisionConfig
@@ -48,12 +48,15 @@ def load_weights(model: MoETransformer, state_dict: dict[str, torch.Tensor]) -> 
             problems.append(f"{name}: shape {tuple(tensor.shape)}, model has {shapes[name]}")
         elif name in shapes and not tensor.is_floating_point():
             problems.append(f"{name}: dtype {tensor.dtype} is not floating point")
+    # Packed experts are quantized from the values in the model's own dtype (below).
+    reference, params = model.embed_tokens.weight, dict(model.named_parameters())
+    cast_to = {n: params[n].dtype if n in params else reference.dtype for n in shapes}
+    problems += non_finite({n: t for n, t in state_dict.items() if n in shapes}, cast_to)
     if problems:
         raise ValueError("refusing to load weights:\n  " + "\n  ".join(problems))
 
     # Quantize every packed layer before writing anything, so a failure changes nothing.
     # Experts are quantized from the values the trainer holds in the model's own dtype.
-    reference = model.embed_tokens.weight
     packed = {}
     for name, module in model.named_modules():
         if isinstance(module, PackedExperts):
@@ -62,12 +65,6 @@ def load_weights(model: MoETransformer, state_dict: dict[str, torch.Tensor]) -> 
                 for w in ("w13", "w2")
             )
             packed[name] = module.quantized(w13, w2)
-            # A non-finite weight poisons its expert's global scale (NaN): refuse to serve it.
-            for w, t in zip(("w13", "w2"), packed[name], strict=True):
-                bad = (~torch.isfinite(t.global_scale.flatten())).nonzero().flatten().tolist()
-                if bad:
-                    raise ValueError(f"{name}.{w}: non-finite values in experts {bad}")
-    params = dict(model.named_parameters())
     for name, tensor in state_dict.items():
         if name in params:
             params[name].copy_(tensor)

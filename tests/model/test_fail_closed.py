@@ -11,9 +11,103 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from fp4rl.model.checkpoint import INDEX_FILE, MODEL_FILE, load_state_dict, save_checkpoint
 from fp4rl.model.config import ModelConfig
+from fp4rl.model.precision import PrecisionConfig
+from fp4rl.model.presets import tiny_qwen3_moe
+from fp4rl.model.transformer import build_model, init_weights
+from fp4rl.model.weights import load_weights
+
+# Every MoE layer (1, 2, 3 of the tiny preset) in the experts' precision under test.
+ALL_LAYERS = dict(bf16_first_layers=0, bf16_last_layers=0)
+MODELS = {
+    "qat": ("qat", PrecisionConfig(**ALL_LAYERS)),
+    "packed": ("packed", PrecisionConfig(**ALL_LAYERS)),
+    "bf16": ("qat", PrecisionConfig(experts="bf16", **ALL_LAYERS)),
+}
+
+
+def tiny_model(kind: str, dtype: torch.dtype = torch.float32):
+    fp4_experts, precision = MODELS[kind]
+    model = build_model(tiny_qwen3_moe(), precision, fp4_experts=fp4_experts, dtype=dtype)
+    if fp4_experts == "packed":  # packed experts are not parameters: load them like a refit
+        reference = build_model(tiny_qwen3_moe(), precision, fp4_experts="qat", dtype=dtype)
+        init_weights(reference, std=0.1)
+        load_weights(model, reference.state_dict())
+    else:
+        init_weights(model, std=0.1)
+    return model.eval()
+
+
+def weights_of(model) -> dict[str, torch.Tensor]:
+    """Everything the model holds, packed codes and scales included, as copies."""
+    return {name: t.clone() for name, t in model.state_dict().items()} | {
+        name: b.clone() for name, b in model.named_buffers()
+    }
+
+
+def full_state_dict(kind: str) -> dict[str, torch.Tensor]:
+    """A valid state dict for ``kind``'s model: the QAT twin's (packed takes BF16 experts)."""
+    fp4_experts, precision = MODELS[kind]
+    model = build_model(tiny_qwen3_moe(), precision, fp4_experts="qat", dtype=torch.float32)
+    init_weights(model, std=0.1, seed=1)
+    return {name: t.clone() for name, t in model.state_dict().items()}
+
+
+# --- non-finite weights are refused by load_weights, naming tensors and experts ----------------
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_load_weights_refuses_non_finite_tensors_and_names_the_experts(kind):
+    model = tiny_model(kind)
+    before = weights_of(model)
+    sd = full_state_dict(kind)
+    sd["layers.2.mlp.experts.w13"][3, 7, 1] = float("nan")
+    sd["layers.2.mlp.experts.w13"][5, 0, 0] = float("inf")
+    sd["layers.1.mlp.experts.w2"][0, :, 2] = float("-inf")
+    sd["layers.3.self_attn.k_norm.weight"][4] = float("nan")
+    sd["embed_tokens.weight"][9, :3] = float("nan")
+    with pytest.raises(ValueError) as err:
+        load_weights(model, sd)
+    lines = str(err.value).splitlines()
+    assert lines[0] == "refusing to load weights:"
+    assert sorted(line.strip() for line in lines[1:]) == [
+        "embed_tokens.weight: 3 non-finite values of 8192",
+        "layers.1.mlp.experts.w2: non-finite values in experts [0]",
+        "layers.2.mlp.experts.w13: non-finite values in experts [3, 5]",
+        "layers.3.self_attn.k_norm.weight: 1 non-finite values of 16",
+    ]
+    after = weights_of(model)  # all-or-nothing: not one value changed
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[n], before[n]) for n in before), kind
+
+
+@pytest.mark.parametrize("kind", ["qat", "packed"])
+def test_load_weights_refuses_values_that_overflow_the_models_dtype(kind):
+    # 3.4e38 is finite in FP32 and rounds to inf in BF16: the model would hold inf.
+    model = tiny_model(kind, dtype=torch.bfloat16)
+    sd = full_state_dict(kind)
+    sd["layers.1.mlp.experts.w13"][6, 0, 0] = 3.4e38
+    sd["norm.weight"][0] = -3.4e38
+    sd["layers.2.mlp.experts.w2"][1, 0, 0] = 3.3e38  # the largest BF16 is 3.39e38: loads
+    with pytest.raises(ValueError) as err:
+        load_weights(model, sd)
+    assert sorted(str(err.value).splitlines()[1:]) == [
+        "  layers.1.mlp.experts.w13: non-finite values (as torch.bfloat16) in experts [6]",
+        "  norm.weight: 1 non-finite values (as torch.bfloat16) of 64",
+    ]
+
+
+def test_load_weights_takes_finite_extremes():
+    model = tiny_model("packed")
+    sd = full_state_dict("packed")
+    sd["layers.1.mlp.experts.w13"][2, 0, 0] = torch.finfo(torch.float32).max
+    sd["norm.weight"][0] = torch.finfo(torch.float32).min
+    load_weights(model, sd)
+    assert model.norm.weight[0] == torch.finfo(torch.float32).min
+
 
 # --- unreadable files are refused naming the file ----------------------------------------------
 

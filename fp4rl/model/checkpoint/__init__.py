@@ -11,6 +11,7 @@ from fp4rl.model.checkpoint.names import (
     Slot,
     fp4rl_to_hf,
     hf_to_fp4rl_names,
+    non_finite,
     parameter_shapes,
 )
 from fp4rl.model.checkpoint.reader import load_state_dict
@@ -23,6 +24,7 @@ __all__ = [
     "fp4rl_to_hf",
     "hf_to_fp4rl_names",
     "load_state_dict",
+    "non_finite",
     "parameter_shapes",
     "save_checkpoint",
 ]

@@ -3,14 +3,16 @@
 Owns fp4rl's parameter names and shapes for a config (``parameter_shapes``), the hub name of each
 piece of them (``hf_to_fp4rl_names``, ``Slot``: a whole tensor, one expert of a stacked tensor,
 or a row range of one), the hub view of an fp4rl state dict (``fp4rl_to_hf``), the checkpoint
-file names, and the one-error report of everything wrong (``_Problems``). Reads and writes no
-file: ``reader`` and ``writer`` do, both through this table. Does not own the model.
+file names, what in a state dict is not finite (``non_finite``), and the one-error report of
+everything wrong (``_Problems``). Reads and writes no file: ``reader`` and ``writer`` do, both
+through this table. Does not own the model.
 
 Legend: E experts, I moe_intermediate_size, H hidden_size, V vocab_size.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
@@ -20,6 +22,7 @@ from fp4rl.model.config import ModelConfig
 
 MODEL_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+_ROUTED_EXPERTS = re.compile(r"layers\.\d+\.mlp\.experts\.(w13|w2)")  # [E, 2I, H], [E, H, I]
 _MAX_LISTED = 20  # per kind of problem; a wrong config can make every name missing
 
 
@@ -143,6 +146,36 @@ def fp4rl_to_hf(
 
 def _piece(param: torch.Tensor, slot: Slot) -> torch.Tensor:
     return param[slot.index] if slot.index else param
+
+
+def non_finite(
+    state_dict: Mapping[str, torch.Tensor], cast_to: Mapping[str, torch.dtype] | None = None
+) -> list[str]:
+    """One line per tensor of ``state_dict`` that holds NaN or infinity, in its own dtype or in
+    ``cast_to[name]`` (a finite FP32 value can overflow BF16); routed-expert tensors
+    (``layers.N.mlp.experts.w13`` [E, 2I, H], ``.w2`` [E, H, I]) name the experts holding them.
+
+    Cheap when all is well: one ``aminmax`` per tensor, which propagates NaN and allocates
+    nothing the size of the tensor (``isfinite().all()`` would). Rounding is monotonic, so the
+    two extremes stay finite in a narrower dtype iff every value does. Only a bad tensor is
+    read again, to say where.
+    """
+    found = []
+    for name, t in state_dict.items():
+        dtype = (cast_to or {}).get(name, t.dtype)
+        if not t.is_floating_point() or t.numel() == 0:
+            continue
+        wide = t if t.itemsize > 1 else t.float()  # no float8 aminmax; float8 -> FP32 is exact
+        if torch.isfinite(torch.stack(torch.aminmax(wide)).to(dtype)).all():
+            continue
+        bad = ~torch.isfinite(wide.to(dtype))
+        where = f" (as {dtype})" if dtype != t.dtype else ""
+        if _ROUTED_EXPERTS.fullmatch(name) and t.dim() == 3:
+            experts = bad.flatten(1).any(1).nonzero().flatten().tolist()
+            found.append(f"{name}: non-finite values{where} in experts {experts}")
+        else:
+            found.append(f"{name}: {int(bad.sum())} non-finite values{where} of {t.numel()}")
+    return found
 
 
 @dataclass(slots=True)
