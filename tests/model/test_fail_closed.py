@@ -109,6 +109,24 @@ def test_load_weights_takes_finite_extremes():
     assert model.norm.weight[0] == torch.finfo(torch.float32).min
 
 
+# --- non-finite weights are refused by save_checkpoint, before anything is written -----------
+
+
+def test_save_refuses_non_finite_tensors(tmp_path):
+    sd = full_state_dict("qat")
+    sd["layers.1.mlp.experts.w2"][4, 1, 1] = float("nan")
+    sd["lm_head.weight"][0, 0] = float("inf")
+    out = tmp_path / "parent" / "ckpt"
+    with pytest.raises(ValueError) as err:
+        save_checkpoint(sd, tiny_qwen3_moe(), out)
+    assert str(err.value).splitlines() == [
+        f"refusing to save {out}; nothing was written:",
+        "  layers.1.mlp.experts.w2: non-finite values in experts [4]",
+        "  lm_head.weight: 1 non-finite values of 8192",
+    ]
+    assert os.listdir(tmp_path) == []
+
+
 # --- unreadable files are refused naming the file ----------------------------------------------
 
 

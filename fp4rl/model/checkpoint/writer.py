@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from fp4rl.model.checkpoint.names import INDEX_FILE, MODEL_FILE, fp4rl_to_hf
+from fp4rl.model.checkpoint.names import INDEX_FILE, MODEL_FILE, fp4rl_to_hf, non_finite
 from fp4rl.model.config import ModelConfig
 
 
@@ -33,7 +33,8 @@ def save_checkpoint(
 
     Atomic: everything is written and fsynced in a temporary sibling directory that is then
     renamed to ``path``, so a crash or error never leaves a partial checkpoint. An existing
-    non-empty ``path`` is never overwritten.
+    non-empty ``path`` is never overwritten. A state dict that does not match ``config`` or
+    holds a NaN or infinity raises ValueError naming every such tensor; nothing is written.
     """
     if type(max_shard_bytes) is not int or max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
@@ -41,6 +42,9 @@ def save_checkpoint(
     if path.exists() and not (path.is_dir() and not any(path.iterdir())):
         raise FileExistsError(f"{path} exists and is not an empty directory; not overwriting it")
     tensors = fp4rl_to_hf(state_dict, config)
+    bad = non_finite(state_dict)
+    if bad:
+        raise ValueError(f"refusing to save {path}; nothing was written:\n  " + "\n  ".join(bad))
     path.parent.mkdir(parents=True, exist_ok=True)
     # mkdir rather than tempfile.mkdtemp: that makes the directory 0700, unreadable by others.
     tmp = path.parent / f".{path.name}.partial-{uuid.uuid4().hex[:12]}"
