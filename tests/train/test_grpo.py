@@ -85,22 +85,26 @@ def test_one_step_loss_is_minus_mean_advantage_with_policy_gradient():
 
 
 def test_clipping_low_and_high():
-    prox = t(-1, -1, -1, -1)
-    r = t(1.5, 0.5, 0.5, 1.5)
+    prox = t(-1, -1, -1, -1, -1)
+    r = t(1.5, 0.5, 0.5, 1.5, 1.25)
     logp = (prox + r.log()).requires_grad_(True)
+    adv = t(2, -1, 1, -1, 1)
     loss, grad, m = loss_and_grad(
-        logp, logp_prox_N=prox, logp_rollout_N=prox, advantages_N=t(1, -1, 1, -1), config=NONE
+        logp, logp_prox_N=prox, logp_rollout_N=prox, advantages_N=adv, config=NONE
     )
-    # clip range [0.8, 1.28]:
-    # t0 A=+1 r=1.5: min(1.5, 1.28) = 1.28, clipped high, grad 0
-    # t1 A=-1 r=0.5: min(-0.5, -0.8) = -0.8, clipped low, grad 0
-    # t2 A=+1 r=0.5: min(0.5, 0.8) = 0.5, unclipped, d(-r A)/d logp = -r A = -0.5
-    # t3 A=-1 r=1.5: min(-1.5, -1.28) = -1.5, unclipped (pessimistic side), grad +1.5
-    # loss = -(1.28 - 0.8 + 0.5 - 1.5) / 4 = 0.52 / 4 = 0.13; grads / 4
-    torch.testing.assert_close(loss, torch.tensor(0.13), **TOL)
-    torch.testing.assert_close(grad, t(0, 0, -0.125, 0.375), **TOL)
-    assert float(m["clip_frac_low"]) == float(m["clip_frac_high"]) == 0.25
-    torch.testing.assert_close(m["ratio_mean"], torch.tensor(1.0), **TOL)  # (1.5+.5+.5+1.5)/4
+    # clip range [1 - 0.2, 1 + 0.28] = [0.8, 1.28]:
+    # t0 A=+2 r=1.5:  min(3, 2.56) = 2.56, clipped high, grad 0
+    # t1 A=-1 r=0.5:  min(-0.5, -0.8) = -0.8, clipped low, grad 0
+    # t2 A=+1 r=0.5:  min(0.5, 0.8) = 0.5, unclipped, d(-r A)/d logp = -r A = -0.5
+    # t3 A=-1 r=1.5:  min(-1.5, -1.28) = -1.5, unclipped (pessimistic side), grad +1.5
+    # t4 A=+1 r=1.25: min(1.25, 1.28) = 1.25, under 1 + clip_high (not 1 + clip_low), -1.25
+    # loss = -(2.56 - 0.8 + 0.5 - 1.5 + 1.25) / 5 = -2.01 / 5 = -0.402; grads / 5
+    torch.testing.assert_close(loss, torch.tensor(-0.402), **TOL)
+    torch.testing.assert_close(grad, t(0, 0, -0.1, 0.3, -0.25), **TOL)
+    torch.testing.assert_close(m["clip_frac_low"], torch.tensor(0.2), **TOL)  # t1 of 5
+    torch.testing.assert_close(m["clip_frac_high"], torch.tensor(0.2), **TOL)  # t0 of 5
+    # (1.5 + 0.5 + 0.5 + 1.5 + 1.25) / 5 = 1.05
+    torch.testing.assert_close(m["ratio_mean"], torch.tensor(1.05), **TOL)
 
 
 # --- rollout / trainer mismatch correction ---------------------------------------------------

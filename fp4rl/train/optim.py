@@ -1,0 +1,175 @@
+"""The optimizer step of a model with BF16 parameters: FP32 master weights, FP32 AdamW moments.
+
+Owns the master copies, gradient accumulation in FP32, clipping by global norm, the learning
+rate schedule and the copy back into the model's parameters. Does not own the loss, nor how a
+batch is split into micro-batches (``grpo_loss`` takes the whole batch's normalizers so that
+the summed micro-batch gradients do not depend on the split).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import torch
+
+Schedule = Literal["constant", "cosine"]
+
+
+def _real(key: str, value, bound: str, ok) -> None:
+    real = isinstance(value, int | float) and not isinstance(value, bool)
+    if not (real and math.isfinite(value) and ok(value)):
+        raise ValueError(f"optim.{key} must be a finite number {bound}, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OptimConfig:
+    lr: float = 1e-6  # peak learning rate
+    min_lr: float = 0.0  # where the cosine ends
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0  # decoupled; applies to matrices only, never to norms or biases
+    max_grad_norm: float | None = 1.0  # None: no clipping (the norm is still reported)
+    schedule: Schedule = "constant"
+    warmup_steps: int = 0  # linear warm-up, for either schedule
+    total_steps: int | None = None  # "cosine" reaches min_lr at this step
+
+    def __post_init__(self) -> None:
+        _real("lr", self.lr, "> 0", lambda v: v > 0)
+        _real("min_lr", self.min_lr, f"in [0, lr={self.lr}]", lambda v: 0 <= v <= self.lr)
+        _real("beta1", self.beta1, "in [0, 1)", lambda v: 0 <= v < 1)
+        _real("beta2", self.beta2, "in [0, 1)", lambda v: 0 <= v < 1)
+        _real("eps", self.eps, "> 0", lambda v: v > 0)
+        _real("weight_decay", self.weight_decay, ">= 0", lambda v: v >= 0)
+        if self.max_grad_norm is not None:
+            _real("max_grad_norm", self.max_grad_norm, "> 0 (or None)", lambda v: v > 0)
+        if self.schedule not in get_args(Schedule):
+            raise ValueError(
+                f"optim.schedule must be one of {get_args(Schedule)}, got {self.schedule!r}"
+            )
+        w = self.warmup_steps
+        if not isinstance(w, int) or isinstance(w, bool) or w < 0:
+            raise ValueError(f"optim.warmup_steps must be an int >= 0, got {w!r}")
+        n = self.total_steps
+        bad_n = n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1)
+        if bad_n or (self.schedule == "cosine" and (n is None or n <= w)):
+            raise ValueError(
+                f"optim.total_steps must be None or an int >= 1, and an int > warmup_steps "
+                f"({w}) for the cosine schedule, got {n!r}"
+            )
+
+
+def lr_at(step: int, config: OptimConfig) -> float:
+    """The learning rate of update ``step`` (0 for the first update).
+
+    Warm-up gives ``lr * (step + 1) / warmup_steps`` so the first update is not wasted at 0;
+    the cosine then falls from ``lr`` at ``step == warmup_steps`` to ``min_lr`` at
+    ``total_steps`` and stays there.
+    """
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    if config.schedule == "constant":
+        return config.lr
+    progress = min(1.0, (step - config.warmup_steps) / (config.total_steps - config.warmup_steps))
+    return config.min_lr + (config.lr - config.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class MasterAdamW:
+    """AdamW over FP32 masters of the given parameters (BF16, or any float dtype).
+
+    Per micro-batch: ``loss.backward()`` then ``accumulate()``, which adds each parameter's
+    gradient into its master's FP32 gradient and frees it, so the sum over micro-batches is
+    taken in FP32 rather than by autograd in BF16. ``step()`` accumulates whatever is left,
+    clips, updates the masters, rounds them back into the parameters (round to nearest even,
+    what ``copy_`` does) and zeroes every gradient. A non-finite gradient norm skips the update
+    (reported as ``skipped``; the schedule does not advance) instead of writing NaN weights.
+    """
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], config: OptimConfig) -> None:
+        self.config = config
+        self.params = [p for p in params if p.requires_grad]
+        if not self.params:
+            raise ValueError("MasterAdamW got no parameters that require grad")
+        with torch.no_grad():
+            self.masters = [p.detach().to(torch.float32, copy=True) for p in self.params]
+        decay = [m for m in self.masters if m.ndim >= 2]
+        no_decay = [m for m in self.masters if m.ndim < 2]
+        groups = [
+            {"params": decay, "weight_decay": config.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        self.optimizer = torch.optim.AdamW(
+            [g for g in groups if g["params"]],
+            lr=lr_at(0, config),
+            betas=(config.beta1, config.beta2),
+            eps=config.eps,
+            # The fused kernel is one launch for all tensors on CUDA; elsewhere foreach.
+            fused=all(m.is_cuda for m in self.masters) or None,
+        )
+        self.num_updates = 0
+
+    @torch.no_grad()
+    def accumulate(self) -> None:
+        """Move every parameter's ``.grad`` into its master's FP32 gradient."""
+        for p, m in zip(self.params, self.masters, strict=True):
+            if p.grad is None:
+                continue
+            if m.grad is None:
+                m.grad = p.grad.to(torch.float32)
+            else:
+                m.grad.add_(p.grad)  # upcasts the BF16 operand, sums in FP32
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> dict[str, float]:
+        """One update; returns ``lr``, the pre-clip ``grad_norm`` and ``skipped`` (0 or 1)."""
+        self.accumulate()
+        with_grad = [m for m in self.masters if m.grad is not None]
+        max_norm = self.config.max_grad_norm or math.inf
+        norm = torch.nn.utils.clip_grad_norm_(with_grad, max_norm, foreach=True)
+        grad_norm = float(norm)
+        lr = lr_at(self.num_updates, self.config)
+        skipped = not math.isfinite(grad_norm)
+        if not skipped:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            # A master without a gradient (its parameter unused in this batch) is left alone,
+            # moments included, as torch.optim.AdamW does.
+            self.optimizer.step()
+            for p, m in zip(self.params, self.masters, strict=True):
+                p.copy_(m)
+            self.num_updates += 1
+        for m in self.masters:
+            m.grad = None
+        return {"lr": lr, "grad_norm": grad_norm, "skipped": float(skipped)}
+
+    def state_dict(self) -> dict:
+        """Masters, moments and step count, by reference (like torch's): save before stepping."""
+        return {
+            "num_updates": self.num_updates,
+            "masters": list(self.masters),  # references, like torch's own state_dict
+            "optimizer": self.optimizer.state_dict(),
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Restore masters, moments and the step count, and round the masters into the params."""
+        masters = state["masters"]
+        if len(masters) != len(self.masters):
+            raise ValueError(
+                f"state has {len(masters)} masters, this optimizer {len(self.masters)}"
+            )
+        for i, (m, saved) in enumerate(zip(self.masters, masters, strict=True)):
+            if saved.shape != m.shape or saved.dtype != torch.float32:
+                raise ValueError(
+                    f"master {i}: saved {saved.dtype} {tuple(saved.shape)}, "
+                    f"expected torch.float32 {tuple(m.shape)}"
+                )
+        for p, m, saved in zip(self.params, self.masters, masters, strict=True):
+            m.copy_(saved)
+            p.copy_(m)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.num_updates = int(state["num_updates"])
