@@ -22,8 +22,8 @@ from fp4rl.model.precision import PrecisionConfig
 from fp4rl.model.presets import qwen3_30b_a3b
 from fp4rl.model.transformer import build_model
 from fp4rl.model.weights import load_weights
+from fp4rl.records import capture_bytes_per_generated_token
 from fp4rl.rollout import Engine, EngineConfig, SamplingParams
-from fp4rl.rollout.records import capture_bytes_per_generated_token
 
 VARIANTS = {  # name: (experts, kv, capture_routing, guidance)
     "bf16 experts, bf16 kv": ("bf16", "bf16", False, None),
@@ -76,7 +76,6 @@ def main() -> None:
         engine = Engine(
             model,
             EngineConfig(
-                kv_format=kv,
                 kv_memory_bytes=8 << 30,
                 max_model_len=1024,
                 max_num_seqs=256,

@@ -34,11 +34,10 @@ def time_variant(config, precision, tokens_T, seq_lens, steps, warmup) -> tuple[
         for name, p in model.named_parameters():
             p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02)
     num_params = sum(p.numel() for p in model.parameters())
-    kv_layers = tuple(p.index for p in model.plan.layers if p.kv_cache == "nvfp4")
     targets_T = torch.roll(tokens_T, -1)
 
     def step():
-        attn = CausalAttention(seq_lens, device="cuda", nvfp4_kv_layers=kv_layers)
+        attn = CausalAttention(seq_lens, device="cuda")
         h = model.hidden_states(tokens_T, attn)
         loss = -token_logprobs(model.lm_head, h, targets_T).mean()
         loss.backward()

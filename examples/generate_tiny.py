@@ -14,19 +14,20 @@ from fp4rl.model.checkpoint import save_checkpoint
 from fp4rl.model.precision import PrecisionConfig
 from fp4rl.model.presets import tiny_qwen3_moe
 from fp4rl.model.transformer import build_model, init_weights
+from fp4rl.records import capture_bytes_per_generated_token
 from fp4rl.rollout import Engine, EngineConfig, SamplingParams
-from fp4rl.rollout.records import capture_bytes_per_generated_token
 
 config = tiny_qwen3_moe(vocab_size=256, max_position_embeddings=512, mlp_only_layers=())
-# Layers 1 and 2 run NVFP4 experts and an NVFP4 KV cache; layers 0 and 3 stay BF16.
+# Layers 1 and 2 run NVFP4 experts and an NVFP4 KV cache; layers 0 and 3 stay BF16. The
+# precision plan is the one place that says so: the engine's cache follows it.
 precision = PrecisionConfig(kv_cache="nvfp4", bf16_first_layers=1, bf16_last_layers=1)
 
 with tempfile.TemporaryDirectory() as tmp:
-    model = build_model(config, dtype=torch.float32)
+    model = build_model(config, precision, dtype=torch.float32)
     init_weights(model, std=0.1)
     save_checkpoint(model.state_dict(), config, f"{tmp}/tiny")
 
-    engine_config = EngineConfig(kv_format="nvfp4", max_model_len=128, kv_memory_bytes=1 << 22)
+    engine_config = EngineConfig(max_model_len=128, kv_memory_bytes=1 << 22)
     engine = Engine.from_pretrained(
         f"{tmp}/tiny", engine_config, precision=precision, dtype=torch.float32
     )
@@ -45,7 +46,6 @@ with tempfile.TemporaryDirectory() as tmp:
     capturing = Engine.from_pretrained(
         f"{tmp}/tiny",
         EngineConfig(
-            kv_format="nvfp4",
             max_model_len=128,
             kv_memory_bytes=1 << 22,
             capture_routing=True,

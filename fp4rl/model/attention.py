@@ -3,8 +3,11 @@
 The `Attention` module projects, normalizes (Qwen3 per-head q/k RMSNorm) and rotates; where K
 and V live and how the context is gathered belongs to an *attention backend*, an argument of the
 forward: `CausalAttention` here for the trainer's full-sequence forward, the paged cache in
-`fp4rl.rollout` for generation. Both apply the layer's KV format with the same `Fp4Site`, so an
-NVFP4 KV entry has the same bits on both sides.
+`fp4rl.rollout` for generation. The layer owns its KV format, built from the precision plan
+(`Bf16KV`, or `Nvfp4KV` with the layer's K and V `Fp4Site`s), and hands it to the backend with
+the new K/V (`NewKV`): the trainer attends over the sites' values, the cache stores the sites'
+`NVFP4Tensor`s, so an NVFP4 KV entry has the same bits on both sides and no caller states the
+KV format a second time.
 
 Legend: T tokens (flattened over sequences), H hidden, Hq/Hkv query/kv heads, D head dim.
 """
@@ -12,28 +15,82 @@ Legend: T tokens (flattened over sequences), H hidden, Hq/Hkv query/kv heads, D 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fp4rl.fp4 import NVFP4Tensor
 from fp4rl.model.layers import RMSNorm, apply_rope, rope_cos_sin
-from fp4rl.model.sites import Capture, Fp4Site, GuidanceMap
+from fp4rl.model.sites import Capture, Fp4Site
+from fp4rl.records import GuidanceMap
+
+KVEntry = torch.Tensor | NVFP4Tensor  # [T, Hkv, D] as held by a cache of the layer's format
+
+
+class Bf16KV:
+    """A layer whose K/V stay in the model dtype: attended over and cached as they are."""
+
+    def values(self, k_TKD, v_TKD, guidance, capture) -> tuple[torch.Tensor, torch.Tensor]:
+        return k_TKD, v_TKD
+
+    def packed(self, k_TKD, v_TKD, guidance, capture) -> tuple[KVEntry, KVEntry]:
+        return k_TKD, v_TKD
+
+
+class Nvfp4KV:
+    """A layer whose K (after RoPE) and V pass through NVFP4 sites, one global scale per
+    token-head: the trainer attends over the sites' values, a cache stores their `NVFP4Tensor`s
+    and dequantizes them on read, which gives the same bits (quantization is per row)."""
+
+    def __init__(self, layer: int, guided_sites: tuple[str, ...]) -> None:
+        self.k_site = Fp4Site(layer, "k", "k" in guided_sites)
+        self.v_site = Fp4Site(layer, "v", "v" in guided_sites)
+
+    def values(self, k_TKD, v_TKD, guidance, capture) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_site(k_TKD, guidance, capture), self.v_site(v_TKD, guidance, capture)
+
+    def packed(self, k_TKD, v_TKD, guidance, capture) -> tuple[KVEntry, KVEntry]:
+        return (
+            self.k_site.quantize(k_TKD, guidance, capture),
+            self.v_site.quantize(v_TKD, guidance, capture),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class NewKV:
+    """One layer's K/V of this forward with the layer's KV format and the forward's guidance
+    and capture: a backend attends over `values()` or stores `packed()`, never both."""
+
+    k_TKD: torch.Tensor
+    v_TKD: torch.Tensor
+    format: Bf16KV | Nvfp4KV
+    guidance: GuidanceMap | None = None
+    capture: Capture | None = None
+
+    def values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.format.values(self.k_TKD, self.v_TKD, self.guidance, self.capture)
+
+    def packed(self) -> tuple[KVEntry, KVEntry]:
+        return self.format.packed(self.k_TKD, self.v_TKD, self.guidance, self.capture)
 
 
 class AttentionBackend(Protocol):
     positions: torch.Tensor  # long [T]: each token's position within its own sequence
 
-    def attend(
-        self, layer: int, q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor
-    ) -> torch.Tensor:
-        """Store this step's K/V for ``layer`` and return causal attention ``[T, Hq, D]``."""
+    def attend(self, layer: int, q_THD: torch.Tensor, kv: NewKV) -> torch.Tensor:
+        """Take this step's K/V for ``layer`` and return causal attention ``[T, Hq, D]``."""
         ...
 
 
 class Attention(nn.Module):
-    def __init__(self, config, layer: int) -> None:
+    def __init__(
+        self, config, layer: int, *, kv_format: str = "bf16", guided_sites: tuple[str, ...] = ()
+    ) -> None:
+        """``kv_format`` ("bf16" | "nvfp4", from the precision plan) fixes the layer's K/V
+        sites; ``guided_sites``: which sites follow the rollout's guidance (the plan's)."""
         super().__init__()
         self.layer = layer
         self.num_heads = config.num_attention_heads
@@ -50,45 +107,49 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(hd, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = nn.Identity()
+        if kv_format == "nvfp4":
+            self.kv_format: Bf16KV | Nvfp4KV = Nvfp4KV(layer, guided_sites)
+        elif kv_format == "bf16":
+            self.kv_format = Bf16KV()
+        else:
+            raise ValueError(
+                f"layers.{layer}: kv_format must be 'bf16' or 'nvfp4', got {kv_format!r}"
+            )
 
-    def forward(self, x_TH: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self,
+        x_TH: torch.Tensor,
+        backend: AttentionBackend,
+        guidance: GuidanceMap | None = None,
+        capture: Capture | None = None,
+    ) -> torch.Tensor:
         T = x_TH.shape[0]
         q = self.q_norm(self.q_proj(x_TH).view(T, self.num_heads, self.head_dim))
         k = self.k_norm(self.k_proj(x_TH).view(T, self.num_kv_heads, self.head_dim))
         v = self.v_proj(x_TH).view(T, self.num_kv_heads, self.head_dim)
         cos, sin = rope_cos_sin(backend.positions, self.head_dim, self.rope_theta, x_TH.dtype)
-        o = backend.attend(self.layer, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+        kv = NewKV(apply_rope(k, cos, sin), v, self.kv_format, guidance, capture)
+        o = backend.attend(self.layer, apply_rope(q, cos, sin), kv)
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
 
 
 class CausalAttention:
     """Trainer backend: causal attention within each of several packed sequences.
 
-    ``seq_lens`` gives the lengths of the sequences concatenated in the token stream. K/V of the
-    layers listed in ``nvfp4_kv_layers`` pass through an NVFP4 `Fp4Site` per token-head, guided
-    and captured like any other site. Nothing is cached: each call sees whole sequences.
+    ``seq_lens`` gives the lengths of the sequences concatenated in the token stream. K/V are
+    the layer's site values (`NewKV.values`: NVFP4 fake quantization, guided and captured like
+    any other site, in the plan's NVFP4-KV layers). Nothing is cached: each call sees whole
+    sequences.
     """
 
-    def __init__(
-        self,
-        seq_lens: Sequence[int],
-        *,
-        device: torch.device | str = "cpu",
-        nvfp4_kv_layers: Sequence[int] = (),
-        guided: bool = True,
-        guidance: GuidanceMap | None = None,
-        capture: Capture | None = None,
-    ) -> None:
-        lens = [int(n) for n in seq_lens]
-        if not lens or min(lens) < 1:
+    def __init__(self, seq_lens: Sequence[int], *, device: torch.device | str = "cpu") -> None:
+        lens = list(seq_lens)
+        if not lens or not all(isinstance(n, int) and not isinstance(n, bool) for n in lens):
+            raise ValueError(f"seq_lens must be a non-empty sequence of ints, got {seq_lens!r}")
+        if min(lens) < 1:
             raise ValueError(f"seq_lens must be positive lengths, got {lens}")
         self.seq_lens = lens
         self.positions = torch.cat([torch.arange(n, device=device) for n in lens])
-        self._kv_sites = {
-            layer: (Fp4Site(layer, "k", guided), Fp4Site(layer, "v", guided))
-            for layer in nvfp4_kv_layers
-        }
-        self.guidance, self.capture = guidance, capture
         # Right-padded [B, S] layout: padding sits after each sequence's last token, so under
         # a causal mask no real token attends to it.
         S = max(lens)
@@ -96,11 +157,8 @@ class CausalAttention:
             torch.arange(S, device=device)[None, :] < torch.tensor(lens, device=device)[:, None]
         )
 
-    def attend(self, layer, q_THD, k_TKD, v_TKD):
-        if layer in self._kv_sites:
-            k_site, v_site = self._kv_sites[layer]
-            k_TKD = k_site(k_TKD, self.guidance, self.capture)
-            v_TKD = v_site(v_TKD, self.guidance, self.capture)
+    def attend(self, layer, q_THD, kv: NewKV):
+        k_TKD, v_TKD = kv.values()
         q, k, v = (self._pad(t).transpose(1, 2) for t in (q_THD, k_TKD, v_TKD))  # [B, h, S, D]
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return o.transpose(1, 2)[self._valid_BS]

@@ -22,8 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp4rl.fp4 import NVFP4Tensor
+from fp4rl.model.precision import EXPERT_SITES
+from fp4rl.model.sites import Capture, Fp4Site
 from fp4rl.ops import dequantize, fake_quantize, quantize
-from fp4rl.model.sites import Capture, Fp4Site, GuidanceMap
+from fp4rl.records import GuidanceMap
 
 
 def grouped_mm(x_AK: torch.Tensor, w_ENK: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
@@ -104,9 +106,9 @@ class Fp4Sites:
     """The two W4A4 activation sites: the expert input per token, the intermediate per
     token-expert row (mixed into `QatExperts` and `PackedExperts`)."""
 
-    def init_sites(self, layer: int, guided: bool) -> None:
-        self._input = Fp4Site(layer, "expert_input", guided)
-        self._hidden = Fp4Site(layer, "expert_hidden", guided)
+    def init_sites(self, layer: int, guided_sites: tuple[str, ...]) -> None:
+        self._input = Fp4Site(layer, "expert_input", "expert_input" in guided_sites)
+        self._hidden = Fp4Site(layer, "expert_hidden", "expert_hidden" in guided_sites)
 
     def input_site(self, x_TH, guidance, capture):
         return self._input(x_TH, guidance, capture)
@@ -118,9 +120,9 @@ class Fp4Sites:
 class QatExperts(Fp4Sites, Experts):
     """Fake-quantized W4A4 experts for training (straight-through gradients)."""
 
-    def __init__(self, num_experts, hidden, intermediate, layer, *, guided: bool = True) -> None:
+    def __init__(self, num_experts, hidden, intermediate, layer, *, guided_sites=EXPERT_SITES):
         super().__init__(num_experts, hidden, intermediate, layer)
-        self.init_sites(layer, guided)
+        self.init_sites(layer, guided_sites)
 
     def weights(self):
         # One global scale per expert: over W1 and W3 together in w13, over W2 alone in w2.
@@ -130,9 +132,9 @@ class QatExperts(Fp4Sites, Experts):
 class PackedExperts(Fp4Sites, RoutedExperts):
     """Rollout experts: weights held packed as NVFP4 and quantized when they are loaded."""
 
-    def __init__(self, num_experts, hidden, intermediate, layer, *, guided: bool = True) -> None:
+    def __init__(self, num_experts, hidden, intermediate, layer, *, guided_sites=EXPERT_SITES):
         super().__init__(num_experts, intermediate, layer)
-        self.init_sites(layer, guided)
+        self.init_sites(layer, guided_sites)
         self.compute_dtype = torch.bfloat16
         self.w13_packed: NVFP4Tensor | None = None
         self.w2_packed: NVFP4Tensor | None = None

@@ -8,7 +8,6 @@ a site's record sliceable by token: the rollout splits it per sequence, the trai
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -16,11 +15,7 @@ import torch
 
 from fp4rl.fp4 import CompactCodes, NVFP4Tensor
 from fp4rl.ops import dequantize, fake_quantize, quantize_site
-
-SiteKey = tuple[int, str]  # (decoder layer index, site name)
-# A None value means "round this site to nearest" on purpose (compact guidance leaves out the
-# earlier FP4 layers); a missing key is an error.
-GuidanceMap = Mapping[SiteKey, NVFP4Tensor | CompactCodes | None]
+from fp4rl.records import GuidanceMap, SiteKey
 
 
 class Capture(Protocol):
@@ -90,13 +85,25 @@ class Fp4Site:
             g = _rows(g, torch.argsort(row_order.flatten()))
         if capture is None:  # the trainer's path: values only, one fused kernel on the GPU
             return fake_quantize(x, scaling="row", guidance=g)
-        t = quantize_site(x.detach(), scaling="row", guidance=g)
-        record = t
-        if row_order is not None:
-            lead = row_order.shape
-            record = _rows(t, row_order.flatten()).map(lambda m: m.view(*lead, m.shape[-1]))
-        capture.record(self.layer, self.name, record)
+        t = self._quantize(x, g, capture, row_order)
         return straight_through(x, dequantize(t, x.dtype))
+
+    def quantize(
+        self, x: torch.Tensor, guidance: GuidanceMap | None = None, capture: Capture | None = None
+    ) -> NVFP4Tensor:
+        """The site's `NVFP4Tensor` of ``x [..., K]`` (rows in canonical order): what a cache
+        stores. Its dequantized value is bitwise what ``self(x, guidance, capture)`` returns."""
+        return self._quantize(x, self._guidance(guidance), capture, None)
+
+    def _quantize(self, x, g, capture, row_order) -> NVFP4Tensor:
+        t = quantize_site(x.detach(), scaling="row", guidance=g)
+        if capture is not None:
+            record = t
+            if row_order is not None:
+                lead = row_order.shape
+                record = _rows(t, row_order.flatten()).map(lambda m: m.view(*lead, m.shape[-1]))
+            capture.record(self.layer, self.name, record)
+        return t
 
     def _guidance(self, guidance: GuidanceMap | None):
         if guidance is None or not self.guided:

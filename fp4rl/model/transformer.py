@@ -14,25 +14,27 @@ from torch import nn
 
 from fp4rl.model.attention import Attention, AttentionBackend
 from fp4rl.model.experts import Experts, PackedExperts, QatExperts
+from fp4rl.model.inputs import check_inputs
 from fp4rl.model.layers import MLP, RMSNorm
 from fp4rl.model.moe import SparseMoeBlock
-from fp4rl.model.precision import EXPERT_SITES, PrecisionConfig, PrecisionPlan, resolve_plan
-from fp4rl.model.sites import Capture, GuidanceMap
+from fp4rl.model.precision import LayerPlan, PrecisionConfig, PrecisionPlan, resolve_plan
+from fp4rl.model.sites import Capture
+from fp4rl.records import GuidanceMap
 
 EXPERT_CLASSES = {"qat": QatExperts, "packed": PackedExperts}
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, layer: int, mlp: nn.Module) -> None:
+    def __init__(self, config, p: LayerPlan, guided_sites: tuple[str, ...], mlp: nn.Module):
         super().__init__()
-        self.layer = layer
+        self.layer = p.index
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer)
+        self.self_attn = Attention(config, p.index, kv_format=p.kv_cache, guided_sites=guided_sites)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
 
     def forward(self, x_TH, backend, *, replay_Tk, guidance, capture, stats):
-        x_TH = x_TH + self.self_attn(self.input_layernorm(x_TH), backend)
+        x_TH = x_TH + self.self_attn(self.input_layernorm(x_TH), backend, guidance, capture)
         h_TH = self.post_attention_layernorm(x_TH)
         if isinstance(self.mlp, SparseMoeBlock):
             h_TH = self.mlp(
@@ -52,7 +54,7 @@ class MoETransformer(nn.Module):
         self.config, self.plan = config, plan
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, p.index, self._mlp(config, plan, p, fp4_experts))
+            DecoderLayer(config, p, plan.guided_sites, self._mlp(config, plan, p, fp4_experts))
             for p in plan.layers
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -68,8 +70,8 @@ class MoETransformer(nn.Module):
         args = (config.num_experts, config.hidden_size, config.moe_intermediate_size, p.index)
         if not p.fp4:
             return SparseMoeBlock(config, Experts(*args))
-        guided = bool(set(EXPERT_SITES) & set(plan.guided_sites))
-        return SparseMoeBlock(config, EXPERT_CLASSES[fp4_experts](*args, guided=guided))
+        experts = EXPERT_CLASSES[fp4_experts](*args, guided_sites=plan.guided_sites)
+        return SparseMoeBlock(config, experts)
 
     def hidden_states(
         self,
@@ -84,14 +86,13 @@ class MoETransformer(nn.Module):
         """Final-normed hidden states ``[T, H]``.
 
         ``routing``: replayed top-k ids, int ``[num_moe_layers, T, k]`` (-1 = no record), in
-        the order of ``self.moe_layers``. ``stats`` (optional dict) receives counters such as
-        ``replay_fallback_tokens``.
+        the order of ``self.moe_layers``. ``guidance``: the rollout's records of every guided
+        site of the plan (`PrecisionPlan.guided_keys`), rows aligned with ``tokens_T``.
+        ``stats`` (optional dict) receives counters such as ``replay_fallback_tokens``.
+        Shapes and keys are checked here (no device sync); the values of token and routing ids
+        are the caller's to check (`check_ids`), once per batch rather than once per step.
         """
-        if routing is not None and routing.shape[:2] != (len(self.moe_layers), tokens_T.shape[0]):
-            raise ValueError(
-                f"routing has shape {tuple(routing.shape)}; expected "
-                f"({len(self.moe_layers)}, {tokens_T.shape[0]}, top_k)"
-            )
+        check_inputs(self, tokens_T, attn, routing, guidance)
         replay = dict(zip(self.moe_layers, routing, strict=True)) if routing is not None else {}
         x_TH = self.embed_tokens(tokens_T)
         for layer in self.layers:

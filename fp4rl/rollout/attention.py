@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fp4rl.model.attention import NewKV
 from fp4rl.rollout.kv_cache import KVCache
 
 
@@ -118,21 +119,18 @@ def attend_fp32(
 class PagedAttention:
     """`fp4rl.model.attention.AttentionBackend` over a `KVCache` for one step.
 
-    ``capture`` (optional) receives the "k" and "v" records of nvfp4 layers, rows in step order.
+    Stores what the layer's KV sites produce (`NewKV.packed`: the tensors of a BF16 layer, the
+    `NVFP4Tensor`s of an NVFP4 one, recorded by the sites when the forward captures), then
+    attends over the cache.
     """
 
-    def __init__(self, cache: KVCache, meta: AttentionMetadata, capture=None) -> None:
-        self.cache, self.meta, self.capture = cache, meta, capture
+    def __init__(self, cache: KVCache, meta: AttentionMetadata) -> None:
+        self.cache, self.meta = cache, meta
         self.positions = meta.positions_T
 
-    def attend(
-        self, layer: int, q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor
-    ) -> torch.Tensor:
+    def attend(self, layer: int, q_THD: torch.Tensor, kv: NewKV) -> torch.Tensor:
         m = self.meta
-        records = self.cache.write(layer, m.slots_T, k_TKD, v_TKD)
-        if records is not None and self.capture is not None:
-            self.capture.record(layer, "k", records[0])
-            self.capture.record(layer, "v", records[1])
+        self.cache.write(layer, m.slots_T, *kv.packed())
         o_THD = torch.empty_like(q_THD)
         if m.decode_rows_B.numel():
             k_BCKD, v_BCKD = self.cache.read(layer, m.decode_slots_BC, q_THD.dtype)

@@ -1,11 +1,12 @@
 """What the rollout records for the trainer: top-k routing and the FP4 sites' codes (guidance).
 
-`StepCapture` is the ``capture`` argument of one forward (the model records "expert_input",
-"expert_hidden" and routing; `PagedAttention` records "k" and "v" of nvfp4 layers). Every
-record has one row per step token, and every row is quantized on its own (per-row global
-scales), so `StepCapture.split` can cut a step's records into per-sequence pieces by row
-range. A `SequenceCapture` collects a sequence's pieces in token order and `finalize`
-concatenates them over all ``T = len(prompt) + len(completion) - 1`` fed tokens.
+`StepCapture` is the ``capture`` argument of one forward (the model's FP4 sites record
+"expert_input", "expert_hidden", and "k" and "v" of NVFP4-KV layers; its routers record the
+top-k ids). Every record has one row per step token, and every row is quantized on its own
+(per-row global scales), so `StepCapture.split` can cut a step's records into per-sequence
+pieces by row range. A `SequenceCapture` collects a sequence's pieces in token order; its
+`guidance` and `routing` concatenate them over all ``T = len(prompt) + len(completion) - 1``
+fed tokens.
 
 Guidance modes: "full" keeps each `NVFP4Tensor`; "compact" keeps `fp4rl.fp4.compact(t)`
 (mantissa bits and scales) for the latter ``fraction`` of the FP4 layers only and drops the
@@ -21,10 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fp4rl.fp4 import CompactCodes, NVFP4Tensor, compact
-
-SiteKey = tuple[int, str]
-SiteRecord = NVFP4Tensor | CompactCodes
+from fp4rl.fp4 import NVFP4Tensor, compact
+from fp4rl.records import SiteKey, SiteRecord, record_cat, record_rows
 
 
 def kept_layers(mode: str | None, fp4_layers: tuple[int, ...], fraction: float) -> frozenset[int]:
@@ -36,28 +35,6 @@ def kept_layers(mode: str | None, fp4_layers: tuple[int, ...], fraction: float) 
         return frozenset(ordered)
     num_kept = math.ceil(fraction * len(ordered))
     return frozenset(ordered[len(ordered) - num_kept :])
-
-
-def _members(r: SiteRecord) -> tuple[torch.Tensor, ...]:
-    if isinstance(r, NVFP4Tensor):
-        return r.tensors()
-    return r.mantissa_bits, r.block_scale, r.global_scale
-
-
-def _rebuild(r: SiteRecord, members) -> SiteRecord:
-    return type(r)(*members)
-
-
-def record_rows(r: SiteRecord, start: int, end: int) -> SiteRecord:
-    return _rebuild(r, [m[start:end] for m in _members(r)])
-
-
-def record_cat(records: list[SiteRecord]) -> SiteRecord:
-    return _rebuild(records[0], [torch.cat(ms) for ms in zip(*map(_members, records), strict=True)])
-
-
-def record_nbytes(r: SiteRecord) -> int:
-    return sum(m.numel() * m.element_size() for m in _members(r))
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,20 +54,17 @@ class StepCapture:
         *,
         routing: bool,
         guidance: str | None,
-        guided_layers: frozenset[int],
-        guided_sites: tuple[str, ...],
+        keep: set[SiteKey] | frozenset[SiteKey],
     ) -> None:
         self.keep_routing, self.guidance = routing, guidance
         # Records the trainer would not follow (a site outside the precision plan's guided
         # sites, a layer compact mode drops) are not kept at all.
-        self.guided_layers, self.guided_sites = guided_layers, guided_sites
+        self.keep = frozenset(keep)
         self.routing: dict[int, torch.Tensor] = {}
         self.sites: dict[SiteKey, SiteRecord] = {}
 
     def record(self, layer: int, site: str, t: NVFP4Tensor) -> None:
-        if self.guidance is None or layer not in self.guided_layers:
-            return
-        if site not in self.guided_sites:
+        if self.guidance is None or (layer, site) not in self.keep:
             return
         # Compact the whole step at once: one pass instead of one per sequence.
         self.sites[(layer, site)] = compact(t) if self.guidance == "compact" else t

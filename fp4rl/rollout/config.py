@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal, get_args
 
-KV_FORMATS = ("bf16", "nvfp4")
-GUIDANCE_MODES = (None, "full", "compact")
+GuidanceMode = Literal["full", "compact"]
+GUIDANCE_MODES = (None, *get_args(GuidanceMode))
 
 
 def _int_at_least(section: str, key: str, value, minimum: int) -> None:
@@ -27,14 +28,13 @@ def _bool(section: str, key: str, value) -> None:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EngineConfig:
-    block_size: int = 16  # tokens per KV block
-    kv_format: str = "bf16"  # "bf16" (model dtype as given) | "nvfp4" (4.5 bits per value)
+    block_size: int = 16  # tokens per KV block (the KV format of each layer is the model's plan)
     kv_memory_bytes: int = 1 << 30  # KV budget over all layers; sets the number of blocks
     max_num_seqs: int = 256  # sequences (samples) running at once
     max_num_batched_tokens: int = 8192  # tokens fed to the model in one step
     max_model_len: int = 4096  # prompt + completion tokens of one sequence
     capture_routing: bool = False  # record top-k expert ids per token per MoE layer
-    guidance: str | None = None  # None | "full" | "compact": record the FP4 sites' codes
+    guidance: GuidanceMode | None = None  # record the FP4 sites' codes (full) or mantissa bits
     compact_fraction: float = 0.5  # "compact" keeps the latter fraction of the FP4 layers
 
     def __post_init__(self) -> None:
@@ -47,8 +47,6 @@ class EngineConfig:
             ("max_model_len", 2),
         ):
             _int_at_least(s, key, getattr(self, key), minimum)
-        if self.kv_format not in KV_FORMATS:
-            raise ValueError(f"{s}.kv_format must be one of {KV_FORMATS}, got {self.kv_format!r}")
         if self.guidance not in GUIDANCE_MODES:
             raise ValueError(f"{s}.guidance must be one of {GUIDANCE_MODES}, got {self.guidance!r}")
         _bool(s, "capture_routing", self.capture_routing)

@@ -21,6 +21,7 @@ import torch
 
 from fp4rl.model.precision import PrecisionConfig
 from fp4rl.model.weights import load_pretrained
+from fp4rl.records import Completion
 from fp4rl.rollout.attention import AttentionMetadata, PagedAttention, Segment
 from fp4rl.rollout.block_manager import BlockManager
 from fp4rl.rollout.capture import SequenceCapture, StepCapture, kept_layers
@@ -28,7 +29,6 @@ from fp4rl.rollout.config import EngineConfig, SamplingParams
 from fp4rl.rollout.generation_config import eos_token_ids
 from fp4rl.rollout.kv_cache import KVCache, num_blocks_for_budget
 from fp4rl.rollout.model_layout import ModelLayout
-from fp4rl.rollout.records import Completion
 from fp4rl.rollout.sampler import make_generator, sample
 from fp4rl.rollout.scheduler import Group, Scheduler, Step
 from fp4rl.rollout.sequence import Sequence
@@ -37,7 +37,7 @@ from fp4rl.rollout.sequence import Sequence
 class Engine:
     def __init__(self, model, config: EngineConfig, *, eos_token_ids: tuple[int, ...] = ()):
         self.model, self.config = model, config
-        self.layout = ModelLayout.of(model, config.kv_format)
+        self.layout = ModelLayout.of(model)
         if config.max_model_len > model.config.max_position_embeddings:
             raise ValueError(
                 f"engine.max_model_len={config.max_model_len} exceeds the model's "
@@ -46,9 +46,15 @@ class Engine:
         self.eos_token_ids = tuple(eos_token_ids)
         self.num_blocks = num_blocks_for_budget(config, self.layout.kv)
         self.cache = KVCache(self.layout.kv, self.num_blocks, config.block_size, self.layout.device)
-        self.guided_layers = kept_layers(
-            config.guidance, self.layout.fp4_layers, config.compact_fraction
-        )
+        if config.guidance is not None and not self.layout.guided_keys:
+            raise ValueError(
+                f"engine.guidance={config.guidance!r} records FP4 sites, but the model's precision "
+                "plan has no guided FP4 site (precision.experts='bf16', or guided_sites empty)"
+            )
+        # The guided sites this engine records: all of them ("full"), or those of the latter
+        # FP4 layers ("compact").
+        kept = kept_layers(config.guidance, self.layout.fp4_layers, config.compact_fraction)
+        self.kept_keys = frozenset(k for k in self.layout.guided_keys if k[0] in kept)
         self.policy_version = 0  # the refit bumps it with every weight update
 
     @classmethod
@@ -63,8 +69,7 @@ class Engine:
     ) -> Engine:
         """An engine over a local HF checkpoint: FP4 experts quantized from the weights cast
         to ``dtype`` and held packed, EOS ids from the checkpoint. ``precision`` is the model's
-        `PrecisionConfig` (default: the defaults with ``kv_cache=config.kv_format``)."""
-        precision = precision or PrecisionConfig(kv_cache=config.kv_format)
+        `PrecisionConfig` (default `PrecisionConfig()`); it decides the KV format per layer."""
         model = load_pretrained(path, precision, fp4_experts="packed", dtype=dtype, device=device)
         return cls(model, config, eos_token_ids=eos_token_ids(path))
 
@@ -137,13 +142,10 @@ class Engine:
             capture = StepCapture(
                 routing=self.config.capture_routing,
                 guidance=self.config.guidance,
-                guided_layers=self.guided_layers,
-                guided_sites=self.layout.guided_sites,
+                keep=self.kept_keys,
             )
         tokens_T = torch.tensor(tokens, dtype=torch.long, device=device)
-        h_TH = self.model.hidden_states(
-            tokens_T, PagedAttention(self.cache, meta, capture), capture=capture
-        )
+        h_TH = self.model.hidden_states(tokens_T, PagedAttention(self.cache, meta), capture=capture)
         last_rows = torch.tensor([end - 1 for _, end in ranges], device=device)
         logits_SV = self.model.logits(h_TH[last_rows])
         self.cache.copy_blocks(step.block_copies)
@@ -181,9 +183,8 @@ class Engine:
                 guidance = seq.capture.guidance()
                 # Layers compact mode drops are marked None: the trainer rounds them to nearest
                 # by intent, while a key that is simply absent still fails closed.
-                for layer in set(self.layout.fp4_layers) - self.guided_layers:
-                    for site in self.layout.guided_sites:
-                        guidance.setdefault((layer, site), None)
+                for key in self.layout.guided_keys:
+                    guidance.setdefault(key, None)
         return Completion(
             prompt_index=seq.prompt_index,
             sample_index=seq.sample_index,

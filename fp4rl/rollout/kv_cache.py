@@ -4,10 +4,10 @@ Legend: N blocks, B block size (token slots per block), K kv heads, D head dim, 
 written this step, C context tokens gathered. A *slot* is ``block * B + offset``.
 
 - "bf16" pages hold K and V as the model gave them: ``[N, B, K, D]`` in the model dtype.
-- "nvfp4" pages hold ``fp4rl.ops.quantize(x_TKD, scaling="row")`` of K (after RoPE) and V: one
-  FP32 global scale per token-head and 1x16 E4M3 block scales along D, i.e. an `NVFP4Tensor`
-  whose members are ``codes [N, B, K, D/2]``, ``block_scale [N, B, K, D/16]`` and
-  ``global_scale [N, B, K, 1]`` (4.5 bits per value plus 4 bytes per token-head). Reading
+- "nvfp4" pages hold what the layer's K (after RoPE) and V `Fp4Site`s produce,
+  ``quantize(x_TKD, scaling="row")``: one FP32 global scale per token-head and 1x16 E4M3 block
+  scales along D, i.e. an `NVFP4Tensor` whose members are ``codes [N, B, K, D/2]``,
+  ``block_scale [N, B, K, D/16]`` and ``global_scale [N, B, K, 1]`` (4.5 bits per value plus 4 bytes per token-head). Reading
   dequantizes in the query dtype, which is exactly the trainer's fake quantization
   ``dequantize(quantize(x, scaling="row"), x.dtype)``: quantization is per row, so gathering
   rows before dequantizing changes no bit.
@@ -23,8 +23,10 @@ from dataclasses import dataclass
 import torch
 
 from fp4rl.fp4 import BLOCK_SIZE, NVFP4Tensor
-from fp4rl.ops import dequantize, quantize
-from fp4rl.rollout.config import KV_FORMATS, EngineConfig
+from fp4rl.model.attention import KVEntry
+from fp4rl.model.precision import KV_FORMATS
+from fp4rl.ops import dequantize
+from fp4rl.rollout.config import EngineConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +77,6 @@ class _Bf16Pages:
     def write(self, slots_T, k_TKD, v_TKD) -> None:
         self.k_NBKD.flatten(0, 1)[slots_T] = k_TKD.to(self.k_NBKD.dtype)
         self.v_NBKD.flatten(0, 1)[slots_T] = v_TKD.to(self.v_NBKD.dtype)
-        return None
 
     def read(self, slots_C, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return (
@@ -106,12 +107,9 @@ class _Nvfp4Pages:
         self.k = _empty_nvfp4(num_blocks, block_size, K, D, device)
         self.v = _empty_nvfp4(num_blocks, block_size, K, D, device)
 
-    def write(self, slots_T, k_TKD, v_TKD) -> tuple[NVFP4Tensor, NVFP4Tensor]:
-        # The very call the trainer's K/V site makes (Fp4Site without guidance).
-        k_q, v_q = quantize(k_TKD, scaling="row"), quantize(v_TKD, scaling="row")
-        _put(self.k, slots_T, k_q)
-        _put(self.v, slots_T, v_q)
-        return k_q, v_q
+    def write(self, slots_T, k: NVFP4Tensor, v: NVFP4Tensor) -> None:
+        _put(self.k, slots_T, k)
+        _put(self.v, slots_T, v)
 
     def read(self, slots_C, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         def rows(m: torch.Tensor) -> torch.Tensor:
@@ -124,7 +122,7 @@ class _Nvfp4Pages:
 
 
 class KVCache:
-    """All layers' pages. ``write`` returns the NVFP4 records of an nvfp4 layer, else None."""
+    """All layers' pages, each in its layer's format from the precision plan."""
 
     def __init__(
         self, spec: KVCacheSpec, num_blocks: int, block_size: int, device: torch.device | str
@@ -136,10 +134,17 @@ class KVCache:
             for fmt in spec.layer_formats
         ]
 
-    def write(
-        self, layer: int, slots_T: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor
-    ) -> tuple[NVFP4Tensor, NVFP4Tensor] | None:
-        return self.layers[layer].write(slots_T, k_TKD, v_TKD)
+    def write(self, layer: int, slots_T: torch.Tensor, k: KVEntry, v: KVEntry) -> None:
+        """Store this step's K/V entries of ``layer`` at ``slots_T``: tensors ``[T, K, D]``
+        for a "bf16" layer, the K/V sites' `NVFP4Tensor`s for an "nvfp4" one."""
+        fmt = self.spec.layer_formats[layer]
+        if isinstance(k, NVFP4Tensor) != (fmt == "nvfp4") or type(k) is not type(v):
+            raise TypeError(
+                f"layers.{layer}: the cache holds {fmt} KV but was given "
+                f"{type(k).__name__}/{type(v).__name__} entries; the cache and the model must "
+                "come from one precision plan"
+            )
+        self.layers[layer].write(slots_T, k, v)
 
     def read(
         self, layer: int, slots_C: torch.Tensor, dtype: torch.dtype

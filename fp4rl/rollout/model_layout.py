@@ -23,31 +23,22 @@ class ModelLayout:
     top_k: int
     moe_layers: tuple[int, ...]
     fp4_layers: tuple[int, ...]
-    guided_sites: tuple[str, ...]  # sites the trainer follows guidance for
+    guided_keys: frozenset[tuple[int, str]]  # (layer, site) the trainer follows guidance for
     kv: KVCacheSpec
     device: torch.device
 
     @staticmethod
-    def of(model, kv_format: str) -> ModelLayout:
+    def of(model) -> ModelLayout:
         c, plan = model.config, model.plan
-        planned = tuple(p.kv_cache for p in plan.layers)
-        # The trainer fake-quantizes K/V exactly where the plan says; a rollout that disagrees
-        # would attend over other values than the trainer replays.
-        if (kv_format == "nvfp4") != ("nvfp4" in planned):
-            raise ValueError(
-                f"engine.kv_format={kv_format!r} disagrees with the model's precision plan "
-                f"(per-layer KV formats {planned}); build the model with "
-                f"precision.kv_cache={kv_format!r}"
-            )
         weight = model.embed_tokens.weight
         return ModelLayout(
             vocab_size=c.vocab_size,
             top_k=c.num_experts_per_tok,
             moe_layers=tuple(model.moe_layers),
             fp4_layers=tuple(plan.fp4_layers),
-            guided_sites=tuple(plan.guided_sites),
+            guided_keys=plan.guided_keys(),
             kv=KVCacheSpec(
-                layer_formats=planned,
+                layer_formats=plan.kv_formats,
                 num_kv_heads=c.num_key_value_heads,
                 head_dim=c.head_dim,
                 dtype=weight.dtype,

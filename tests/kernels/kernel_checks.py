@@ -1,62 +1,16 @@
-"""Shared checks and adversarial inputs for the kernel tests.
+"""Adversarial inputs for the kernel tests, and the suite's comparisons (`tests/assertions.py`)
+under the names the kernel tests import.
 
 The reference always runs on CPU copies: its CPU result is the specification (CUDA PyTorch may
-differ in NaN bit patterns). Codes and scales are compared bit for bit; float outputs bit for
-bit too, except that any NaN matches any NaN (the spec fixes where NaN appears, not its payload).
+differ in NaN bit patterns).
 """
 
 import torch
+from assertions import assert_bitwise, assert_nvfp4_equal, assert_same_values, cpu
 
-from fp4rl.fp4.tensor import NVFP4Tensor
+__all__ = ["DTYPES", "assert_bitwise", "assert_nvfp4_equal", "assert_same_values", "cpu"]
 
-INT_OF = {
-    torch.float32: torch.int32,
-    torch.bfloat16: torch.int16,
-    torch.float16: torch.int16,
-    torch.float8_e4m3fn: torch.uint8,
-    torch.uint8: torch.uint8,
-}
 DTYPES = (torch.bfloat16, torch.float32, torch.float16)
-
-
-def _first_mismatch(got: torch.Tensor, want: torch.Tensor, bad: torch.Tensor, what: str) -> str:
-    index = tuple(int(i) for i in bad.nonzero()[0])
-    return (
-        f"{what}: {int(bad.sum())} of {bad.numel()} differ; first at {index}: "
-        f"got {got[index].item()!r} want {want[index].item()!r}"
-    )
-
-
-def assert_bitwise(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    got = got.cpu()
-    assert got.dtype == want.dtype and got.shape == want.shape, (
-        f"{what}: got {got.dtype} {tuple(got.shape)}, want {want.dtype} {tuple(want.shape)}"
-    )
-    got_bits, want_bits = got.view(INT_OF[got.dtype]), want.view(INT_OF[want.dtype])
-    bad = got_bits != want_bits
-    assert not bad.any(), _first_mismatch(got_bits, want_bits, bad, what)
-
-
-def assert_same_values(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    """Bitwise equal, NaN positions equal (NaN payloads free)."""
-    got = got.cpu()
-    assert got.dtype == want.dtype and got.shape == want.shape, (
-        f"{what}: got {got.dtype} {tuple(got.shape)}, want {want.dtype} {tuple(want.shape)}"
-    )
-    nan = want.isnan()
-    got_bits, want_bits = got.view(INT_OF[got.dtype]), want.view(INT_OF[want.dtype])
-    bad = torch.where(nan, ~got.isnan(), got_bits != want_bits)
-    assert not bad.any(), _first_mismatch(got, want, bad, what)
-
-
-def assert_nvfp4_equal(got: NVFP4Tensor, want: NVFP4Tensor, what: str = "") -> None:
-    assert_bitwise(got.codes, want.codes, f"{what} codes")
-    assert_bitwise(got.block_scale, want.block_scale, f"{what} block_scale")
-    assert_bitwise(got.global_scale, want.global_scale, f"{what} global_scale")
-
-
-def cpu(t: NVFP4Tensor) -> NVFP4Tensor:
-    return t.map(lambda m: m.cpu())
 
 
 # ---- adversarial inputs ----------------------------------------------------------------------

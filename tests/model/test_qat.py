@@ -2,26 +2,18 @@
 
 import pytest
 import torch
+from tiny_models import FP4_EVERYWHERE, qat_model, tiny_config
 
 from fp4rl.fp4 import reference as R
 from fp4rl.model.attention import CausalAttention
 from fp4rl.model.experts import Experts
 from fp4rl.model.logprobs import token_logprobs
 from fp4rl.model.precision import PrecisionConfig, resolve_plan
-from fp4rl.model.presets import tiny_qwen3_moe
 from fp4rl.model.sites import SiteRecords
-from fp4rl.model.transformer import build_model, init_weights
-
-tiny_config = tiny_qwen3_moe
 
 
-FP4_EVERYWHERE = PrecisionConfig(bf16_first_layers=0, bf16_last_layers=0, kv_cache="nvfp4")
-
-
-def tiny_model(precision=FP4_EVERYWHERE, config=None, seed=0, **kwargs):
-    model = build_model(config or tiny_config(), precision, dtype=torch.float32, **kwargs)
-    init_weights(model, std=0.1, seed=seed)
-    return model
+def tiny_model(precision=FP4_EVERYWHERE, config=None, seed=0):
+    return qat_model(precision, config=config, seed=seed)
 
 
 def ste(x, fq):
@@ -125,7 +117,7 @@ def test_router_replay_reproduces_outputs_and_counts_fallbacks():
 
 def test_replay_shape_is_checked():
     model = tiny_model()
-    with pytest.raises(ValueError, match=r"routing has shape \(2, 5, 2\)"):
+    with pytest.raises(ValueError, match=r"routing must be an int tensor of shape \(3, 5, 2\)"):
         model(torch.zeros(5, dtype=torch.long), CausalAttention([5]), routing=torch.zeros(2, 5, 2))
 
 
@@ -133,19 +125,15 @@ def test_guidance_from_own_capture_reproduces_nearest_and_missing_sites_fail_clo
     model = tiny_model()
     tokens = torch.randint(0, 128, (10,), generator=torch.Generator().manual_seed(3))
     rec = SiteRecords()
-    out = model(
-        tokens,
-        CausalAttention([10], nvfp4_kv_layers=model.plan.fp4_layers, capture=rec),
-        capture=rec,
-    )
+    out = model(tokens, CausalAttention([10]), capture=rec)
     assert set(rec.sites) == {
         (i, s) for i in (1, 2, 3) for s in ("k", "v", "expert_input", "expert_hidden")
     }
+    assert set(rec.sites) == model.plan.guided_keys()
     assert rec.sites[(2, "expert_hidden")].shape == (10, 2, 32)
-    attn = CausalAttention([10], nvfp4_kv_layers=model.plan.fp4_layers, guidance=rec.sites)
-    assert torch.equal(model(tokens, attn, guidance=rec.sites), out)
+    assert torch.equal(model(tokens, CausalAttention([10]), guidance=rec.sites), out)
     partial = {k: v for k, v in rec.sites.items() if k != (2, "expert_hidden")}
-    with pytest.raises(ValueError, match="layers.2 site 'expert_hidden'"):
+    with pytest.raises(ValueError, match="no entry for layers.2 site 'expert_hidden'"):
         model(tokens, CausalAttention([10]), guidance=partial)
 
 
@@ -175,6 +163,61 @@ def test_eligibility_errors_name_the_problem():
         resolve_plan(odd, FP4_EVERYWHERE)
     with pytest.raises(ValueError, match="precision.kv_cache"):
         PrecisionConfig(kv_cache="fp8")
+
+
+def test_nvfp4_that_resolves_to_no_layer_is_refused():
+    """The defaults keep 2 + 4 boundary layers BF16: on a model of 6 or fewer layers they
+    used to leave no FP4 layer at all, silently (guidance came back empty)."""
+    with pytest.raises(
+        ValueError,
+        match=r"leaves no FP4 layer: of the 4 decoder layers, MoE "
+        r"layers \[1, 2, 3\] .*bf16_first_layers=2, bf16_last_layers=4",
+    ):
+        resolve_plan(tiny_config(), PrecisionConfig())
+    with pytest.raises(ValueError, match="precision.experts='bf16' leaves none"):
+        resolve_plan(tiny_config(), PrecisionConfig(experts="bf16", kv_cache="nvfp4"))
+    # Lowering the boundary, or asking for no FP4 at all, is fine.
+    assert resolve_plan(tiny_config(), PrecisionConfig(bf16_last_layers=1)).fp4_layers == (2,)
+    assert resolve_plan(tiny_config(), PrecisionConfig(experts="bf16")).fp4_layers == ()
+
+
+def test_a_model_without_fp4_has_no_multiple_of_16_requirement():
+    odd = tiny_config(hidden_size=60, moe_intermediate_size=40, head_dim=24)
+    plan = resolve_plan(odd, PrecisionConfig(experts="bf16"))
+    model = qat_model(PrecisionConfig(experts="bf16"), config=odd)
+    assert plan.fp4_layers == () and model(torch.arange(5), CausalAttention([5])).shape == (5, 128)
+    with pytest.raises(ValueError, match="hidden_size to be a multiple of 16, got 60"):
+        resolve_plan(odd, FP4_EVERYWHERE)
+
+
+def test_guidance_must_match_the_plan_layer_by_layer():
+    """K/V records for a layer whose KV is BF16, or none for one whose KV is NVFP4, used to
+    give a silent 0.075 / 0.174 trainer-vs-rollout logprob gap; now both name the layer."""
+    bf16_kv = tiny_model(PrecisionConfig(bf16_first_layers=1, bf16_last_layers=0))
+    nvfp4_kv = tiny_model(FP4_EVERYWHERE)
+    nvfp4_kv.load_state_dict(bf16_kv.state_dict())
+    tokens = torch.randint(0, 128, (9,), generator=torch.Generator().manual_seed(4))
+    with_kv, without_kv = SiteRecords(), SiteRecords()
+    nvfp4_kv(tokens, CausalAttention([9]), capture=with_kv)
+    bf16_kv(tokens, CausalAttention([9]), capture=without_kv)
+    assert (1, "k") in with_kv.sites and (1, "k") not in without_kv.sites
+    with pytest.raises(ValueError, match=r"record for layers.1 site 'k'.*kv_cache=bf16"):
+        bf16_kv(tokens, CausalAttention([9]), guidance=with_kv.sites)
+    with pytest.raises(ValueError, match="no entry for layers.1 site 'k'"):
+        nvfp4_kv(tokens, CausalAttention([9]), guidance=without_kv.sites)
+    short = {k: r.map(lambda m: m[:8]) for k, r in with_kv.sites.items()}
+    with pytest.raises(ValueError, match="has 8 rows for 9 tokens"):
+        nvfp4_kv(tokens, CausalAttention([9]), guidance=short)
+
+
+def test_trainer_inputs_are_checked_naming_the_argument():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="covers 7 tokens .* tokens_T has 5"):
+        model(torch.arange(5), CausalAttention([3, 4]))
+    with pytest.raises(ValueError, match="seq_lens must be positive lengths"):
+        CausalAttention([3, 0])
+    with pytest.raises(ValueError, match="tokens_T must be a 1-D int32/int64 tensor"):
+        model(torch.zeros(5), CausalAttention([5]))
 
 
 def test_chunked_logprobs_equal_full_softmax_and_backprop():

@@ -1,8 +1,9 @@
 """PagedAttention against dense causal attention, BF16 and NVFP4 pages, over several steps.
 
 Exact claims: cached K/V read back bitwise equal to what was written (BF16 pages) or to the
-trainer's fake quantization ``dequantize(quantize(x, scaling="row"), dtype)`` (NVFP4 pages),
-and the NVFP4 records handed to the capture are that quantization. Attention outputs are
+trainer's fake quantization ``dequantize(quantize(x, scaling="row"), dtype)`` (NVFP4 pages:
+the cache stores what the layer's K/V sites produce), and the NVFP4 records the sites hand to
+the capture are that quantization. Attention outputs are
 compared with `F.scaled_dot_product_attention` over the same (fake-quantized) K/V within the
 stated tolerance: FP32 inputs to 2e-6 (only the summation order differs), BF16 inputs to one
 BF16 rounding of the output.
@@ -12,8 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fp4rl.ops import dequantize, quantize
+from fp4rl.model.attention import Bf16KV, NewKV, Nvfp4KV
+from fp4rl.model.precision import SITES
 from fp4rl.model.sites import SiteRecords
+from fp4rl.ops import dequantize, quantize
 from fp4rl.rollout.attention import AttentionMetadata, PagedAttention, Segment
 from fp4rl.rollout.kv_cache import KVCache, KVCacheSpec
 
@@ -61,14 +64,15 @@ def test_paged_attention_matches_dense_over_steps(dtype, atol):
         segments = [Segment(tables[s], start, n) for s, start, n in step]
         meta = AttentionMetadata.build(segments, BLOCK, "cpu")
         rec = SiteRecords()
-        backend = PagedAttention(cache, meta, rec)
+        backend = PagedAttention(cache, meta)
+        formats = (Bf16KV(), Nvfp4KV(1, SITES))
         expected_positions = torch.cat([torch.arange(st, st + n) for _, st, n in step])
         assert torch.equal(backend.positions, expected_positions)
         for layer in range(2):
             q = torch.randn(meta.positions_T.numel(), HQ, D, generator=g).to(dtype)
             k = torch.cat([kv[s][layer][0][st : st + n] for s, st, n in step])
             v = torch.cat([kv[s][layer][1][st : st + n] for s, st, n in step])
-            o = backend.attend(layer, q, k, v)
+            o = backend.attend(layer, q, NewKV(k, v, formats[layer], capture=rec))
             assert o.dtype == dtype and o.shape == q.shape
             row = 0
             for s, st, n in step:
@@ -101,8 +105,8 @@ def test_copy_blocks_copies_every_layer_and_member():
     cache = KVCache(spec, num_blocks=4, block_size=2, device="cpu")
     x = torch.randn(2, 1, 16)
     slots = torch.tensor([2, 3])  # block 1
-    for layer in range(2):
-        cache.write(layer, slots, x, -x)
+    cache.write(0, slots, x, -x)
+    cache.write(1, slots, quantize(x, scaling="row"), quantize(-x, scaling="row"))
     cache.copy_blocks([(1, 3)])
     for layer in range(2):
         a = cache.read(layer, slots, torch.float32)
@@ -113,3 +117,16 @@ def test_copy_blocks_copies_every_layer_and_member():
 def test_metadata_rejects_a_table_too_short():
     with pytest.raises(ValueError, match="does not fit"):
         AttentionMetadata.build([Segment([0], 3, 2)], 4, "cpu")
+
+
+def test_cache_refuses_entries_of_another_format():
+    spec = KVCacheSpec(
+        layer_formats=("bf16", "nvfp4"), num_kv_heads=1, head_dim=16, dtype=torch.float32
+    )
+    cache = KVCache(spec, num_blocks=4, block_size=2, device="cpu")
+    x, slots = torch.randn(2, 1, 16), torch.tensor([0, 1])
+    with pytest.raises(TypeError, match="layers.1: the cache holds nvfp4 KV but was given Tensor"):
+        cache.write(1, slots, x, x)
+    q = quantize(x, scaling="row")
+    with pytest.raises(TypeError, match="layers.0: the cache holds bf16 KV but was given NVFP4"):
+        cache.write(0, slots, q, q)

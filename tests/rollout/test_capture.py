@@ -18,7 +18,8 @@ def test_kept_layers():
 
 
 def step_capture(mode, layers=frozenset({1, 2}), sites=("expert_input", "k")):
-    return StepCapture(routing=True, guidance=mode, guided_layers=layers, guided_sites=sites)
+    keep = {(layer, site) for layer in layers for site in sites}
+    return StepCapture(routing=True, guidance=mode, keep=keep)
 
 
 def test_split_and_reassemble_by_rows():

@@ -11,7 +11,6 @@ from fp4rl.rollout.kv_cache import KVCacheSpec, num_blocks_for_budget
     "key, value",
     [
         ("block_size", 0),
-        ("kv_format", "fp8"),
         ("kv_memory_bytes", 0),
         ("max_num_seqs", 0),
         ("max_model_len", 1),
@@ -27,6 +26,11 @@ from fp4rl.rollout.kv_cache import KVCacheSpec, num_blocks_for_budget
 def test_engine_config_rejects_naming_key_and_value(key, value):
     with pytest.raises(ValueError, match=rf"engine\.{key}.*{value!r}".replace("(", r"\(")):
         EngineConfig(**{key: value})
+
+
+def test_the_kv_format_is_stated_once_in_the_precision_plan():
+    with pytest.raises(TypeError, match="kv_format"):
+        EngineConfig(kv_format="nvfp4")
 
 
 @pytest.mark.parametrize(

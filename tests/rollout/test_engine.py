@@ -10,27 +10,27 @@ tolerance; FP4 records within `assert_close_records`. Where the trainer is guide
 rollout's records, codes and scales are compared bitwise.
 
 To extend to the QAT-parity check: take a `Completion` from any test here and compare
-`picked(trainer_logprobs(qat, c, replay=True, guidance=c.guidance), c)` with `c.raw_logprobs`
+`trainer_logprobs(qat, c, replay=True, guided=True)` with `c.raw_logprobs`
 (`test_trainer_with_replay_and_guidance_reproduces_the_rollout` does this in FP32).
 """
 
 import pytest
 import torch
-from rollout_models import picked, rollout_model, trainer_logprobs
+from assertions import assert_matches_rollout, assert_records_close
+from tiny_models import rollout_model, trainer_distribution, trainer_logprobs
 
 from fp4rl.fp4 import CompactCodes, NVFP4Tensor, compact
 from fp4rl.fp4.reference import unpack_e2m1
 from fp4rl.model.sites import SiteRecords
+from fp4rl.records import capture_bytes_per_generated_token
 from fp4rl.rollout import Engine, EngineConfig, SamplingParams
-from fp4rl.rollout.records import capture_bytes_per_generated_token
 
 LOGPROB_ATOL = 1e-5  # FP32 model; observed ~1.5e-6
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [7] * 20, [3], [90, 12, 55, 4, 4, 4, 100]]
 
 
-def config(kv_format="bf16", **overrides):
+def config(**overrides):
     fields = dict(
-        kv_format=kv_format,
         block_size=4,
         kv_memory_bytes=1 << 20,
         max_model_len=64,
@@ -42,24 +42,11 @@ def config(kv_format="bf16", **overrides):
 
 @pytest.fixture(scope="module")
 def models():
-    """(kv_format, experts) -> (packed rollout model, QAT trainer twin)."""
+    """(kv_cache, experts) -> (packed rollout model, QAT trainer twin)."""
     return {
         key: rollout_model(*key)
         for key in (("bf16", "bf16"), ("bf16", "nvfp4"), ("nvfp4", "nvfp4"))
     }
-
-
-def same_codes_up_to_signed_zero(a: NVFP4Tensor, b: NVFP4Tensor) -> bool:
-    """Bitwise scales and codes, except that a zero code may differ in its sign bit: a trainer
-    value of the other sign than the rollout's tiny one rounds to +0 where the rollout had -0
-    (guided rounding keeps the local sign); both dequantize to zero."""
-    zero_as_plus = [unpack_e2m1(t.codes) for t in (a, b)]
-    zero_as_plus = [torch.where(c & 7 == 0, torch.zeros_like(c), c) for c in zero_as_plus]
-    return (
-        torch.equal(*zero_as_plus)
-        and torch.equal(a.block_scale.view(torch.uint8), b.block_scale.view(torch.uint8))
-        and torch.equal(a.global_scale.view(torch.int32), b.global_scale.view(torch.int32))
-    )
 
 
 # Work that is only reordered (another batch, a recomputed prefill after preemption) sums in
@@ -81,33 +68,24 @@ def assert_same_outputs(a, b, *, capture=False):
             assert torch.equal(x.routing, y.routing)
             assert x.guidance.keys() == y.guidance.keys()
             for key in x.guidance:
-                assert_close_records(x.guidance[key], y.guidance[key])
+                assert_records_close(x.guidance[key], y.guidance[key])
     diff = torch.cat(diffs)
     assert diff.max() <= FLIP_ATOL
     assert (diff > LOGPROB_ATOL).float().mean() <= FLIP_SHARE
 
 
-def assert_close_records(a: NVFP4Tensor, b: NVFP4Tensor) -> None:
-    """Two independent computations of one site under different batching: global scales move
-    by FP32 rounding (amax of values that differ in their last bits), so codes and block scales
-    may differ where a scaled value sits at a rounding boundary. Observed in FP32: no code or
-    block scale differs; global scales within 1.3e-6 relative."""
-    torch.testing.assert_close(a.global_scale, b.global_scale, rtol=1e-5, atol=0)
-    codes_a, codes_b = unpack_e2m1(a.codes), unpack_e2m1(b.codes)
-    assert (codes_a != codes_b).float().mean() <= 1e-3
-    assert (a.block_scale.float() != b.block_scale.float()).float().mean() <= 1e-3
-
-
 @pytest.mark.parametrize("kv, experts", [("bf16", "bf16"), ("bf16", "nvfp4"), ("nvfp4", "nvfp4")])
 def test_cached_decode_matches_full_sequence_forward(models, kv, experts):
     packed, _ = models[(kv, experts)]
-    engine = Engine(packed, config(kv))
+    engine = Engine(packed, config())
     out = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24))
     assert len(out) == len(PROMPTS)
     for c in out:
-        full_NV = trainer_logprobs(packed, c)
+        full_NV = trainer_distribution(packed, c)
         assert list(c.completion_ids) == full_NV.argmax(-1).tolist()
-        torch.testing.assert_close(c.raw_logprobs, picked(full_NV, c), rtol=0, atol=LOGPROB_ATOL)
+        torch.testing.assert_close(
+            c.raw_logprobs, trainer_logprobs(packed, c), rtol=0, atol=LOGPROB_ATOL
+        )
         assert torch.equal(c.logprobs, c.raw_logprobs)  # greedy reports the raw logprob
 
 
@@ -115,18 +93,16 @@ def test_trainer_with_replay_and_guidance_reproduces_the_rollout(models):
     """The QAT twin, fed the rollout's routing and full guidance, recomputes every FP4 code the
     rollout recorded (bitwise) and its logprobs (to LOGPROB_ATOL)."""
     packed, qat = models[("nvfp4", "nvfp4")]
-    engine = Engine(packed, config("nvfp4", capture_routing=True, guidance="full"))
+    engine = Engine(packed, config(capture_routing=True, guidance="full"))
     out = engine.generate(PROMPTS[:2], SamplingParams(n=2, max_tokens=16, seed=7))
 
     for c in out:
         rec = SiteRecords()
-        logprobs = picked(
-            trainer_logprobs(qat, c, replay=True, guidance=c.guidance, capture=rec), c
-        )
+        logprobs = trainer_logprobs(qat, c, replay=True, guided=True, capture=rec)
         torch.testing.assert_close(logprobs, c.raw_logprobs, rtol=0, atol=LOGPROB_ATOL)
         assert rec.sites.keys() == c.guidance.keys()
         for key, t in c.guidance.items():
-            assert same_codes_up_to_signed_zero(rec.sites[key], t), key
+            assert_matches_rollout(rec.sites[key], t, str(key))
         for i, layer in enumerate(qat.moe_layers):
             assert torch.equal(rec.routing[layer], c.routing[i])
 
@@ -135,12 +111,10 @@ def test_trainer_follows_compact_guidance_in_the_layers_it_keeps(models):
     """Compact guidance keeps mantissa bits for the latter FP4 layers only; the trainer must
     accept it (the others round to nearest) and reproduce the kept mantissa bits."""
     packed, qat = models[("nvfp4", "nvfp4")]
-    engine = Engine(packed, config("nvfp4", capture_routing=True, guidance="compact"))
+    engine = Engine(packed, config(capture_routing=True, guidance="compact"))
     for c in engine.generate(PROMPTS[:2], SamplingParams(n=2, max_tokens=12, seed=9)):
         rec = SiteRecords()
-        logprobs = picked(
-            trainer_logprobs(qat, c, replay=True, guidance=c.guidance, capture=rec), c
-        )
+        logprobs = trainer_logprobs(qat, c, replay=True, guided=True, capture=rec)
         torch.testing.assert_close(logprobs, c.raw_logprobs, rtol=0, atol=LOGPROB_ATOL)
         kept = {key: r for key, r in c.guidance.items() if r is not None}
         assert kept and all(layer == 2 for layer, _ in kept)
@@ -154,18 +128,16 @@ def test_bf16_trainer_guided_by_the_rollout_recomputes_its_codes():
     rollout's code everywhere and its logprobs agree to 0.03 (observed 0.016; the rest is
     BF16 attention and GEMM ordering, against up to 0.18 when the forward is unguided)."""
     packed, qat = rollout_model("nvfp4", "nvfp4", dtype=torch.bfloat16)
-    engine = Engine(packed, config("nvfp4", capture_routing=True, guidance="full"))
+    engine = Engine(packed, config(capture_routing=True, guidance="full"))
     out = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16))
     unguided_mismatch = []
     for c in out:
         guided, plain = SiteRecords(), SiteRecords()
-        logprobs = picked(
-            trainer_logprobs(qat, c, replay=True, guidance=c.guidance, capture=guided), c
-        )
+        logprobs = trainer_logprobs(qat, c, replay=True, guided=True, capture=guided)
         torch.testing.assert_close(logprobs, c.raw_logprobs, rtol=0, atol=0.03)
         trainer_logprobs(qat, c, capture=plain)
         for key, t in c.guidance.items():
-            assert same_codes_up_to_signed_zero(guided.sites[key], t), key
+            assert_matches_rollout(guided.sites[key], t, str(key))
             codes = unpack_e2m1(plain.sites[key].codes) & 7, unpack_e2m1(t.codes) & 7
             unguided_mismatch.append((codes[0] != codes[1]).float().mean())
     assert torch.stack(unguided_mismatch).mean() > 0.01  # the check above has teeth
@@ -176,11 +148,9 @@ def test_prefix_sharing_leaves_outputs_unchanged(models):
     sampling = SamplingParams(n=4, max_tokens=12, seed=3)
     capture = dict(capture_routing=True, guidance="full")
     shared_stats, alone_stats = {}, {}
-    shared = Engine(packed, config("nvfp4", **capture)).generate(
-        PROMPTS[:2], sampling, stats=shared_stats
-    )
+    shared = Engine(packed, config(**capture)).generate(PROMPTS[:2], sampling, stats=shared_stats)
     # One seat: every sample waits for the previous one and prefills the prompt itself.
-    alone = Engine(packed, config("nvfp4", max_num_seqs=1, **capture)).generate(
+    alone = Engine(packed, config(max_num_seqs=1, **capture)).generate(
         PROMPTS[:2], sampling, stats=alone_stats
     )
     assert shared_stats["prefill_tokens"] == len(PROMPTS[0]) + len(PROMPTS[1])
@@ -193,11 +163,11 @@ def test_preemption_leaves_outputs_unchanged(models):
     packed, _ = models[("nvfp4", "nvfp4")]
     sampling = SamplingParams(n=3, max_tokens=40, seed=5)
     capture = dict(capture_routing=True, guidance="full")
-    roomy = Engine(packed, config("nvfp4", **capture)).generate(PROMPTS, sampling)
+    roomy = Engine(packed, config(**capture)).generate(PROMPTS, sampling)
     # 20 blocks of 4 tokens hold one 64-token sequence and little else: 12 sequences of up to
     # ~60 tokens must take turns.
     per_token = 2 * 2 * 2 * 16 * 4 + 2 * 2 * 2 * (8 + 1 + 4)  # 2 FP32 layers, 2 NVFP4 layers
-    tight_engine = Engine(packed, config("nvfp4", kv_memory_bytes=20 * 4 * per_token, **capture))
+    tight_engine = Engine(packed, config(kv_memory_bytes=20 * 4 * per_token, **capture))
     assert tight_engine.num_blocks == 20
     stats = {}
     tight = tight_engine.generate(PROMPTS, sampling, stats=stats)
@@ -219,7 +189,7 @@ def test_seed_reproduces_regardless_of_batch_composition(models):
 @pytest.mark.parametrize("mode", ["full", "compact"])
 def test_capture_shapes_and_bytes(models, mode):
     packed, _ = models[("nvfp4", "nvfp4")]
-    engine = Engine(packed, config("nvfp4", capture_routing=True, guidance=mode))
+    engine = Engine(packed, config(capture_routing=True, guidance=mode))
     out = engine.generate(PROMPTS[:2], SamplingParams(n=2, max_tokens=10, seed=1))
     H, I, k, Hkv, D = 64, 32, 2, 2, 16
     # FP4 layers are 1 and 2; "compact" keeps the latter half: layer 2.
@@ -259,7 +229,7 @@ def test_capture_shapes_and_bytes(models, mode):
 
 def test_capture_is_off_by_default(models):
     packed, _ = models[("nvfp4", "nvfp4")]
-    (c,) = Engine(packed, config("nvfp4")).generate(PROMPTS[:1], SamplingParams(max_tokens=3))
+    (c,) = Engine(packed, config()).generate(PROMPTS[:1], SamplingParams(max_tokens=3))
     assert c.routing is None and c.guidance is None
 
 
@@ -314,12 +284,13 @@ def test_bad_prompts_raise(models, prompts, message):
 
 def test_engine_settings_must_fit_the_model(models):
     packed, _ = models[("nvfp4", "nvfp4")]
-    with pytest.raises(ValueError, match="engine.kv_format='bf16' disagrees"):
-        Engine(packed, config("bf16"))
+    bf16, _ = models[("bf16", "bf16")]
+    with pytest.raises(ValueError, match="engine.guidance='full' records FP4 sites, but"):
+        Engine(bf16, config(guidance="full"))
     with pytest.raises(
         ValueError, match="max_model_len=512 exceeds .* max_position_embeddings=256"
     ):
-        Engine(packed, config("nvfp4", max_model_len=512, max_num_batched_tokens=512))
+        Engine(packed, config(max_model_len=512, max_num_batched_tokens=512))
 
 
 def test_non_finite_logits_stop_generation(models):

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from rollout_models import rollout_model, tiny_precision
+from tiny_models import rollout_model, tiny_precision
 
 from fp4rl.model.checkpoint import save_checkpoint
 from fp4rl.rollout import Engine, EngineConfig, SamplingParams
@@ -16,7 +16,7 @@ def test_from_pretrained_generates_what_the_in_memory_model_does(tmp_path):
     save_checkpoint(qat.state_dict(), qat.config, tmp_path / "ckpt")
     (tmp_path / "ckpt" / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 9]}))
     config = EngineConfig(
-        kv_format="nvfp4", kv_memory_bytes=1 << 20, max_model_len=32, max_num_batched_tokens=64,
+        kv_memory_bytes=1 << 20, max_model_len=32, max_num_batched_tokens=64,
         max_num_seqs=8,
     )  # fmt: skip
     loaded = Engine.from_pretrained(

@@ -1,0 +1,263 @@
+"""What crosses the rollout -> trainer seam: `Completion`, site records, and the packed batch.
+
+Both sides import this module and it imports neither (only the NVFP4 containers), so a trainer
+never needs the engine package and the engine never needs the trainer's. `collate` packs
+completions into one `TrainBatch`: the token stream the trainer feeds, which rows it scores,
+the rollout's logprobs aligned to those rows, and the routing and guidance of the whole stream.
+
+Token alignment: a completion's model was fed ``T = len(prompt_ids) + len(completion_ids) - 1``
+tokens (the last sampled token never is). Row ``t`` of its routing record and of each guidance
+record belongs to fed token ``t``, the input whose output predicted token ``t + 1``; so the
+row that scores ``completion_ids[i]`` is ``len(prompt_ids) - 1 + i``.
+
+Legend: T fed tokens (all sequences packed), N scored tokens, L_moe MoE layers, k experts per
+token, B sequences.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from fp4rl.fp4 import CompactCodes, NVFP4Tensor
+
+SiteKey = tuple[int, str]  # (decoder layer, site): "expert_input", "expert_hidden", "k", "v"
+SiteRecord = NVFP4Tensor | CompactCodes  # full codes or compact mantissa bits, plus scales
+# A None value means "round this site to nearest" on purpose (compact guidance leaves out the
+# earlier FP4 layers); a missing key is an error.
+GuidanceMap = Mapping[SiteKey, SiteRecord | None]
+
+
+def _members(r: SiteRecord) -> tuple[torch.Tensor, ...]:
+    if isinstance(r, NVFP4Tensor):
+        return r.tensors()
+    return r.mantissa_bits, r.block_scale, r.global_scale
+
+
+def _rebuild(r: SiteRecord, members) -> SiteRecord:
+    return type(r)(*members)
+
+
+def record_rows(r: SiteRecord, start: int, end: int) -> SiteRecord:
+    """Rows ``[start, end)`` of a token-major record (per-row scales make this exact)."""
+    return _rebuild(r, [m[start:end] for m in _members(r)])
+
+
+def record_cat(records: Sequence[SiteRecord]) -> SiteRecord:
+    """Token-major records concatenated along rows; all of one kind."""
+    kinds = {type(r) for r in records}
+    if len(kinds) != 1:
+        raise ValueError(f"cannot concatenate records of kinds {sorted(k.__name__ for k in kinds)}")
+    return _rebuild(records[0], [torch.cat(ms) for ms in zip(*map(_members, records), strict=True)])
+
+
+def record_nbytes(r: SiteRecord) -> int:
+    return sum(m.numel() * m.element_size() for m in _members(r))
+
+
+def record_num_rows(r: SiteRecord) -> int:
+    return _members(r)[0].shape[0]
+
+
+def record_to(r: SiteRecord, device: torch.device | str) -> SiteRecord:
+    return _rebuild(r, [m.to(device) for m in _members(r)])
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Completion:
+    prompt_index: int
+    sample_index: int
+    prompt_ids: tuple[int, ...]
+    completion_ids: tuple[int, ...]  # the stop token, if any, included
+    finish_reason: str  # "stop" | "length"
+    policy_version: int  # weights version that generated it (bumped by each refit)
+    # float32 [len(completion_ids)]: log-prob under the distribution sampled from (after
+    # temperature / top-k / top-p), and under the unprocessed logits; None unless requested.
+    logprobs: torch.Tensor | None = None
+    raw_logprobs: torch.Tensor | None = None
+    routing: torch.Tensor | None = None  # int32 [L_moe, T, top_k], -1 = no record
+    # (layer, site) -> record with leading dim T: NVFP4Tensor ("full") or CompactCodes; None
+    # for the FP4 layers compact guidance leaves out (the trainer rounds those to nearest).
+    guidance: dict[SiteKey, SiteRecord | None] | None = None
+
+    @property
+    def num_fed_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.completion_ids) - 1
+
+    def fed_tokens(self) -> tuple[int, ...]:
+        return (self.prompt_ids + self.completion_ids)[:-1]
+
+    def guidance_nbytes(self) -> int:
+        return sum(record_nbytes(r) for r in (self.guidance or {}).values() if r is not None)
+
+    def routing_nbytes(self) -> int:
+        return 0 if self.routing is None else self.routing.numel() * self.routing.element_size()
+
+
+def capture_bytes_per_generated_token(completions: Sequence[Completion]) -> dict[str, float]:
+    """What the captured records cost per generated token, over a batch of completions:
+    ``{"routing": ..., "guidance": ...}`` (prompt tokens' records included in the numerator)."""
+    generated = sum(len(c.completion_ids) for c in completions)
+    if generated == 0:
+        return {"routing": 0.0, "guidance": 0.0}
+    return {
+        "routing": sum(c.routing_nbytes() for c in completions) / generated,
+        "guidance": sum(c.guidance_nbytes() for c in completions) / generated,
+    }
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainBatch:
+    """Completions packed into one token stream for the trainer's forward.
+
+    Each sequence is its completion's prompt followed by its completion minus the last token,
+    in the order given to `collate`; a prompt shared by n samples appears n times (each
+    sequence attends only to itself), with its records repeated, so every row is exact.
+    """
+
+    tokens_T: torch.Tensor  # long [T], CPU
+    seq_lens: tuple[int, ...]  # fed tokens per sequence, summing to T
+    rows_N: torch.Tensor  # long [N]: the stream row whose output scores target N
+    targets_N: torch.Tensor  # long [N]: the completion token scored
+    seq_index_N: torch.Tensor  # long [N]: which sequence (completion) each target belongs to
+    # float32 [N]: the rollout's log-prob of each target under the raw logits (what the
+    # trainer recomputes) and under the distribution it sampled from; None if not recorded.
+    rollout_logprobs_N: torch.Tensor | None
+    sampling_logprobs_N: torch.Tensor | None
+    routing: torch.Tensor | None  # int32 [L_moe, T, k] on the rollout's device
+    guidance: dict[SiteKey, SiteRecord | None] | None  # records with leading dim T
+    prompt_index: tuple[int, ...]  # per sequence
+    sample_index: tuple[int, ...]
+    policy_version: tuple[int, ...]
+    finish_reason: tuple[str, ...]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_targets(self) -> int:
+        return int(self.targets_N.shape[0])
+
+
+def collate(completions: Sequence[Completion]) -> TrainBatch:
+    """Pack completions, in order, into a `TrainBatch`; raises ValueError naming the completion
+    (by prompt and sample index) whose records are inconsistent with the others or with its own
+    length. Records stay on the device the rollout left them on."""
+    if not completions:
+        raise ValueError("collate needs at least one completion")
+    for c in completions:
+        _check_completion(c)
+    tokens, rows, targets, seq_index, offset = [], [], [], [], 0
+    for b, c in enumerate(completions):
+        fed = c.fed_tokens()
+        first = offset + len(c.prompt_ids) - 1
+        tokens += fed
+        rows += range(first, first + len(c.completion_ids))
+        targets += c.completion_ids
+        seq_index += [b] * len(c.completion_ids)
+        offset += len(fed)
+
+    def field_of(name: str):
+        return tuple(getattr(c, name) for c in completions)
+
+    return TrainBatch(
+        tokens_T=torch.tensor(tokens, dtype=torch.long),
+        seq_lens=tuple(c.num_fed_tokens for c in completions),
+        rows_N=torch.tensor(rows, dtype=torch.long),
+        targets_N=torch.tensor(targets, dtype=torch.long),
+        seq_index_N=torch.tensor(seq_index, dtype=torch.long),
+        rollout_logprobs_N=_cat_all(completions, "raw_logprobs"),
+        sampling_logprobs_N=_cat_all(completions, "logprobs"),
+        routing=_cat_routing(completions),
+        guidance=_cat_guidance(completions),
+        prompt_index=field_of("prompt_index"),
+        sample_index=field_of("sample_index"),
+        policy_version=field_of("policy_version"),
+        finish_reason=field_of("finish_reason"),
+    )
+
+
+def _name(c: Completion) -> str:
+    return f"completion (prompt {c.prompt_index}, sample {c.sample_index})"
+
+
+def _check_completion(c: Completion) -> None:
+    if not c.prompt_ids or not c.completion_ids:
+        raise ValueError(
+            f"{_name(c)} has {len(c.prompt_ids)} prompt and {len(c.completion_ids)} completion "
+            "tokens; training needs at least one of each"
+        )
+    T = c.num_fed_tokens
+    for name in ("logprobs", "raw_logprobs"):
+        lp = getattr(c, name)
+        if lp is not None and tuple(lp.shape) != (len(c.completion_ids),):
+            raise ValueError(
+                f"{_name(c)}: {name} has shape {tuple(lp.shape)}, expected "
+                f"({len(c.completion_ids)},)"
+            )
+    if c.routing is not None and (c.routing.dim() != 3 or c.routing.shape[1] != T):
+        raise ValueError(
+            f"{_name(c)}: routing has shape {tuple(c.routing.shape)}, expected (L_moe, {T}, k)"
+        )
+    for key, r in (c.guidance or {}).items():
+        if r is not None and record_num_rows(r) != T:
+            raise ValueError(
+                f"{_name(c)}: guidance for layers.{key[0]} site '{key[1]}' has "
+                f"{record_num_rows(r)} rows for {T} fed tokens"
+            )
+
+
+def _present(completions: Sequence[Completion], name: str) -> bool:
+    """Whether every completion carries the field; a mix is an error (half a batch unguided)."""
+    have = [getattr(c, name) is not None for c in completions]
+    if any(have) and not all(have):
+        missing = next(c for c, h in zip(completions, have, strict=True) if not h)
+        raise ValueError(f"{_name(missing)} has no {name} while others in the batch do")
+    return all(have)
+
+
+def _cat_all(completions: Sequence[Completion], name: str) -> torch.Tensor | None:
+    if not _present(completions, name):
+        return None
+    return torch.cat([getattr(c, name).float().cpu() for c in completions])
+
+
+def _cat_routing(completions: Sequence[Completion]) -> torch.Tensor | None:
+    if not _present(completions, "routing"):
+        return None
+    shape = completions[0].routing.shape
+    for c in completions:
+        if (c.routing.shape[0], c.routing.shape[2]) != (shape[0], shape[2]):
+            raise ValueError(
+                f"{_name(c)}: routing has shape {tuple(c.routing.shape)}, others "
+                f"({shape[0]}, T, {shape[2]})"
+            )
+    return torch.cat([c.routing for c in completions], dim=1)
+
+
+def _cat_guidance(completions: Sequence[Completion]) -> dict[SiteKey, SiteRecord | None] | None:
+    if not _present(completions, "guidance"):
+        return None
+    first = completions[0].guidance
+    out = {}
+    for c in completions:
+        if c.guidance.keys() != first.keys():
+            raise ValueError(
+                f"{_name(c)}: guidance sites {sorted(c.guidance)} differ from "
+                f"{_name(completions[0])}'s {sorted(first)}"
+            )
+    for key, r in first.items():
+        records = [c.guidance[key] for c in completions]
+        if r is None or any(x is None for x in records):
+            if any(x is not None for x in records):
+                raise ValueError(
+                    f"guidance for layers.{key[0]} site '{key[1]}' is left to nearest rounding "
+                    "in some completions of the batch and recorded in others"
+                )
+            out[key] = None
+        else:
+            out[key] = record_cat(records)
+    return out
