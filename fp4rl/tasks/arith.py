@@ -1,0 +1,143 @@
+"""Multi-digit addition as a verifiable task: problems, a held-out split, and the reward.
+
+A prompt is ``<bos>a+b=``; the answer is the decimal sum followed by ``<eos>`` (written least
+significant digit first with ``reverse_answer``, the order in which the carries are computed).
+The operands' digit counts are the difficulty knob: each operand gets a digit count drawn
+uniformly from ``[min_digits, max_digits]``, then a value with exactly that many digits.
+
+Owns problem generation, the train / held-out split and the reward. Does not own the
+vocabulary (`fp4rl.tasks.tokenizer`), sampling, or the evaluation loop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from fp4rl.tasks.tokenizer import BOS, EOS, encode
+
+Split = Literal["train", "held_out"]
+_DIGIT_IDS = frozenset(encode("0123456789"))
+
+
+def _int(key: str, value, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"task.{key} must be an int >= {minimum}, got {value!r}")
+
+
+def _fraction(key: str, value, bound: str, ok) -> None:
+    real = isinstance(value, int | float) and not isinstance(value, bool)
+    if not (real and math.isfinite(value) and ok(value)):
+        raise ValueError(f"task.{key} must be a number {bound}, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TaskConfig:
+    min_digits: int = 1  # digits of each operand, drawn uniformly in [min_digits, max_digits]
+    max_digits: int = 3
+    reverse_answer: bool = False  # answer least significant digit first
+    held_out_fraction: float = 0.05  # of all problems, chosen by a hash of the operand pair
+    num_held_out: int = 256  # distinct problems in the evaluation set
+    held_out_seed: int = 0
+    format_reward: float = 0.0  # reward for a wrong answer that is digits followed by EOS
+
+    def __post_init__(self) -> None:
+        _int("min_digits", self.min_digits, 1)
+        _int("max_digits", self.max_digits, self.min_digits)
+        if not isinstance(self.reverse_answer, bool):
+            raise ValueError(f"task.reverse_answer must be a bool, got {self.reverse_answer!r}")
+        _fraction("held_out_fraction", self.held_out_fraction, "in (0, 1)", lambda v: 0 < v < 1)
+        _int("num_held_out", self.num_held_out, 1)
+        _int("held_out_seed", self.held_out_seed, 0)
+        _fraction("format_reward", self.format_reward, "in [0, 1)", lambda v: 0 <= v < 1)
+        # Drawing distinct held-out problems by rejection must end: ask for at most half of
+        # the problems the split is expected to hold.
+        numbers = sum(10 if d == 1 else 9 * 10 ** (d - 1) for d in self._digit_range())
+        expected = self.held_out_fraction * numbers**2
+        if self.num_held_out > expected / 2:
+            raise ValueError(
+                f"task.num_held_out={self.num_held_out} exceeds half of the ~{expected:.0f} "
+                f"held-out problems with {self.min_digits}..{self.max_digits} digits"
+            )
+
+    def _digit_range(self) -> range:
+        return range(self.min_digits, self.max_digits + 1)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Problem:
+    a: int
+    b: int
+    prompt_ids: tuple[int, ...]  # <bos> a + b =
+    answer_ids: tuple[int, ...]  # the answer's digits, then <eos>: the completion worth 1.0
+
+
+def make_problem(a: int, b: int, config: TaskConfig) -> Problem:
+    if min(a, b) < 0:
+        raise ValueError(f"operands must be >= 0, got {a}, {b}")
+    answer = str(a + b)[:: -1 if config.reverse_answer else 1]
+    return Problem(
+        a=a,
+        b=b,
+        prompt_ids=(BOS, *encode(f"{a}+{b}=")),
+        answer_ids=(*encode(answer), EOS),
+    )
+
+
+def split_of(a: int, b: int, config: TaskConfig) -> Split:
+    """Which split ``a+b`` belongs to; ``b+a`` always goes with it, so a held-out sum is never
+    seen in training in the other order. Depends on the operands and ``held_out_fraction``
+    only, so changing the digit range does not move a problem between splits, and a larger
+    fraction only moves problems from train into held-out (one hash, nested thresholds)."""
+    key = f"{min(a, b)}+{max(a, b)}".encode()
+    h = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+    return "held_out" if h < config.held_out_fraction * 2**64 else "train"
+
+
+def _operand(rng: random.Random, config: TaskConfig) -> int:
+    digits = rng.choice(config._digit_range())
+    return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
+
+
+def train_problems(config: TaskConfig, *, num: int, seed: int) -> list[Problem]:
+    """``num`` problems drawn independently (repeats possible) from the train split."""
+    _int("num", num, 0)
+    _int("seed", seed, 0)
+    rng, out = random.Random(seed), []
+    while len(out) < num:
+        a, b = _operand(rng, config), _operand(rng, config)
+        if split_of(a, b, config) == "train":
+            out.append(make_problem(a, b, config))
+    return out
+
+
+def held_out_problems(config: TaskConfig) -> list[Problem]:
+    """The evaluation set: ``num_held_out`` distinct held-out problems, fixed by the config."""
+    rng, seen, out = random.Random(config.held_out_seed), set(), []
+    # A backstop for the estimate in TaskConfig: a tiny digit range can hold fewer problems.
+    for _ in range(1000 * config.num_held_out):
+        a, b = _operand(rng, config), _operand(rng, config)
+        if (a, b) not in seen and split_of(a, b, config) == "held_out":
+            seen.add((a, b))
+            out.append(make_problem(a, b, config))
+            if len(out) == config.num_held_out:
+                return out
+    raise ValueError(
+        f"task.num_held_out={config.num_held_out}: found only {len(out)} distinct held-out "
+        f"problems with {config.min_digits}..{config.max_digits} digits"
+    )
+
+
+def reward(problem: Problem, completion_ids: Sequence[int], config: TaskConfig) -> float:
+    """1.0 for exactly the answer followed by EOS (nothing after it); ``format_reward`` for
+    another well-formed answer (one or more digits, then EOS); 0.0 otherwise, including a
+    completion cut off before its EOS."""
+    ids = tuple(completion_ids)
+    if ids == problem.answer_ids:
+        return 1.0
+    well_formed = len(ids) >= 2 and ids[-1] == EOS and all(i in _DIGIT_IDS for i in ids[:-1])
+    return config.format_reward if well_formed else 0.0

@@ -1,0 +1,134 @@
+"""The arithmetic task: tokenizer round trip, split disjointness, rewards, determinism."""
+
+import random
+
+import pytest
+
+from fp4rl.tasks.arith import (
+    TaskConfig,
+    held_out_problems,
+    make_problem,
+    reward,
+    split_of,
+    train_problems,
+)
+from fp4rl.tasks.tokenizer import BOS, EOS, PAD, VOCAB, decode, encode
+
+CONFIG = TaskConfig()
+
+
+def test_tokenizer_round_trip_and_fixed_ids():
+    text = "0123456789+=9+1="
+    assert decode(encode(text)) == text
+    # The ids are a contract with saved models: specials first, then the characters in order.
+    assert (PAD, BOS, EOS) == (0, 1, 2) and len(VOCAB) == 15
+    assert encode("0+9=") == [3, 13, 12, 14]
+    assert decode([BOS, 4, 13, 5, 14, 6, EOS, PAD]) == "<bos>1+2=3<eos><pad>"
+
+
+def test_tokenizer_rejects_unknown_text_and_ids():
+    with pytest.raises(ValueError, match=r"character '-' at 1 of '1-2' is not in"):
+        encode("1-2")
+    with pytest.raises(ValueError, match=r"token id 15 is outside the vocabulary \[0, 15\)"):
+        decode([3, 15])
+
+
+def test_problem_layout():
+    p = make_problem(58, 67, CONFIG)
+    assert decode(p.prompt_ids) == "<bos>58+67=" and decode(p.answer_ids) == "125<eos>"
+    reversed_ = make_problem(58, 67, TaskConfig(reverse_answer=True))
+    assert decode(reversed_.answer_ids) == "521<eos>"  # 125 written ones digit first
+
+
+def test_splits_are_disjoint_and_symmetric():
+    train = train_problems(CONFIG, num=3000, seed=0)
+    held_out = held_out_problems(CONFIG)
+    held_pairs = {(p.a, p.b) for p in held_out}
+    assert len(held_pairs) == CONFIG.num_held_out  # distinct
+    unordered = {frozenset(pair) for pair in held_pairs}
+    assert not any(frozenset((p.a, p.b)) in unordered for p in train)  # b+a included
+    assert all(split_of(p.b, p.a, CONFIG) == "held_out" for p in held_out)
+    # The hash picks about held_out_fraction = 5 % of random problems; 3000 draws give
+    # a binomial std of ~0.4 %, so [3 %, 7 %] fails only on a broken hash.
+    rng = random.Random(1)
+    pairs = [(rng.randrange(1000), rng.randrange(1000)) for _ in range(3000)]
+    held = {pair for pair in pairs if split_of(*pair, CONFIG) == "held_out"}
+    assert 0.03 < len(held) / len(pairs) < 0.07
+    # Thresholds on one hash nest: a larger fraction only moves problems into held-out.
+    wider = TaskConfig(held_out_fraction=0.5)
+    assert all(split_of(*pair, wider) == "held_out" for pair in held)
+
+
+def test_digit_range_is_respected_and_covered():
+    config = TaskConfig(min_digits=2, max_digits=3)
+    problems = train_problems(config, num=400, seed=3)
+    lengths = {len(str(x)) for p in problems for x in (p.a, p.b)}
+    assert lengths == {2, 3}
+
+
+def test_generation_is_deterministic_under_a_seed():
+    assert train_problems(CONFIG, num=50, seed=7) == train_problems(CONFIG, num=50, seed=7)
+    assert train_problems(CONFIG, num=50, seed=7) != train_problems(CONFIG, num=50, seed=8)
+    assert held_out_problems(CONFIG) == held_out_problems(TaskConfig())
+    assert held_out_problems(CONFIG) != held_out_problems(TaskConfig(held_out_seed=1))
+    # Pinned: a change of generator or hash would silently change every reported accuracy.
+    first = train_problems(CONFIG, num=2, seed=0)
+    assert [(p.a, p.b) for p in first] == [(63, 4), (597, 48)]
+
+
+@pytest.mark.parametrize(
+    "completion, format_reward, expected",
+    [
+        ("125<eos>", 0.0, 1.0),
+        ("125<eos>", 0.1, 1.0),
+        ("124<eos>", 0.0, 0.0),
+        ("124<eos>", 0.1, 0.1),  # well formed, wrong: the format reward
+        ("125", 0.1, 0.0),  # cut off before EOS
+        ("1250<eos>", 0.0, 0.0),  # the answer is a prefix, not the answer
+        ("125<eos><eos>", 0.1, 0.0),  # anything after EOS
+        ("<eos>", 0.1, 0.0),  # no digits
+        ("12+5<eos>", 0.1, 0.0),  # not digits only
+        ("", 0.1, 0.0),
+    ],
+)
+def test_reward(completion, format_reward, expected):
+    problem = make_problem(58, 67, TaskConfig(format_reward=format_reward))
+    ids = _ids(completion)
+    assert reward(problem, ids, TaskConfig(format_reward=format_reward)) == expected
+
+
+def _ids(text):
+    ids, rest = [], text
+    while rest:
+        if rest.startswith("<eos>"):
+            ids.append(EOS)
+            rest = rest[len("<eos>") :]
+        else:
+            ids += encode(rest[0])
+            rest = rest[1:]
+    return ids
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("min_digits", 0),
+        ("max_digits", 0),  # < min_digits
+        ("reverse_answer", "yes"),
+        ("held_out_fraction", 1.0),
+        ("num_held_out", 0),
+        ("held_out_seed", -1),
+        ("format_reward", 1.0),
+        ("format_reward", float("nan")),
+    ],
+)
+def test_config_rejects_naming_key_and_value(key, value):
+    with pytest.raises(ValueError, match=rf"task\.{key} .*got {value!r}"):
+        TaskConfig(**{key: value})
+
+
+def test_config_refuses_more_held_out_problems_than_the_split_holds():
+    # One-digit operands: 10 x 10 = 100 problems, ~5 held out; 3 is more than half of them.
+    with pytest.raises(ValueError, match=r"task\.num_held_out=3 exceeds half of the ~5"):
+        TaskConfig(max_digits=1, num_held_out=3)
+    assert len(held_out_problems(TaskConfig(max_digits=1, num_held_out=2))) == 2
