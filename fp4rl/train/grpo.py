@@ -143,6 +143,9 @@ def grpo_loss(
     counts of the whole batch when this call sees one micro-batch of it: the sum of the
     micro-batch losses is then the whole-batch loss, however the batch was split (seq_mean
     needs each completion whole inside one micro-batch). They default to this call's counts.
+    A completion with no tokens here adds 0 to the seq_mean sum but still counts in
+    ``total_seqs``. Metrics are means over this call's tokens: weight them by its token count
+    to combine micro-batches.
     """
     _check_tokens(
         logp_new_N, seq_index_N, logp_rollout_N=logp_rollout_N, advantages_N=advantages_N,
