@@ -9,12 +9,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import stat
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from fp4rl.model.checkpoint import (
     INDEX_FILE,
@@ -159,17 +160,56 @@ def test_transformers_loads_what_fp4rl_saved(loaded, tmp_path, max_shard_bytes):
     assert torch.equal(actual, expected)
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o077], ids=oct)
+def test_checkpoint_files_take_the_umask(loaded, tmp_path, umask):
+    # As any file created by open(): safetensors' own writer made the weights 0600.
+    _, _, config, state = loaded
+    out = tmp_path / "ckpt"
+    before = os.umask(umask)
+    try:
+        save_checkpoint(state, config, out, max_shard_bytes=40_000)
+    finally:
+        os.umask(before)
+    modes = {file.name: stat.S_IMODE(file.stat().st_mode) for file in out.iterdir()}
+    assert INDEX_FILE in modes and "config.json" in modes and len(modes) > 3
+    assert modes == dict.fromkeys(modes, 0o666 & ~umask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask
+
+
+def test_saved_files_are_safetensors_that_mix_dtypes(loaded, tmp_path):
+    _, _, config, state = loaded
+    dtypes = (torch.float16, torch.float64, torch.bfloat16, torch.float32)
+    mixed = {name: t.to(dtypes[k % 4]) for k, (name, t) in enumerate(state.items())}
+    save_checkpoint(mixed, config, tmp_path / "ckpt")
+    file = tmp_path / "ckpt" / MODEL_FILE
+    # safetensors' own reader: checks the header, and that the offsets tile the data exactly.
+    expected = {n: t.contiguous() for n, t in fp4rl_to_hf(mixed, config).items()}
+    assert_same(load_file(file), expected)
+    with safe_open(file, framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
+    raw = file.read_bytes()
+    header_bytes = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + header_bytes])
+    assert header_bytes % 8 == 0
+    for name, info in header.items():  # each tensor aligned to its element size
+        if name != "__metadata__":
+            assert info["data_offsets"][0] % expected[name].element_size() == 0, name
+    assert_same(load_state_dict(tmp_path / "ckpt", config), mixed)
+
+
 def test_save_failure_leaves_nothing(loaded, tmp_path, monkeypatch):
     _, _, config, state = loaded
     written = []
 
-    def fail_on_second_shard(tensors, filename, metadata=None):
+    write_safetensors = writer._write_safetensors
+
+    def fail_on_second_shard(file, tensors):
         if written:
             raise OSError("disk full")
-        written.append(filename)
-        save_file(tensors, filename, metadata=metadata)
+        written.append(file)
+        write_safetensors(file, tensors)
 
-    monkeypatch.setattr(writer, "save_file", fail_on_second_shard)
+    monkeypatch.setattr(writer, "_write_safetensors", fail_on_second_shard)
     with pytest.raises(OSError, match="disk full"):
         save_checkpoint(state, config, tmp_path / "ckpt", max_shard_bytes=40_000)
     assert written and os.listdir(tmp_path) == []

@@ -127,6 +127,17 @@ def test_save_refuses_non_finite_tensors(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_save_refuses_dtypes_it_cannot_load(tmp_path):
+    sd = full_state_dict("qat")
+    sd["norm.weight"] = sd["norm.weight"].to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError) as err:
+        save_checkpoint(sd, tiny_qwen3_moe(), tmp_path / "ckpt")
+    assert str(err.value).splitlines()[1:] == [
+        "  norm.weight: dtype torch.float8_e4m3fn; fp4rl writes (as it loads) F64, F32, F16 or BF16"
+    ]
+    assert os.listdir(tmp_path) == []
+
+
 # --- unreadable files are refused naming the file ----------------------------------------------
 
 

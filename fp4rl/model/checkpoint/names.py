@@ -165,10 +165,12 @@ def non_finite(
         dtype = (cast_to or {}).get(name, t.dtype)
         if not t.is_floating_point() or t.numel() == 0:
             continue
-        wide = t if t.itemsize > 1 else t.float()  # no float8 aminmax; float8 -> FP32 is exact
-        if torch.isfinite(torch.stack(torch.aminmax(wide)).to(dtype)).all():
+        # float8 has no aminmax or isfinite: look at it in FP32 (exact), and at any value as it
+        # is held in `dtype` by a round trip back into the wide dtype (inf and NaN survive it).
+        wide = t if t.itemsize > 1 else t.float()
+        if torch.isfinite(torch.stack(torch.aminmax(wide)).to(dtype).to(wide.dtype)).all():
             continue
-        bad = ~torch.isfinite(wide.to(dtype))
+        bad = ~torch.isfinite(wide.to(dtype).to(wide.dtype))
         where = f" (as {dtype})" if dtype != t.dtype else ""
         if _ROUTED_EXPERTS.fullmatch(name) and t.dim() == 3:
             experts = bad.flatten(1).any(1).nonzero().flatten().tolist()

@@ -1,8 +1,9 @@
 """Writing an fp4rl state dict as a Hugging Face safetensors checkpoint.
 
 Owns ``save_checkpoint``: the hub per-expert layout (whatever layout was read), sharding with an
-index, config.json, and the atomic write through a temporary sibling directory. Does not own the
-name table (``names``) or reading (``reader``).
+index, config.json, the atomic write through a temporary sibling directory, and the safetensors
+file format itself (``_write_safetensors``: safetensors' own writer makes every file 0600).
+Does not own the name table (``names``) or reading (``reader``).
 """
 
 from __future__ import annotations
@@ -10,15 +11,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from fp4rl.model.checkpoint.names import INDEX_FILE, MODEL_FILE, fp4rl_to_hf, non_finite
 from fp4rl.model.config import ModelConfig
+
+_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
 def save_checkpoint(
@@ -33,8 +36,9 @@ def save_checkpoint(
 
     Atomic: everything is written and fsynced in a temporary sibling directory that is then
     renamed to ``path``, so a crash or error never leaves a partial checkpoint. An existing
-    non-empty ``path`` is never overwritten. A state dict that does not match ``config`` or
-    holds a NaN or infinity raises ValueError naming every such tensor; nothing is written.
+    non-empty ``path`` is never overwritten. A state dict that does not match ``config``, holds
+    a NaN or infinity, or a dtype other than F64, F32, F16 or BF16 raises ValueError naming
+    every such tensor; nothing is written. Every file and the directory take the process umask.
     """
     if type(max_shard_bytes) is not int or max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
@@ -42,7 +46,12 @@ def save_checkpoint(
     if path.exists() and not (path.is_dir() and not any(path.iterdir())):
         raise FileExistsError(f"{path} exists and is not an empty directory; not overwriting it")
     tensors = fp4rl_to_hf(state_dict, config)
-    bad = non_finite(state_dict)
+    bad = [
+        f"{name}: dtype {t.dtype}; fp4rl writes (as it loads) F64, F32, F16 or BF16"
+        for name, t in state_dict.items()
+        if t.dtype not in _DTYPES
+    ]
+    bad += non_finite(state_dict)
     if bad:
         raise ValueError(f"refusing to save {path}; nothing was written:\n  " + "\n  ".join(bad))
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -78,11 +87,7 @@ def _write(
         else [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
     )
     for file, shard in zip(files, shards, strict=True):
-        # safetensors refuses tensors that share storage (w13's gate and up views of one expert),
-        # so each shard is copied out; the copies last one shard.
-        shard_tensors = {name: tensors[name].detach().to("cpu", copy=True) for name in shard}
-        save_file(shard_tensors, directory / file, metadata={"format": "pt"})
-        _fsync(directory / file)
+        _write_safetensors(directory / file, {name: tensors[name] for name in shard})
     if n > 1:
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         weight_map = {
@@ -93,6 +98,39 @@ def _write(
         )
     dtype = str(tensors["model.embed_tokens.weight"].dtype).removeprefix("torch.")
     _write_json(directory / "config.json", config.to_hf_dict(dtype=dtype))
+
+
+def _write_safetensors(file: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """One safetensors file: an 8-byte little-endian header length, the JSON header (each
+    tensor's dtype, shape and [begin, end) byte offsets in the data that follows, and the
+    ``format`` metadata transformers expects), then the raw bytes of each tensor in turn.
+
+    Written here rather than by ``safetensors.torch.save_file``: safetensors 0.8 writes a
+    ``tempfile`` (created 0600, whatever the umask) and renames it over ``file``, which left
+    checkpoints unreadable by other users. Created by open(), the file takes the process umask
+    like config.json. Tensors go to disk one at a time from their views: no copy of a shard.
+    """
+    # Larger elements first, so that every tensor starts aligned to its element size.
+    names = sorted(tensors, key=lambda name: -tensors[name].element_size())
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name in names:
+        t = tensors[name]
+        end = offset + t.numel() * t.element_size()
+        header[name] = {
+            "dtype": _DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, end],
+        }
+        offset = end
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the spec allows trailing spaces; the data starts 8-aligned
+    with open(file, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for name in names:  # bytes in the machine's order: little-endian, as the spec says
+            t = tensors[name].detach().to("cpu").contiguous()
+            f.write(t.view(-1).view(torch.uint8).numpy())
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _write_json(file: Path, obj: object) -> None:
