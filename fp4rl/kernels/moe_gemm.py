@@ -1,0 +1,312 @@
+"""Grouped GEMM of expert-sorted BF16 rows with packed NVFP4 expert weights.
+
+``y[a] = x[a] @ W_e.T`` for the rows ``a`` of expert ``e`` (rows sorted by expert, ``counts_E``
+each), FP32 accumulation, BF16 out. The weight ``w`` is an `NVFP4Tensor` ``[E, N, K]`` (E2M1
+codes, E4M3 block scales along K, a global scale per expert): each program decodes the codes
+and scales of its tile in registers and feeds BF16 tiles to the tensor cores, so only experts
+that have rows are read, 4.5 bits per weight. Nothing is dequantized to memory.
+
+Numerics: the weight values entering the dot products are bitwise
+``reference.dequantize(w, torch.bfloat16)``, i.e. ``bf16(f32(e2m1 * block_scale) *
+global_scale)``; only the FP32 accumulation order differs from `reference` below (the twin),
+and from any other grouped GEMM. This module does not own the routing, the sort, the
+activation quantization or the SwiGLU (`fp4rl.model.experts`).
+
+Work: program (j, t) computes output columns ``[j * BLOCK_N, (j + 1) * BLOCK_N)`` of the t-th
+tile of BLOCK_M rows, tiles numbered expert by expert (``ceil(counts_E[e] / BLOCK_M)`` each).
+Each program finds its expert and first row from ``counts_E`` on the device (a cumulative sum
+over E), so a launch needs no host sync and can be captured in a CUDA graph; the grid is sized
+for the most tiles any routing of A rows can need, and programs past the last tile return.
+
+Legend: A rows (token-expert assignments), K reduction, N output columns, E experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from fp4rl.fp4 import reference
+from fp4rl.fp4.tensor import NVFP4Tensor
+from fp4rl.kernels.launch import (
+    check_contiguous,
+    check_device,
+    check_kernel_device,
+    device_of,
+    scale_per_group,
+)
+from fp4rl.kernels.numerics import e4m3_value, round_to
+
+# Decoding places a code's magnitude index at FP32 bits 22-24, which is exactly e2m1 * 2**-126
+# (0.5 lands on a subnormal). The 2**126 is put back split between the two scales: block scales
+# times 2**118 stay finite (448 * 2**118 < 2**127), global scales times 2**8 stay finite below
+# 2**120 (every scale quantize computes from finite input is below 2**117). Both products are
+# exact, and (code * sf * 2**-8) * (s * 2**8) is the same real number as (code * sf) * s, so it
+# rounds to the same FP32 value: the reference's bits.
+_BLOCK_SCALE_BIAS = tl.constexpr(2.0**118)
+_GLOBAL_SCALE_BIAS = tl.constexpr(2.0**8)
+# Kernels are decorated interpreted-or-compiled when this package is imported; so is this.
+_INTERPRETED = tl.constexpr(bool(triton.knobs.runtime.interpret))
+# FP32 bit 31 (sign) and bits 22-24 (magnitude index), as an int32.
+_CODE_BITS = tl.constexpr(0x81C00000 - (1 << 32))
+
+
+@triton.jit
+def _nibble_value(words, J: tl.constexpr):
+    """Code J of each packed word (element ``8 * word + J``) as ``e2m1 * 2**-126`` (FP32): the
+    code moved to the top of the word, then an arithmetic shift by 6 that copies its sign over
+    bits 25-31 and lands its index on bits 22-24, then one mask (three integer operations)."""
+    return (((words << (28 - 4 * J)) >> 6) & _CODE_BITS).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scaled(words, scale_NW, s_N, J: tl.constexpr):
+    """Element J of each word times its block scale and its row's global scale, as BF16."""
+    value = (_nibble_value(words, J) * scale_NW) * s_N[:, None]
+    return round_to(value, tl.bfloat16)
+
+
+@triton.jit
+def _word_scales(block_scale_ptrs, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Biased block scales ``sf * 2**118`` (FP32), one per word of codes: ``[BLOCK_N, BLOCK_K //
+    8]``, each block's scale repeated for its two words.
+
+    Scales are read as int32 words of 4 when BLOCK_K >= 64: loads of at least 4 bytes are what
+    the software pipeline can prefetch (cp.async), and bytes are picked out by shifts."""
+    if BLOCK_K >= 64:
+        sw = tl.load(block_scale_ptrs)  # [BLOCK_N, BLOCK_K // 64] int32: blocks 4i .. 4i + 3
+        sf0 = e4m3_value(sw & 0xFF) * _BLOCK_SCALE_BIAS
+        sf1 = e4m3_value((sw >> 8) & 0xFF) * _BLOCK_SCALE_BIAS
+        sf2 = e4m3_value((sw >> 16) & 0xFF) * _BLOCK_SCALE_BIAS
+        sf3 = e4m3_value((sw >> 24) & 0xFF) * _BLOCK_SCALE_BIAS
+        # [..., k1, k0] for block k = 2 * k1 + k0 of the word.
+        sf_NB = tl.reshape(tl.join(tl.join(sf0, sf2), tl.join(sf1, sf3)), [BLOCK_N, BLOCK_K // 16])
+    else:
+        sf_NB = e4m3_value(tl.load(block_scale_ptrs).to(tl.int32)) * _BLOCK_SCALE_BIAS
+    return tl.reshape(tl.join(sf_NB, sf_NB), [BLOCK_N, BLOCK_K // 8])  # a block is two words
+
+
+@triton.jit
+def _decode_tile(words_NW, scale_NW, s_N):
+    """``[BLOCK_N, BLOCK_K]`` BF16 weights from their codes (int32 words of 8, ``[BLOCK_N,
+    BLOCK_K // 8]``), biased block scales per word and biased global scales per row."""
+    # Joined as [..., b2, b1, b0] for J = 4 * b2 + 2 * b1 + b0: element 8 * word + J.
+    evens = tl.join(
+        tl.join(_scaled(words_NW, scale_NW, s_N, 0), _scaled(words_NW, scale_NW, s_N, 4)),
+        tl.join(_scaled(words_NW, scale_NW, s_N, 2), _scaled(words_NW, scale_NW, s_N, 6)),
+    )
+    odds = tl.join(
+        tl.join(_scaled(words_NW, scale_NW, s_N, 1), _scaled(words_NW, scale_NW, s_N, 5)),
+        tl.join(_scaled(words_NW, scale_NW, s_N, 3), _scaled(words_NW, scale_NW, s_N, 7)),
+    )
+    return tl.reshape(tl.join(evens, odds), [words_NW.shape[0], words_NW.shape[1] * 8])
+
+
+@triton.jit
+def _dot(a, b, acc):
+    """``acc + a @ b`` for BF16 a and b, FP32 accumulation. The interpreter multiplies BF16
+    operands as their raw 16-bit integers, so there they are upcast (exactly) first."""
+    if _INTERPRETED:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _expert_tile(counts_E, tile, num_rows, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """(tiles in all, expert, first row, end of the expert's rows) of tile number ``tile``."""
+    e_E = tl.arange(0, BLOCK_E)
+    counts = tl.load(counts_E + e_E, mask=e_E < E, other=0).to(tl.int32)
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    tile_end = tl.cumsum(tiles, 0)
+    row_end = tl.cumsum(counts, 0)
+    expert = tl.sum((tile_end <= tile).to(tl.int32), 0)
+    mine = e_E == expert
+    first_tile = tl.sum(tl.where(mine, tile_end - tiles, 0), 0)
+    rows_end = tl.sum(tl.where(mine, row_end, 0), 0)
+    rows_start = rows_end - tl.sum(tl.where(mine, counts, 0), 0)
+    # Rows past A are never touched, even if counts_E sums to more than A.
+    return (
+        tl.sum(tiles, 0),
+        expert,
+        rows_start + (tile - first_tile) * BLOCK_M,
+        tl.minimum(rows_end, num_rows),
+    )
+
+
+# A changes with every batch: no recompiling for A == 1 or A % 16 == 0.
+@triton.jit(do_not_specialize=["A"])
+def _moe_gemm_kernel(
+    x_AK,
+    codes_ENW,
+    block_scale_ENB,
+    scale_G,
+    counts_E,
+    y_AN,
+    A,
+    N,
+    K,
+    E,
+    rows_per_group,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    tile = tl.program_id(1)
+    num_tiles, expert, row0, rows_end = _expert_tile(counts_E, tile, A, E, BLOCK_M, BLOCK_E)
+    if tile >= num_tiles:
+        return
+    rows_M = row0 + tl.arange(0, BLOCK_M)
+    row_ok_M = rows_M < rows_end
+    cols_N = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # N % BLOCK_N == 0
+    w_rows_N = expert.to(tl.int64) * N + cols_N
+    s_N = tl.load(scale_G + w_rows_N // rows_per_group) * _GLOBAL_SCALE_BIAS
+
+    x_ptrs = x_AK + rows_M.to(tl.int64)[:, None] * K + tl.arange(0, BLOCK_K)[None, :]
+    word_ptrs = codes_ENW + w_rows_N[:, None] * (K // 8) + tl.arange(0, BLOCK_K // 8)[None, :]
+    # Block scales as int32 words of 4 (K % 64 == 0) or as bytes; see `_word_scales`.
+    SCALES_PER_LOAD: tl.constexpr = 4 if BLOCK_K >= 64 else 1
+    scale_ptrs = (
+        block_scale_ENB.to(tl.pointer_type(tl.int32 if BLOCK_K >= 64 else tl.uint8))
+        + w_rows_N[:, None] * (K // 16 // SCALES_PER_LOAD)
+        + tl.arange(0, BLOCK_K // 16 // SCALES_PER_LOAD)[None, :]
+    )
+    # The decoded weights are the dot's first operand (M = BLOCK_N >= 64 suits the tensor
+    # cores' tile even for a single row) and the few rows of x its second: y.T = W @ x.T.
+    acc_NM = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for _ in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):  # K % BLOCK_K == 0
+        x_MK = tl.load(x_ptrs, mask=row_ok_M[:, None], other=0.0)
+        scale_NW = _word_scales(scale_ptrs, BLOCK_N, BLOCK_K)
+        w_NK = _decode_tile(tl.load(word_ptrs), scale_NW, s_N)
+        acc_NM = _dot(w_NK, tl.trans(x_MK), acc_NM)
+        x_ptrs += BLOCK_K
+        word_ptrs += BLOCK_K // 8
+        scale_ptrs += BLOCK_K // 16 // SCALES_PER_LOAD
+    y_ptrs = y_AN + rows_M.to(tl.int64)[None, :] * N + cols_N[:, None]
+    tl.store(y_ptrs, round_to(acc_NM, tl.bfloat16), mask=row_ok_M[None, :])
+
+
+@dataclass(frozen=True, slots=True)
+class GemmTile:
+    """One program: ``block_m`` rows of one expert times ``block_n`` output columns, ``block_k``
+    of the reduction per step (each a power of two >= 16), ``num_stages`` of loads in flight."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"GemmTile.{name} must be a power of two >= 16; got {v}")
+
+    def fitted(self, n: int, k: int) -> GemmTile:
+        """This tile narrowed where N or K is not a multiple of it (N, K multiples of 16)."""
+        block_n, block_k = self.block_n, self.block_k
+        while n % block_n:
+            block_n //= 2
+        while k % block_k:
+            block_k //= 2
+        return GemmTile(self.block_m, block_n, block_k, self.num_warps, self.num_stages)
+
+
+# (most rows per expert on average, tile): the first bucket that holds A / E is used.
+CONFIGS: tuple[tuple[float, GemmTile], ...] = (
+    # Decode (up to ~24 rows per expert, i.e. a few hundred tokens x top-8 over 128 experts):
+    # one tile of 16 rows per expert, weights streamed once; 64 weight rows per program make
+    # enough programs to fill 132 SMs from a handful of experts.
+    (24.0, GemmTile(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3)),
+    # Mid-size batches: each weight tile serves more rows.
+    (96.0, GemmTile(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3)),
+    # Prefill: the decode of a weight tile is shared by 128 rows.
+    (float("inf"), GemmTile(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)),
+)
+
+
+def config_for(num_rows: int, num_experts: int) -> GemmTile:
+    rows_per_expert = num_rows / max(num_experts, 1)
+    return next(tile for bound, tile in CONFIGS if rows_per_expert <= bound)
+
+
+def launch(
+    x_AK: torch.Tensor,
+    w: NVFP4Tensor,
+    counts_E: torch.Tensor,
+    *,
+    config: GemmTile | None = None,
+) -> torch.Tensor:
+    """``[A, N]`` BF16: rows ``x_AK`` sorted by expert (``counts_E[e]`` rows of expert e, in
+    order) times ``dequantize(w, bf16)[e].T``. ``counts_E`` must sum to A; that is not checked
+    (it would need a device sync), but rows past A are never read or written."""
+    check_kernel_device("x_AK", x_AK)
+    if x_AK.dtype != torch.bfloat16 or x_AK.dim() != 2:
+        raise ValueError(
+            f"x_AK must be a 2-D bfloat16 tensor; got {x_AK.dtype} of shape {tuple(x_AK.shape)}"
+        )
+    check_contiguous("x_AK", x_AK)
+    if len(w.shape) != 3:
+        raise ValueError(f"w must be [E, N, K]; got shape {tuple(w.shape)}")
+    E, N, K = w.shape
+    if x_AK.shape[1] != K:
+        raise ValueError(f"x_AK has K={x_AK.shape[1]} columns but w is [E, N, K]={tuple(w.shape)}")
+    if N % 16:
+        raise ValueError(f"w's N={N} must be a multiple of 16")
+    for name, t in (("codes", w.codes), ("block_scale", w.block_scale)):
+        check_device(name, t, x_AK.device)
+        check_contiguous(name, t)
+    if w.block_scale.data_ptr() % 4:  # read as int32 words of 4 scales
+        raise ValueError(
+            f"w.block_scale must be 4-byte aligned; got address {w.block_scale.data_ptr():#x}"
+        )
+    check_device("global_scale", w.global_scale, x_AK.device)
+    check_device("counts_E", counts_E, x_AK.device)
+    if counts_E.shape != (E,) or counts_E.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"counts_E must be int32 or int64 of shape ({E},); got {counts_E.dtype} of shape "
+            f"{tuple(counts_E.shape)}"
+        )
+    check_contiguous("counts_E", counts_E)
+
+    A = x_AK.shape[0]
+    y_AN = torch.empty((A, N), dtype=torch.bfloat16, device=x_AK.device)
+    if A == 0 or E == 0:
+        return y_AN
+    tile = (config or config_for(A, E)).fitted(N, K)
+    scale_G, rows_per_group = scale_per_group("global_scale", w.global_scale, w.shape)
+    # Each expert with rows has at most one partial tile.
+    max_tiles = A // tile.block_m + min(E, A)
+    grid = (N // tile.block_n, max_tiles)
+    with device_of(x_AK):
+        _moe_gemm_kernel[grid](
+            x_AK, w.codes.view(torch.int32), w.block_scale.view(torch.uint8), scale_G, counts_E,
+            y_AN, A, N, K, E, rows_per_group,
+            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+            BLOCK_E=triton.next_power_of_2(E), NUM_STAGES=tile.num_stages,
+            num_warps=tile.num_warps,
+            # Products feed additions only inside the dot; no FMA may merge the two scalings.
+            enable_fp_fusion=False,
+        )  # fmt: skip
+    return y_AN
+
+
+def reference_gemm(x_AK: torch.Tensor, w: NVFP4Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """The kernel's specification in plain PyTorch: ``dequantize(w, bf16)`` (the recipe's
+    ``bf16(f32(e2m1 * block_scale) * global_scale)``), then for each expert its rows times
+    the transposed weight, BF16 operands upcast exactly and accumulated in FP32, rounded to
+    BF16 once at the end. Reads the counts on the host."""
+    w_ENK = reference.dequantize(w, torch.bfloat16)
+    out = torch.empty((x_AK.shape[0], w_ENK.shape[1]), dtype=torch.bfloat16, device=x_AK.device)
+    start = 0
+    for e, count in enumerate(counts_E.tolist()):
+        if count:
+            rows = slice(start, start + count)
+            out[rows] = (x_AK[rows].float() @ w_ENK[e].float().T).to(torch.bfloat16)
+            start += count
+    return out
