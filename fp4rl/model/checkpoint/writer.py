@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import socket
 import struct
 import uuid
 from collections.abc import Mapping
@@ -21,6 +23,8 @@ import torch
 from fp4rl.model.checkpoint.names import INDEX_FILE, MODEL_FILE, fp4rl_to_hf, non_finite
 from fp4rl.model.config import ModelConfig
 
+# .NAME.partial-HOST-PIDNS-PID-RANDOM: a save in progress, or the leftover of a killed one.
+_PARTIAL = re.compile(r"\..+\.partial-(?P<host>.+)-(?P<pidns>\d+)-(?P<pid>\d+)-[0-9a-f]{12}")
 _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
@@ -39,6 +43,14 @@ def save_checkpoint(
     non-empty ``path`` is never overwritten. A state dict that does not match ``config``, holds
     a NaN or infinity, or a dtype other than F64, F32, F16 or BF16 raises ValueError naming
     every such tensor; nothing is written. Every file and the directory take the process umask.
+
+    The temporary directory is ``.NAME.partial-HOST-PIDNS-PID-RANDOM``: the writer's host name,
+    PID namespace and process id. A save killed before its rename leaves it behind; each save
+    first removes those in the same parent directory whose writer is dead: written under this
+    host name and PID namespace by a process id that no longer exists (``os.kill(pid, 0)``
+    raises ProcessLookupError). Anything that cannot be shown dead is left alone: a partial
+    directory of a live process (a save still running), of another host or PID namespace (a
+    shared file system, another container), or of another naming.
     """
     if type(max_shard_bytes) is not int or max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
@@ -55,8 +67,9 @@ def save_checkpoint(
     if bad:
         raise ValueError(f"refusing to save {path}; nothing was written:\n  " + "\n  ".join(bad))
     path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_dead_partials(path.parent)
     # mkdir rather than tempfile.mkdtemp: that makes the directory 0700, unreadable by others.
-    tmp = path.parent / f".{path.name}.partial-{uuid.uuid4().hex[:12]}"
+    tmp = path.parent / f".{path.name}.partial-{_writer()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
     tmp.mkdir()
     try:
         _write(tmp, tensors, config, max_shard_bytes)
@@ -66,6 +79,30 @@ def save_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _writer() -> str:
+    """HOST-PIDNS: where a process id names one process (0 when /proc does not say)."""
+    try:
+        pidns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        pidns = 0
+    return f"{socket.gethostname()}-{pidns}"
+
+
+def _remove_dead_partials(parent: Path) -> None:
+    """Remove the partial directories in ``parent`` of saves whose process is gone."""
+    here = _writer()
+    for entry in parent.iterdir():
+        m = _PARTIAL.fullmatch(entry.name)
+        if m is None or f"{m['host']}-{m['pidns']}" != here or not entry.is_dir():
+            continue
+        try:
+            os.kill(int(m["pid"]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(entry, ignore_errors=True)  # another save may be removing it too
+        except (OSError, OverflowError):  # EPERM: a live process of another user
+            pass
 
 
 def _write(
