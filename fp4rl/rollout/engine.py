@@ -56,6 +56,9 @@ class Engine:
         kept = kept_layers(config.guidance, self.layout.fp4_layers, config.compact_fraction)
         self.kept_keys = frozenset(k for k in self.layout.guided_keys if k[0] in kept)
         self.policy_version = 0  # the refit bumps it with every weight update
+        # Why `generate` refuses to run, or None: set by the refit (`fp4rl.refit`) while weights
+        # stream in and after a refit that failed, cleared when a whole refit was applied.
+        self.invalid: str | None = None
 
     @classmethod
     def from_pretrained(
@@ -85,6 +88,11 @@ class Engine:
         ``stats`` (optional dict) receives counters: ``steps``, ``preemptions``,
         ``prefill_tokens``, ``decode_tokens``.
         """
+        if self.invalid is not None:
+            raise RuntimeError(
+                f"engine weights are not usable: {self.invalid}; no generation on stale or "
+                "partial weights until a refit succeeds"
+            )
         self._check_prompts(prompts)
         seed = sampling.seed
         if seed is None:
