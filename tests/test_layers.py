@@ -20,6 +20,7 @@ ALLOWED = {
     "model": {"fp4", "ops", "records", "model"},
     "rollout": {"fp4", "ops", "records", "model", "rollout"},
     "train": {"fp4", "ops", "records", "model", "train"},
+    "refit": {"fp4", "ops", "records", "model", "rollout", "refit"},
     "tasks": {"tasks"},
 }
 
