@@ -1,0 +1,82 @@
+"""What every refit test checks an engine against, shared by the in-process tests and the
+two-process worker (`dist_worker.py`).
+
+The tiny model of `tiny_models` in FP32 with layers 1-2 FP4 (packed experts, NVFP4 KV), layer 3
+MoE with BF16 experts and layer 0 dense: a refit meets every kind of weight.
+"""
+
+from __future__ import annotations
+
+import torch
+from assertions import assert_bitwise, assert_nvfp4_equal
+from tiny_models import packed_twin, qat_model, tiny_precision
+
+from fp4rl.model.experts import PackedExperts
+from fp4rl.ops import quantize
+from fp4rl.rollout import Engine, EngineConfig, SamplingParams
+
+PRECISION = tiny_precision("nvfp4", "nvfp4")
+ENGINE = EngineConfig(
+    block_size=4, kv_memory_bytes=1 << 20, max_model_len=32, max_num_seqs=8,
+    max_num_batched_tokens=64,
+)  # fmt: skip
+GREEDY = SamplingParams(n=1, max_tokens=8, temperature=0.0, ignore_eos=True)
+PROMPTS = [[1, 2, 3, 4], [77, 5]]
+
+
+def trainer(seed: int):
+    """The trainer's model (QAT experts, FP32) with weights drawn from ``seed``."""
+    return qat_model(PRECISION, seed=seed)
+
+
+def engine(seed: int) -> Engine:
+    """An engine built fresh (weights loaded by `load_weights`) from ``trainer(seed)``."""
+    return Engine(packed_twin(trainer(seed), PRECISION), ENGINE)
+
+
+def storage(model) -> dict[str, int]:
+    """Address of every tensor the engine's model holds, packed codes and scales included."""
+    ptrs = {name: p.data_ptr() for name, p in model.named_parameters()}
+    for name, m in model.named_modules():
+        if isinstance(m, PackedExperts):
+            for leaf in ("w13", "w2"):
+                members = getattr(m, f"{leaf}_packed").tensors()
+                for part, t in zip(("codes", "block_scale", "global_scale"), members, strict=True):
+                    ptrs[f"{name}.{leaf}.{part}"] = t.data_ptr()
+    return ptrs
+
+
+def assert_engine_holds(engine: Engine, trainer) -> None:
+    """The engine holds ``trainer``'s weights: BF16 modules bitwise; packed experts' codes and
+    scales bitwise equal to `fp4rl.ops.quantize(w, scaling=2)` of the trainer's values, and the
+    weights its GEMMs see bitwise equal to those of the trainer's QAT forward."""
+    theirs = dict(trainer.named_modules())
+    params = dict(trainer.named_parameters())
+    for name, p in engine.model.named_parameters():
+        assert_bitwise(p.detach(), params[name].detach(), name)
+    for name, m in engine.model.named_modules():
+        if not isinstance(m, PackedExperts):
+            continue
+        qat = theirs[name]
+        for leaf in ("w13", "w2"):
+            want = quantize(getattr(qat, leaf).detach(), scaling=2)
+            assert_nvfp4_equal(getattr(m, f"{leaf}_packed"), want, f"{name}.{leaf}")
+        with torch.no_grad():
+            for leaf, got, want in zip(("w13", "w2"), m.weights(), qat.weights(), strict=True):
+                assert_bitwise(got, want, f"{name}.{leaf} as the GEMM sees it")
+
+
+def greedy(engine: Engine) -> list[tuple[tuple[int, ...], torch.Tensor, int]]:
+    return [
+        (c.completion_ids, c.logprobs, c.policy_version) for c in engine.generate(PROMPTS, GREEDY)
+    ]
+
+
+def assert_generates_like(engine: Engine, fresh: Engine) -> None:
+    """Greedy completions and their logprobs equal those of an engine built fresh."""
+    for (ids, logprobs, version), (want_ids, want_logprobs, _) in zip(
+        greedy(engine), greedy(fresh), strict=True
+    ):
+        assert ids == want_ids
+        assert_bitwise(logprobs, want_logprobs, "logprobs")
+        assert version == engine.policy_version
