@@ -143,17 +143,18 @@ class _Refit:
             self.whole.add(target)
         else:
             self.pieces[target] += 1
+        complete = slot.expert is None or self.pieces[target] == r.num_pieces[target]
         if not spec.packed:
-            dest = r.params[target][slot.index] if slot.index else r.params[target]
-            dest.copy_(tensor)
-            if dest.numel():
-                self.finite.append((target, torch.isfinite(torch.stack(dest.aminmax())).all()))
+            param = r.params[target]
+            (param[slot.index] if slot.index else param).copy_(tensor)
+            if complete and param.numel():  # one flag per parameter, read at the end
+                self.finite.append((target, torch.isfinite(torch.stack(param.aminmax())).all()))
             return
         if slot.expert is not None:  # a hub piece of a packed layer: assemble it first
             if target not in self.staging:
                 self.staging[target] = torch.empty(spec.shape, dtype=spec.dtype, device=r.device)
             self.staging[target][slot.index].copy_(tensor)
-            if self.pieces[target] < r.num_pieces[target]:
+            if not complete:
                 return
             tensor = self.staging.pop(target)
         module, _, leaf = target.rpartition(".")
