@@ -13,7 +13,9 @@ import re
 import pytest
 import torch
 from refit_checks import (
+    ENGINE,
     GREEDY,
+    PRECISION,
     PROMPTS,
     assert_engine_holds,
     assert_generates_like,
@@ -21,8 +23,10 @@ from refit_checks import (
     storage,
     trainer,
 )
+from tiny_models import packed_twin, qat_model
 
 from fp4rl.refit import Abort, EndOfStream, NamedTensor, RefitError, RefitReceiver, refit_records
+from fp4rl.rollout import Engine
 
 
 class Stream:
@@ -206,3 +210,18 @@ def test_no_generation_while_a_refit_is_under_way():
     RefitReceiver(rollout).receive(generate_midway(records()))
     assert refused and rollout.policy_version == 1
     rollout.generate(PROMPTS, GREEDY)
+
+
+def test_values_that_overflow_the_engines_dtype():
+    # 3.4e38 is finite in the FP32 trainer and rounds to inf in a BF16 engine: checked where
+    # the values land, in the engine's dtype. Every non-finite weight is named at once.
+    rollout = Engine(packed_twin(qat_model(PRECISION, dtype=torch.bfloat16), PRECISION), ENGINE)
+    stream = replaced(records(), "layers.1.mlp.experts.w13", poison((6, 0, 0), 3.4e38))
+    stream = replaced(stream, "norm.weight", poison(0, -3.4e38))
+    with pytest.raises(RefitError) as err:
+        RefitReceiver(rollout).receive(stream)
+    assert str(err.value) == (
+        "non-finite weights: layers.1.mlp.experts.w13: non-finite values in experts [6]; "
+        "norm.weight: 1 non-finite values of 64"
+    )
+    assert rollout.policy_version == 0 and "norm.weight" in rollout.invalid
