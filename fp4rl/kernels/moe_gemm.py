@@ -63,9 +63,12 @@ def _nibble_value(words, J: tl.constexpr):
 
 
 @triton.jit
-def _scaled(words, scale_NW, s_N, J: tl.constexpr):
-    """Element J of each word times its block scale and its row's global scale, as BF16."""
-    value = (_nibble_value(words, J) * scale_NW) * s_N[:, None]
+def _scaled(words, scale_NW, s_N, J: tl.constexpr, SCALE_AFTER: tl.constexpr):
+    """Element J of each word times its block scale and its row's global scale, as BF16 (the
+    global scale left out with SCALE_AFTER)."""
+    value = _nibble_value(words, J) * scale_NW
+    if not SCALE_AFTER:
+        value = value * s_N[:, None]
     return round_to(value, tl.bfloat16)
 
 
@@ -90,17 +93,29 @@ def _word_scales(block_scale_ptrs, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr)
 
 
 @triton.jit
-def _decode_tile(words_NW, scale_NW, s_N):
+def _decode_tile(words_NW, scale_NW, s_N, SCALE_AFTER: tl.constexpr):
     """``[BLOCK_N, BLOCK_K]`` BF16 weights from their codes (int32 words of 8, ``[BLOCK_N,
     BLOCK_K // 8]``), biased block scales per word and biased global scales per row."""
     # Joined as [..., b2, b1, b0] for J = 4 * b2 + 2 * b1 + b0: element 8 * word + J.
     evens = tl.join(
-        tl.join(_scaled(words_NW, scale_NW, s_N, 0), _scaled(words_NW, scale_NW, s_N, 4)),
-        tl.join(_scaled(words_NW, scale_NW, s_N, 2), _scaled(words_NW, scale_NW, s_N, 6)),
+        tl.join(
+            _scaled(words_NW, scale_NW, s_N, 0, SCALE_AFTER),
+            _scaled(words_NW, scale_NW, s_N, 4, SCALE_AFTER),
+        ),
+        tl.join(
+            _scaled(words_NW, scale_NW, s_N, 2, SCALE_AFTER),
+            _scaled(words_NW, scale_NW, s_N, 6, SCALE_AFTER),
+        ),
     )
     odds = tl.join(
-        tl.join(_scaled(words_NW, scale_NW, s_N, 1), _scaled(words_NW, scale_NW, s_N, 5)),
-        tl.join(_scaled(words_NW, scale_NW, s_N, 3), _scaled(words_NW, scale_NW, s_N, 7)),
+        tl.join(
+            _scaled(words_NW, scale_NW, s_N, 1, SCALE_AFTER),
+            _scaled(words_NW, scale_NW, s_N, 5, SCALE_AFTER),
+        ),
+        tl.join(
+            _scaled(words_NW, scale_NW, s_N, 3, SCALE_AFTER),
+            _scaled(words_NW, scale_NW, s_N, 7, SCALE_AFTER),
+        ),
     )
     return tl.reshape(tl.join(evens, odds), [words_NW.shape[0], words_NW.shape[1] * 8])
 
@@ -155,6 +170,7 @@ def _moe_gemm_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    SCALE_AFTER: tl.constexpr,
 ):
     tile = tl.program_id(1)
     num_tiles, expert, row0, rows_end = _expert_tile(counts_E, tile, A, E, BLOCK_M, BLOCK_E)
@@ -181,11 +197,13 @@ def _moe_gemm_kernel(
     for _ in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):  # K % BLOCK_K == 0
         x_MK = tl.load(x_ptrs, mask=row_ok_M[:, None], other=0.0)
         scale_NW = _word_scales(scale_ptrs, BLOCK_N, BLOCK_K)
-        w_NK = _decode_tile(tl.load(word_ptrs), scale_NW, s_N)
+        w_NK = _decode_tile(tl.load(word_ptrs), scale_NW, s_N, SCALE_AFTER)
         acc_NM = _dot(w_NK, tl.trans(x_MK), acc_NM)
         x_ptrs += BLOCK_K
         word_ptrs += BLOCK_K // 8
         scale_ptrs += BLOCK_K // 16 // SCALES_PER_LOAD
+    if SCALE_AFTER:
+        acc_NM = acc_NM * s_N[:, None]
     y_ptrs = y_AN + rows_M.to(tl.int64)[None, :] * N + cols_N[:, None]
     tl.store(y_ptrs, round_to(acc_NM, tl.bfloat16), mask=row_ok_M[None, :])
 
@@ -224,7 +242,7 @@ CONFIGS: tuple[tuple[float, GemmTile], ...] = (
     # enough programs to fill 132 SMs from a handful of experts.
     (24.0, GemmTile(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3)),
     # Mid-size batches: each weight tile serves more rows.
-    (96.0, GemmTile(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3)),
+    (96.0, GemmTile(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=3)),
     # Prefill: the decode of a weight tile is shared by 128 rows.
     (float("inf"), GemmTile(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)),
 )
@@ -241,10 +259,16 @@ def launch(
     counts_E: torch.Tensor,
     *,
     config: GemmTile | None = None,
+    global_scale_on_accumulator: bool = False,
 ) -> torch.Tensor:
     """``[A, N]`` BF16: rows ``x_AK`` sorted by expert (``counts_E[e]`` rows of expert e, in
     order) times ``dequantize(w, bf16)[e].T``. ``counts_E`` must sum to A; that is not checked
-    (it would need a device sync), but rows past A are never read or written."""
+    (it would need a device sync), but rows past A are never read or written.
+
+    ``global_scale_on_accumulator`` is a measured alternative, not the numerics contract: the
+    dot then sees ``bf16(e2m1 * block_scale)`` (exact) and the FP32 sum is multiplied by the
+    global scale, one multiply per weight fewer; outputs differ from the contract's by rounding.
+    """
     check_kernel_device("x_AK", x_AK)
     if x_AK.dtype != torch.bfloat16 or x_AK.dim() != 2:
         raise ValueError(
@@ -289,7 +313,7 @@ def launch(
             y_AN, A, N, K, E, rows_per_group,
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
             BLOCK_E=triton.next_power_of_2(E), NUM_STAGES=tile.num_stages,
-            num_warps=tile.num_warps,
+            SCALE_AFTER=global_scale_on_accumulator, num_warps=tile.num_warps,
             # Products feed additions only inside the dot; no FMA may merge the two scalings.
             enable_fp_fusion=False,
         )  # fmt: skip

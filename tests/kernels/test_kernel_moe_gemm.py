@@ -35,11 +35,10 @@ TINY_TILES = [
 
 
 def random_weights(e: int, n: int, k: int, device: str, seed: int) -> NVFP4Tensor:
-    g = torch.Generator().manual_seed(seed)
-    w = (torch.randn(e, n, k, generator=g) * 0.05).to(torch.bfloat16)
-    return (
-        kernels.quantize(w.to(device), scaling=2) if device == "cuda" else R.quantize(w, scaling=2)
-    )
+    """Weights drawn on ``device`` and quantized there, one global scale per expert."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    w = (torch.randn(e, n, k, generator=g, device=device) * 0.05).to(torch.bfloat16)
+    return kernels.quantize(w, scaling=2) if device == "cuda" else R.quantize(w, scaling=2)
 
 
 def float64_reference(x_AK, w_ENK, counts_E):
@@ -56,15 +55,12 @@ def float64_reference(x_AK, w_ENK, counts_E):
     return ref, magnitude
 
 
-def assert_fp32_accumulated(y, x_AK, w: NVFP4Tensor, counts_E, what: str):
-    """y (BF16) within the module docstring's bound of the float64 product."""
+def assert_fp32_accumulated(y, x_AK, w: NVFP4Tensor, counts_E, what: str, dtype=torch.bfloat16):
+    """y (BF16) within the module docstring's bound of the float64 product with the weights
+    ``dequantize(w, dtype)``."""
     # The GPU's dequantize equals the reference bit for bit (test_kernel_dequantize) and is
     # much faster at real shapes.
-    w_ENK = (
-        kernels.dequantize(w, torch.bfloat16)
-        if w.codes.is_cuda
-        else R.dequantize(w, torch.bfloat16)
-    )
+    w_ENK = kernels.dequantize(w, dtype) if w.codes.is_cuda else R.dequantize(w, dtype)
     ref, magnitude = float64_reference(x_AK, w_ENK, counts_E)
     k = x_AK.shape[1]
     bound = 2.0**-8 * ref.abs() + k * 2.0**-23 * magnitude
@@ -157,6 +153,20 @@ def test_random_rows_against_twin_and_float64(device, counts):
         )
         assert_fp32_accumulated(y.cpu(), x, w, counts, f"kernel, tile {tile}")
     assert_fp32_accumulated(reference_gemm(x, w, counts), x, w, counts, "twin")
+
+
+def test_global_scale_on_accumulator(device):
+    """The measured alternative: BF16 ``e2m1 * block_scale`` into the dot, the global scale on
+    the FP32 sum. Its weights are the exact products, so its float64 reference is taken with
+    the FP32 dequantized weights (within 2**-24 of exact, inside the bound's slack)."""
+    w = random_weights(4, 32, 64, "cpu", seed=6)
+    counts = torch.tensor([5, 0, 17, 1])
+    x = torch.randn(int(counts.sum()), 64).to(torch.bfloat16)
+    y = moe_gemm.launch(
+        x.to(device), w.map(lambda t: t.to(device)), counts.to(device),
+        global_scale_on_accumulator=True,
+    )  # fmt: skip
+    assert_fp32_accumulated(y.cpu(), x, w, counts, "scale on accumulator", torch.float32)
 
 
 def test_no_rows(device):

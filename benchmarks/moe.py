@@ -1,0 +1,190 @@
+"""Routed-expert GEMMs at Qwen3-30B-A3B's shapes: the NVFP4 grouped GEMM against today's paths.
+
+One H200 (a couple of minutes): ``python benchmarks/moe.py``; a CPU smoke check of the script:
+``python benchmarks/moe.py --quick`` (tiny shapes, Triton's interpreter). Prints markdown tables
+and writes them to ``$OUT/moe.md`` when OUT is set.
+
+Both GEMMs of a layer's experts (w13: N=1536, K=2048; w2: N=2048, K=768; 128 experts), for
+decode batches of 1, 8, 64 and 256 tokens and a 4096-token prefill, top-8 of random router
+logits. Compared in the same run:
+  (a) ``moe_gemm.launch``: packed NVFP4 weights decoded in registers, only touched experts read;
+  (b) today's NVFP4 path (`PackedExperts`): ``dequantize`` of every expert to BF16, then the
+      model's ``grouped_mm`` (``torch._grouped_mm`` on the GPU);
+  (c) the BF16 engine's path: ``grouped_mm`` on BF16 weights.
+Every variant is first checked against the plain-PyTorch twin (``moe_gemm.reference_gemm``).
+Times are CUDA-graph replays (the GPU's time) after warm-up, median over repeats, rotating over
+``--layers`` sets of weights, rows and routing so that no call finds its experts in L2; inputs
+are random, never zeros. The roofline beside each time is the bytes that must move (distinct
+experts touched x their bytes, FP4 packed for (a)/(b), BF16 for (c), plus x read and y written)
+over a device-to-device copy measured in the same run, or the FLOPs over a BF16 matmul measured
+in the same run, whichever is longer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+
+if not torch.cuda.is_available():  # --quick on a CPU: kernels must be decorated interpreted
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from _timing import median_ms, report, run_header  # noqa: E402
+
+from fp4rl import ops  # noqa: E402
+from fp4rl.kernels import moe_gemm  # noqa: E402
+from fp4rl.kernels.moe_gemm import GemmTile  # noqa: E402
+from fp4rl.model.experts import grouped_mm  # noqa: E402
+
+TOP_K = 8
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny shapes; runs on a CPU")
+    parser.add_argument("--tokens", default="1,8,64,256,4096", help="token counts (x top-8)")
+    parser.add_argument("--layers", type=int, default=8, help="weight/routing sets rotated over")
+    parser.add_argument(
+        "--configs",
+        default="",
+        help="extra tiles for (a), BLOCK_M:BLOCK_N:BLOCK_K:WARPS:STAGES or auto, comma-separated; "
+        "suffix '+acc' puts the global scale on the accumulator (not the contract)",
+    )
+    args = parser.parse_args()
+    if not torch.cuda.is_available() and not args.quick:
+        sys.exit("needs a CUDA GPU; --quick runs a CPU smoke check under TRITON_INTERPRET")
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    experts = 8 if args.quick else 128
+    shapes = {"w13": (64, 128), "w2": (128, 64)} if args.quick else {
+        "w13": (1536, 2048), "w2": (2048, 768)
+    }  # fmt: skip
+    tokens = [1, 4] if args.quick else [int(t) for t in args.tokens.split(",")]
+    layers = 1 if args.quick else args.layers
+    warmup, repeats = (1, 1) if args.quick else (3, 15)
+    variants = {"auto": (None, False)}
+    for spec in filter(None, args.configs.split(",")):
+        tile, _, acc = spec.partition("+")
+        tile = None if tile == "auto" else GemmTile(*(int(v) for v in tile.split(":")))
+        variants[spec] = (tile, acc == "acc")
+    torch.manual_seed(0)
+
+    copy_gbs, matmul_tflops = ceilings(device, args.quick)
+    lines = [
+        run_header(" ".join(["python", *sys.argv])),
+        "",
+        f"E={experts}, top-{TOP_K}, random routing; {layers} weight sets rotated. Ceilings "
+        f"measured in this run: device copy {copy_gbs:.0f} GB/s (read + write), BF16 matmul "
+        f"{matmul_tflops:.0f} TFLOP/s. Times: CUDA-graph replay, median of {repeats}, us.",
+        "",
+        "| GEMM | tokens | rows | experts touched | (a) NVFP4 kernel us | roofline us | % of "
+        "roofline | (b) dequant + grouped_mm us | (c) BF16 grouped_mm us | BF16 roofline us | "
+        "(a) vs (b) | (a) vs (c) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    sweep = [
+        "",
+        "Tiles of (a) (BLOCK_M:BLOCK_N:BLOCK_K:WARPS:STAGES; '+acc': global scale on the "
+        "accumulator, not the contract), us:",
+        "",
+        "| GEMM | tokens | " + " | ".join(variants) + " |",
+        "|---|---:|" + "---:|" * len(variants),
+    ]
+    for name, (n, k) in shapes.items():
+        w_bf16 = [(torch.randn(experts, n, k, device=device) * 0.02).to(torch.bfloat16)
+                  for _ in range(layers)]  # fmt: skip
+        packed = [ops.quantize(w, scaling=2) for w in w_bf16]
+        for t in tokens:
+            row, tiles = measure(name, t, w_bf16, packed, variants, (copy_gbs, matmul_tflops),
+                                 warmup=warmup, repeats=repeats)  # fmt: skip
+            lines.append(row)
+            sweep.append(tiles)
+            print(row, flush=True)
+        del w_bf16, packed
+    report("moe.md", lines + sweep)
+
+
+def measure(name, t, w_bf16, packed, variants, ceiling, *, warmup, repeats):
+    """(main table row, tile sweep row) for one GEMM shape at t tokens."""
+    copy_gbs, matmul_tflops = ceiling
+    experts, n, k = w_bf16[0].shape
+    device = w_bf16[0].device
+    sets = []
+    for w, p in zip(w_bf16, packed, strict=True):
+        logits = torch.randn(t, experts, device=device)
+        counts = torch.bincount(logits.topk(TOP_K, dim=-1).indices.flatten(), minlength=experts)
+        x = torch.randn(t * TOP_K, k, device=device).to(torch.bfloat16)
+        sets.append((x, p, w, counts))
+    rows = t * TOP_K
+    touched = statistics.mean(int((s[3] > 0).sum()) for s in sets)
+    acts = rows * k * 2 + rows * n * 2
+    floor_us = 1e-3 * 2 * rows * n * k / matmul_tflops  # FLOPs / (TFLOP/s), in us
+    fp4_roof = max(1e-3 * (touched * packed[0].nbytes / experts + acts) / copy_gbs, floor_us)
+    bf16_roof = max(1e-3 * (touched * n * k * 2 + acts) / copy_gbs, floor_us)
+
+    def fp4_today(s):
+        return grouped_mm(s[0], ops.dequantize(s[1], torch.bfloat16), s[3])
+
+    def bf16_today(s):
+        return grouped_mm(s[0], s[2], s[3])
+
+    kernels = {
+        spec: (lambda s, tile=tile, acc=acc: moe_gemm.launch(
+            s[0], s[1], s[3], config=tile, global_scale_on_accumulator=acc))
+        for spec, (tile, acc) in variants.items()
+    }  # fmt: skip
+    # Correct first: every variant against its twin on the first set.
+    x, p, w, counts = sets[0]
+    want = moe_gemm.reference_gemm(x, p, counts)
+    for label, fn in [*kernels.items(), ("dequant + grouped_mm", fp4_today)]:
+        check(label, fn(sets[0]), want, f"{name} {t} tokens")
+    check("BF16 grouped_mm", bf16_today(sets[0]), bf16_twin(x, w, counts), f"{name} {t} tokens")
+
+    def us(fn):
+        return 1e3 * median_ms(
+            fn, sets, warmup=warmup, repeats=repeats, graph=device.type == "cuda"
+        )
+
+    times = {spec: us(fn) for spec, fn in kernels.items()}
+    today, bf16, ours = us(fp4_today), us(bf16_today), times["auto"]
+    row = (
+        f"| {name} | {t} | {rows} | {touched:.1f} | {ours:.1f} | {fp4_roof:.1f} | "
+        f"{100 * fp4_roof / ours:.0f} | {today:.1f} | {bf16:.1f} | {bf16_roof:.1f} | "
+        f"{today / ours:.2f}x | {bf16 / ours:.2f}x |"
+    )
+    return row, f"| {name} | {t} | " + " | ".join(f"{v:.1f}" for v in times.values()) + " |"
+
+
+def bf16_twin(x_AK: torch.Tensor, w_ENK: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """Each expert's rows times its BF16 weight, FP32 sums, BF16 out (as `reference_gemm`)."""
+    groups = x_AK.split(counts_E.tolist())
+    return torch.cat([(x.float() @ w.float().T).to(torch.bfloat16)
+                      for x, w in zip(groups, w_ENK, strict=True)])  # fmt: skip
+
+
+def check(label: str, got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Same function as the twin: BF16 outputs of FP32 sums, within the BF16 rounding."""
+    err = float((got.float() - want.float()).norm() / want.float().norm())
+    if not err < 2.0**-8:
+        sys.exit(f"{label}, {what}: relative error {err:.3g} against the twin")
+
+
+def ceilings(device: str, quick: bool) -> tuple[float, float]:
+    """(device copy GB/s counting read + write, BF16 matmul TFLOP/s), measured now."""
+    size = 2**20 if quick else 2**28  # BF16 elements per buffer: 512 MiB
+    bufs = [torch.randn(size, device=device).to(torch.bfloat16) for _ in range(3)]
+    dst = torch.empty_like(bufs[0])
+    ms = median_ms(dst.copy_, bufs, warmup=3, repeats=10, graph=torch.cuda.is_available())
+    copy_gbs = 2 * size * 2 / ms / 1e6
+    del bufs, dst
+    m = 256 if quick else 8192
+    a, b = (torch.randn(m, m, device=device).to(torch.bfloat16) for _ in range(2))
+    ms = median_ms(lambda _: a @ b, [None], warmup=3, repeats=10)
+    return copy_gbs, 2 * m**3 / ms / 1e9
+
+
+if __name__ == "__main__":
+    main()
