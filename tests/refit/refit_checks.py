@@ -8,7 +8,7 @@ MoE with BF16 experts and layer 0 dense: a refit meets every kind of weight.
 from __future__ import annotations
 
 import torch
-from assertions import assert_bitwise, assert_nvfp4_equal
+from assertions import assert_bitwise, assert_nvfp4_equal, cpu
 from tiny_models import packed_twin, qat_model, tiny_precision
 
 from fp4rl.model.experts import PackedExperts
@@ -24,14 +24,15 @@ GREEDY = SamplingParams(n=1, max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4], [77, 5]]
 
 
-def trainer(seed: int):
-    """The trainer's model (QAT experts, FP32) with weights drawn from ``seed``."""
-    return qat_model(PRECISION, seed=seed)
+def trainer(seed: int, **where):
+    """The trainer's model (QAT experts; FP32 on the CPU unless ``dtype``, ``device`` say
+    otherwise) with weights drawn from ``seed``."""
+    return qat_model(PRECISION, seed=seed, **where)
 
 
-def engine(seed: int) -> Engine:
+def engine(seed: int, **where) -> Engine:
     """An engine built fresh (weights loaded by `load_weights`) from ``trainer(seed)``."""
-    return Engine(packed_twin(trainer(seed), PRECISION), ENGINE)
+    return Engine(packed_twin(trainer(seed, **where), PRECISION), ENGINE)
 
 
 def storage(model) -> dict[str, int]:
@@ -53,17 +54,17 @@ def assert_engine_holds(engine: Engine, trainer) -> None:
     theirs = dict(trainer.named_modules())
     params = dict(trainer.named_parameters())
     for name, p in engine.model.named_parameters():
-        assert_bitwise(p.detach(), params[name].detach(), name)
+        assert_bitwise(p.detach(), params[name].detach().cpu(), name)
     for name, m in engine.model.named_modules():
         if not isinstance(m, PackedExperts):
             continue
         qat = theirs[name]
         for leaf in ("w13", "w2"):
-            want = quantize(getattr(qat, leaf).detach(), scaling=2)
+            want = cpu(quantize(getattr(qat, leaf).detach(), scaling=2))
             assert_nvfp4_equal(getattr(m, f"{leaf}_packed"), want, f"{name}.{leaf}")
         with torch.no_grad():
             for leaf, got, want in zip(("w13", "w2"), m.weights(), qat.weights(), strict=True):
-                assert_bitwise(got, want, f"{name}.{leaf} as the GEMM sees it")
+                assert_bitwise(got, want.cpu(), f"{name}.{leaf} as the GEMM sees it")
 
 
 def greedy(engine: Engine) -> list[tuple[tuple[int, ...], torch.Tensor, int]]:
