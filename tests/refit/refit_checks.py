@@ -1,5 +1,5 @@
 """What every refit test checks an engine against, shared by the in-process tests and the
-two-process worker (`dist_worker.py`).
+two-process worker (`refit_dist_worker.py`).
 
 The tiny model of `tiny_models` in FP32 with layers 1-2 FP4 (packed experts, NVFP4 KV), layer 3
 MoE with BF16 experts and layer 0 dense: a refit meets every kind of weight.

@@ -1,7 +1,7 @@
-"""One side of the two-process refit (`test_distributed.py`): rank 0 holds the engine, rank 1
+"""One side of the two-process refit (`test_refit_distributed.py`): rank 0 holds the engine, rank 1
 the trainer, joined by a gloo process group on the CPU.
 
-    python dist_worker.py RANK STORE_FILE RESULT_FILE
+    python refit_dist_worker.py RANK STORE_FILE RESULT_FILE
 
 Both sides run the same scenarios in order and each writes what it saw to RESULT_FILE (JSON),
 or the traceback of what went wrong. The trainer side writes before its last scenario, in which

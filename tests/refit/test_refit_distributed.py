@@ -5,8 +5,8 @@ Claims: the engine receives over `DistributedTransport` exactly what an in-proce
 exception back; a tensor the engine refuses does not leave the trainer blocked (the engine reads
 the rest of the stream); a trainer that dies mid-stream is detected at once (gloo reports the
 closed connection; every wait also has a timeout). In each failure `generate` refuses to run and
-a later good refit recovers the engine. The two processes run the scenarios of `dist_worker.py`
-once, in about 10 s, under a 90 s deadline.
+a later good refit recovers the engine. The two processes run the scenarios of
+`refit_dist_worker.py` once, in about 10 s, under a 90 s deadline.
 """
 
 import contextlib
@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 import pytest
-from dist_worker import CRASH_AFTER, DIE_AFTER, DIED
+from refit_dist_worker import CRASH_AFTER, DIE_AFTER, DIED
 
-WORKER = Path(__file__).with_name("dist_worker.py")
+WORKER = Path(__file__).with_name("refit_dist_worker.py")
 DEADLINE_S = 90
 
 

@@ -5,7 +5,7 @@ raises `RefitError` naming the tensor (or record) at fault; the receiver reads t
 end (`Stream.taken`), so a sender is never left waiting; the policy version does not move;
 `generate` refuses to run on the stale or half-written weights and says why; and a later good
 refit brings the engine back, bitwise, in the same storage. Sender death across processes is in
-`test_distributed.py`.
+`test_refit_distributed.py`.
 """
 
 import re
