@@ -104,6 +104,9 @@ def main() -> None:
             sweep.append(tiles)
             print(row, flush=True)
         del w_bf16, packed
+    end_gbs, end_tflops = ceilings(device, args.quick)
+    lines.insert(3, f"The same ceilings measured again after the last row: {end_gbs:.0f} GB/s, "
+                 f"{end_tflops:.0f} TFLOP/s.")  # fmt: skip
     report("moe.md", lines + sweep)
 
 
@@ -121,7 +124,7 @@ def measure(name, t, w_bf16, packed, variants, ceiling, *, warmup, repeats):
     rows = t * TOP_K
     touched = statistics.mean(int((s[3] > 0).sum()) for s in sets)
     acts = rows * k * 2 + rows * n * 2
-    floor_us = 1e-3 * 2 * rows * n * k / matmul_tflops  # FLOPs / (TFLOP/s), in us
+    floor_us = 2 * rows * n * k / (matmul_tflops * 1e6)  # FLOPs / (TFLOP/s), in us
     fp4_roof = max(1e-3 * (touched * packed[0].nbytes / experts + acts) / copy_gbs, floor_us)
     bf16_roof = max(1e-3 * (touched * n * k * 2 + acts) / copy_gbs, floor_us)
 
@@ -173,17 +176,18 @@ def check(label: str, got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 
 def ceilings(device: str, quick: bool) -> tuple[float, float]:
-    """(device copy GB/s counting read + write, BF16 matmul TFLOP/s), measured now."""
+    """(device copy GB/s counting read + write, BF16 matmul TFLOP/s), measured now. The matmul
+    goes first: it also brings the clocks up from idle (a copy timed first, on a GPU that had
+    idled at 375 MHz, ran at two thirds of its later rate)."""
+    m = 256 if quick else 8192
+    a, b = (torch.randn(m, m, device=device).to(torch.bfloat16) for _ in range(2))
+    ms = median_ms(lambda _: a @ b, [None], warmup=20, repeats=20)
+    tflops = 2 * m**3 / ms / 1e9
     size = 2**20 if quick else 2**28  # BF16 elements per buffer: 512 MiB
     bufs = [torch.randn(size, device=device).to(torch.bfloat16) for _ in range(3)]
     dst = torch.empty_like(bufs[0])
-    ms = median_ms(dst.copy_, bufs, warmup=3, repeats=10, graph=torch.cuda.is_available())
-    copy_gbs = 2 * size * 2 / ms / 1e6
-    del bufs, dst
-    m = 256 if quick else 8192
-    a, b = (torch.randn(m, m, device=device).to(torch.bfloat16) for _ in range(2))
-    ms = median_ms(lambda _: a @ b, [None], warmup=3, repeats=10)
-    return copy_gbs, 2 * m**3 / ms / 1e9
+    ms = median_ms(dst.copy_, bufs, warmup=10, repeats=20, graph=torch.cuda.is_available())
+    return 2 * size * 2 / ms / 1e6, tflops
 
 
 if __name__ == "__main__":
