@@ -239,15 +239,17 @@ class GemmTile:
 # on one H200 at Qwen3-30B-A3B's shapes (w13 [128, 1536, 2048], w2 [128, 2048, 768]) from the
 # sweep of benchmarks/moe.py recorded in BENCHMARKS.md.
 CONFIGS: tuple[tuple[float, GemmTile], ...] = (
-    # A token or two: few experts, few programs; long K steps keep more bytes in flight each.
-    (1.0, GemmTile(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3)),
+    # A few tokens: few experts, few programs; long K steps keep more bytes in flight each.
+    (0.25, GemmTile(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3)),
     # Decode batches (up to ~64 tokens x top-8 over 128 experts): one tile of 16 rows per
     # expert; 80 registers let several programs share an SM.
     (8.0, GemmTile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)),
     # Larger decode batches: 32 rows, so that most experts are decoded once.
-    (40.0, GemmTile(block_m=32, block_n=64, block_k=256, num_warps=4, num_stages=3)),
-    # Prefill: a weight tile's decode is shared by 128 rows.
-    (float("inf"), GemmTile(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)),
+    (40.0, GemmTile(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=4)),
+    # Prefill chunks: 64 rows per tile (untuned between ~300 and ~1500 tokens).
+    (96.0, GemmTile(block_m=64, block_n=256, block_k=64, num_warps=8, num_stages=3)),
+    # Long prefill: a weight tile's decode is shared by 256 rows.
+    (float("inf"), GemmTile(block_m=256, block_n=128, block_k=64, num_warps=8, num_stages=3)),
 )
 
 
