@@ -246,8 +246,8 @@ CONFIGS: tuple[tuple[float, GemmTile], ...] = (
     (8.0, GemmTile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)),
     # Larger decode batches: 32 rows, so that most experts are decoded once.
     (40.0, GemmTile(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=4)),
-    # Prefill chunks: 64 rows per tile (untuned between ~300 and ~1500 tokens).
-    (96.0, GemmTile(block_m=64, block_n=256, block_k=64, num_warps=8, num_stages=3)),
+    # Prefill chunks (~1024 tokens): 128 rows per tile.
+    (96.0, GemmTile(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)),
     # Long prefill: a weight tile's decode is shared by 256 rows.
     (float("inf"), GemmTile(block_m=256, block_n=128, block_k=64, num_warps=8, num_stages=3)),
 )
