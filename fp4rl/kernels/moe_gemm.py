@@ -8,7 +8,8 @@ that have rows are read, 4.5 bits per weight. Nothing is dequantized to memory.
 
 Numerics: the weight values entering the dot products are bitwise
 ``reference.dequantize(w, torch.bfloat16)``, i.e. ``bf16(f32(e2m1 * block_scale) *
-global_scale)``; only the FP32 accumulation order differs from `reference` below (the twin),
+global_scale)`` (for global scales below 2**120, which covers every scale quantize computes from
+finite input); only the FP32 accumulation order differs from `reference_gemm` below (the twin)
 and from any other grouped GEMM. This module does not own the routing, the sort, the
 activation quantization or the SwiGLU (`fp4rl.model.experts`).
 
@@ -235,18 +236,19 @@ class GemmTile:
         return GemmTile(self.block_m, block_n, block_k, self.num_warps, self.num_stages)
 
 
-# (most rows per expert on average, tile): the first bucket that holds A / E is used. Chosen
-# on one H200 at Qwen3-30B-A3B's shapes (w13 [128, 1536, 2048], w2 [128, 2048, 768]) from the
-# sweep of benchmarks/moe.py recorded in BENCHMARKS.md.
+# (most rows per expert on average, tile): the first bucket that holds A / E is used; the
+# token counts below are for top-8 over 128 experts. Chosen on one H200 at Qwen3-30B-A3B's
+# shapes (w13 [128, 1536, 2048], w2 [128, 2048, 768]) from the sweeps of benchmarks/moe.py
+# recorded in BENCHMARKS.md.
 CONFIGS: tuple[tuple[float, GemmTile], ...] = (
-    # A few tokens: few experts, few programs; long K steps keep more bytes in flight each.
+    # Up to 4 tokens: few experts, few programs; long K steps keep more bytes in flight each.
     (0.25, GemmTile(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3)),
-    # Decode batches (up to ~64 tokens x top-8 over 128 experts): one tile of 16 rows per
-    # expert; 80 registers let several programs share an SM.
+    # Decode batches up to 128 tokens: one tile of 16 rows per expert; 80 registers let
+    # several programs share an SM.
     (8.0, GemmTile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)),
-    # Larger decode batches: 32 rows, so that most experts are decoded once.
+    # Up to 640 tokens: 32 rows, so that most experts are decoded once.
     (40.0, GemmTile(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=4)),
-    # Prefill chunks (~1024 tokens): 128 rows per tile.
+    # Prefill chunks up to 1536 tokens: 128 rows per tile.
     (96.0, GemmTile(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)),
     # Long prefill: a weight tile's decode is shared by 256 rows.
     (float("inf"), GemmTile(block_m=256, block_n=128, block_k=64, num_warps=8, num_stages=3)),
