@@ -13,9 +13,16 @@ import torch
 from fp4rl.fp4.reference import Scaling
 from fp4rl.fp4.rounding import CompactCodes
 from fp4rl.fp4.tensor import NVFP4Tensor
-from fp4rl.kernels import dequant, guided, nearest
+from fp4rl.kernels import dequant, guided, moe_gemm, nearest
 
-__all__ = ["dequantize", "fake_quantize", "quantize", "round_guided_compact", "round_guided_full"]
+__all__ = [
+    "dequantize",
+    "fake_quantize",
+    "grouped_mm",
+    "quantize",
+    "round_guided_compact",
+    "round_guided_full",
+]
 
 
 def quantize(
@@ -53,3 +60,9 @@ def fake_quantize(
     if guidance is None:
         return nearest.launch(x, scaling=scaling, global_scale=global_scale, fake=True)
     return guided.launch(x, guidance, fake=True)
+
+
+def grouped_mm(x_AK: torch.Tensor, w: NVFP4Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """`moe_gemm.reference_gemm`: expert-grouped rows times packed NVFP4 weights, decoded in
+    registers."""
+    return moe_gemm.launch(x_AK, w, counts_E)

@@ -7,7 +7,8 @@ All three run the same SwiGLU over tokens sorted by expert (a grouped GEMM):
   global scale per expert shared by W1 and W3 and another for W2; the expert input quantized
   once per token and the intermediate once per token-expert row; gradients straight through.
 - `PackedExperts`: weights stored as `NVFP4Tensor` (4.5 bits per weight; the rollout), the same
-  activation sites, dequantized to the compute dtype for BF16 tensor-core math.
+  activation sites; the grouped GEMM decodes them to the compute dtype (in registers on the
+  GPU, `fp4rl.ops.grouped_mm`) for BF16 tensor-core math.
 
 The weight values the GEMMs see are bitwise equal between QAT and packed experts built from the
 same BF16 weights; only the accumulation order of the GEMM kernel may differ.
@@ -24,22 +25,8 @@ from torch import nn
 from fp4rl.fp4 import NVFP4Tensor
 from fp4rl.model.precision import EXPERT_SITES
 from fp4rl.model.sites import Capture, Fp4Site
-from fp4rl.ops import dequantize, fake_quantize, quantize
+from fp4rl.ops import dequantize, fake_quantize, grouped_mm, quantize
 from fp4rl.records import GuidanceMap
-
-
-def grouped_mm(x_AK: torch.Tensor, w_ENK: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-    """``x`` rows grouped by expert (``counts_E[e]`` rows each) times each expert's ``w.T``.
-
-    On the GPU one grouped GEMM reads the group offsets on the device (no host sync); the CPU
-    path is a loop of plain matmuls.
-    """
-    if x_AK.is_cuda and x_AK.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
-        offsets = counts_E.cumsum(0).to(torch.int32)
-        return torch._grouped_mm(x_AK, w_ENK.transpose(-2, -1), offs=offsets)
-    rows = x_AK.split(counts_E.tolist())
-    outs = [x.matmul(w.t()) for x, w in zip(rows, w_ENK, strict=True) if x.numel()]
-    return torch.cat(outs) if outs else x_AK.new_zeros(0, w_ENK.shape[1])
 
 
 class RoutedExperts(nn.Module):
@@ -50,8 +37,9 @@ class RoutedExperts(nn.Module):
         self.layer = layer
         self.num_experts, self.intermediate = num_experts, intermediate
 
-    def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(w13 [E, 2I, H], w2 [E, H, I])`` as the GEMMs see them."""
+    def weights(self) -> tuple[torch.Tensor | NVFP4Tensor, torch.Tensor | NVFP4Tensor]:
+        """``(w13 [E, 2I, H], w2 [E, H, I])`` as the GEMMs take them (`fp4rl.ops.grouped_mm`:
+        tensors, or packed NVFP4 weights it decodes itself)."""
         raise NotImplementedError
 
     def input_site(self, x_TH, guidance, capture):
@@ -167,9 +155,12 @@ class PackedExperts(Fp4Sites, RoutedExperts):
         self.compute_dtype = dtype
 
     def weights(self):
+        # Packed: the grouped GEMM decodes them (in registers on the GPU), to the same values
+        # as `dequantized()`.
         if self.w13_packed is None or self.w2_packed is None:
             raise RuntimeError(f"layers.{self.layer}.mlp.experts: no weights loaded")
-        return (
-            dequantize(self.w13_packed, self.compute_dtype),
-            dequantize(self.w2_packed, self.compute_dtype),
-        )
+        return self.w13_packed, self.w2_packed
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weight values the GEMMs multiply by, in the compute dtype."""
+        return tuple(dequantize(w, self.compute_dtype) for w in self.weights())

@@ -7,10 +7,10 @@ written this step, C context tokens gathered. A *slot* is ``block * B + offset``
 - "nvfp4" pages hold what the layer's K (after RoPE) and V `Fp4Site`s produce,
   ``quantize(x_TKD, scaling="row")``: one FP32 global scale per token-head and 1x16 E4M3 block
   scales along D, i.e. an `NVFP4Tensor` whose members are ``codes [N, B, K, D/2]``,
-  ``block_scale [N, B, K, D/16]`` and ``global_scale [N, B, K, 1]`` (4.5 bits per value plus 4 bytes per token-head). Reading
-  dequantizes in the query dtype, which is exactly the trainer's fake quantization
-  ``dequantize(quantize(x, scaling="row"), x.dtype)``: quantization is per row, so gathering
-  rows before dequantizing changes no bit.
+  ``block_scale [N, B, K, D/16]`` and ``global_scale [N, B, K, 1]`` (4.5 bits per value plus 4
+  bytes per token-head). Reading dequantizes in the query dtype, which is exactly the
+  trainer's fake quantization ``dequantize(quantize(x, scaling="row"), x.dtype)``:
+  quantization is per row, so gathering rows before dequantizing changes no bit.
 
 The format is chosen per layer (the precision plan keeps boundary layers in BF16). This module
 owns the bytes; who reads which slots is `fp4rl.rollout.attention`'s business.

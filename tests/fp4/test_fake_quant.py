@@ -3,8 +3,8 @@
 import torch
 
 from fp4rl.fp4 import compact
-from fp4rl.ops import dequantize, fake_quantize, quantize, quantize_guided
 from fp4rl.fp4 import reference as R
+from fp4rl.ops import dequantize, fake_quantize, quantize, quantize_guided
 
 
 def test_forward_is_reference_quantize_dequantize_bitwise():
