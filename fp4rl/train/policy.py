@@ -11,8 +11,6 @@ Legend: T fed tokens, N scored tokens, H hidden.
 
 from __future__ import annotations
 
-import torch
-
 from fp4rl.model.attention import CausalAttention
 from fp4rl.model.inputs import check_ids
 from fp4rl.model.logprobs import token_logprobs
@@ -28,12 +26,16 @@ def policy_logprobs(
     capture=None,
     stats: dict | None = None,
     chunk: int = 1024,
-) -> torch.Tensor:
-    """FP32 ``[N]`` log-probabilities of ``batch.targets_N`` under ``model``.
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+):
+    """FP32 ``[N]`` log-probabilities of ``batch.targets_N`` under ``model``, at the sampling
+    ``temperature`` (compare with ``batch.sampling_logprobs_N``; at 1, with either).
 
     ``replay``: run the experts the rollout chose (``batch.routing``); ``guided``: round each
     guided FP4 site toward the rollout's codes (``batch.guidance``). Asking for either when the
     batch does not carry it is an error, never a silent fallback. Gradients flow when enabled.
+    ``with_entropy`` returns ``(logprobs_N, entropy_N)``, the entropy detached.
     """
     if replay and batch.routing is None:
         raise ValueError(
@@ -63,4 +65,11 @@ def policy_logprobs(
         stats=stats,
     )
     rows_N, targets_N = batch.rows_N.to(device), batch.targets_N.to(device)
-    return token_logprobs(model.lm_head, h_TH[rows_N], targets_N, chunk=chunk)
+    return token_logprobs(
+        model.lm_head,
+        h_TH[rows_N],
+        targets_N,
+        chunk=chunk,
+        temperature=temperature,
+        with_entropy=with_entropy,
+    )
