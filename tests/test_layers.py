@@ -22,6 +22,11 @@ ALLOWED = {
     "train": {"fp4", "ops", "records", "model", "train"},
     "refit": {"fp4", "ops", "records", "model", "rollout", "refit"},
     "tasks": {"tasks"},
+    "config": {"fp4", "ops", "records", "model", "rollout", "train", "tasks", "config"},
+    "loop": {"fp4", "ops", "records", "model", "rollout", "train", "refit", "tasks", "config"},
+    "demo": {"fp4", "ops", "records", "model", "train", "tasks", "config", "loop"},
+    "cli": {"config", "loop", "demo"},
+    "__main__": {"cli"},
 }
 
 

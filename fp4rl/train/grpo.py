@@ -55,9 +55,11 @@ class GrpoConfig:
     mask_low: float = 0.5  # "mask": tokens with rho outside [mask_low, mask_high] get weight 0
     mask_high: float = 2.0
     kl_coef: float = 0.0  # > 0 needs logp_ref_N (a frozen reference policy)
+    # Leave samples cut off by max_tokens out of the update (they are counted either way).
+    mask_truncated: bool = False
 
     def __post_init__(self) -> None:
-        for key in ("normalize_std", "leave_one_out"):
+        for key in ("normalize_std", "leave_one_out", "mask_truncated"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"grpo.{key} must be a bool, got {getattr(self, key)!r}")
         for key, allowed in (("aggregation", Aggregation), ("correction", Correction)):

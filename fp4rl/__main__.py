@@ -1,0 +1,5 @@
+import sys
+
+from fp4rl.cli import main
+
+sys.exit(main())

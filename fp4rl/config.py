@@ -1,0 +1,218 @@
+"""A run's configuration: one frozen section per component, loaded from TOML, overridden by
+``section.key=value`` strings.
+
+Each section is the component's own config class (`PrecisionConfig`, `EngineConfig`,
+`GrpoConfig`, `OptimConfig`, `TaskConfig`) or one defined here, and validates itself; this
+module only maps TOML tables onto them. An unknown section or key is an error naming it and
+the keys allowed; a bad value is the section's own error, which names the key and the value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+from fp4rl.model.precision import PrecisionConfig
+from fp4rl.rollout.config import EngineConfig
+from fp4rl.tasks.arith import TaskConfig
+from fp4rl.train.grpo import GrpoConfig
+from fp4rl.train.optim import OptimConfig
+
+Device = Literal["auto", "cpu", "cuda"]
+Dtype = Literal["float32", "bfloat16"]
+
+
+def _check(section: str, key: str, value, ok: bool, what: str) -> None:
+    if not ok:
+        raise ValueError(f"{section}.{key} must be {what}, got {value!r}")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelSection:
+    path: str = ""  # a local Hugging Face checkpoint directory (Qwen3-MoE / Qwen2-MoE)
+    dtype: Dtype = "bfloat16"  # of the trainer's parameters and the engine's BF16 modules
+    device: Device = "auto"  # "auto": CUDA when present, else the CPU
+
+    def __post_init__(self) -> None:
+        _check("model", "path", self.path, isinstance(self.path, str), "a directory path")
+        for key, allowed in (("dtype", get_args(Dtype)), ("device", get_args(Device))):
+            value = getattr(self, key)
+            _check("model", key, value, value in allowed, f"one of {allowed}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RolloutSection:
+    prompts_per_step: int = 32
+    samples_per_prompt: int = 8  # the GRPO group size, n
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        for key, low in (("prompts_per_step", 1), ("samples_per_prompt", 2), ("max_tokens", 1)):
+            v = getattr(self, key)
+            _check("rollout", key, v, _is_int(v) and v >= low, f"an int >= {low}")
+        t, p = self.temperature, self.top_p
+        real = (int, float)
+        ok_t = isinstance(t, real) and not isinstance(t, bool) and math.isfinite(t) and t > 0
+        _check("rollout", "temperature", t, ok_t, "a finite number > 0 (GRPO samples)")
+        ok_p = isinstance(p, real) and not isinstance(p, bool) and 0 < p <= 1
+        _check("rollout", "top_p", p, ok_p, "in (0, 1]")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunSection:
+    steps: int = 100  # GRPO steps (rollout, reward, update, refit)
+    seed: int = 0
+    out_dir: str = "runs/fp4rl"  # the run directory: resolved config, metrics.jsonl
+    eval_every: int = 10  # held-out accuracy every this many steps (and before the first)
+    eval_samples: int = 4  # samples per held-out problem for the sampled accuracy
+    micro_batch_seqs: int = 64  # completions per forward/backward; the update is independent
+    threads: int = 0  # CPU threads for torch; 0: leave torch's default
+
+    def __post_init__(self) -> None:
+        for key, low in (
+            ("steps", 1),
+            ("seed", 0),
+            ("eval_every", 1),
+            ("eval_samples", 1),
+            ("micro_batch_seqs", 1),
+        ):
+            v = getattr(self, key)
+            _check("run", key, v, _is_int(v) and v >= low, f"an int >= {low}")
+        _check(
+            "run",
+            "threads",
+            self.threads,
+            _is_int(self.threads) and self.threads >= 0,
+            "an int >= 0",
+        )
+        _check(
+            "run", "out_dir", self.out_dir, isinstance(self.out_dir, str) and self.out_dir, "a path"
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    grpo: GrpoConfig = field(default_factory=GrpoConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    run: RunSection = field(default_factory=RunSection)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """The resolved config as TOML-ready tables (None values left out, as TOML has none)."""
+        out = {}
+        for f in fields(self):
+            section = dataclasses.asdict(getattr(self, f.name))
+            out[f.name] = {
+                k: list(v) if isinstance(v, tuple) else v
+                for k, v in section.items()
+                if v is not None
+            }
+        return out
+
+
+def _section(cls, name: str, table: Any):
+    if not isinstance(table, dict):
+        raise ValueError(f"[{name}] must be a table of keys, got {table!r}")
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(table) - set(known))
+    if unknown:
+        raise ValueError(
+            f"{name}.{unknown[0]} is not a setting; [{name}] takes {', '.join(sorted(known))}"
+        )
+    values = {}
+    for key, value in table.items():
+        # TOML has arrays, the configs tuples.
+        if isinstance(value, list) and _wants_tuple(known[key]):
+            value = tuple(value)
+        # TOML has no null: "none" spells None for the settings whose default is None.
+        if value == "none" and known[key].default is None:
+            value = None
+        values[key] = value
+    return cls(**values)
+
+
+def _wants_tuple(f) -> bool:
+    return "tuple" in str(f.type)  # annotations are strings here (postponed evaluation)
+
+
+def from_dict(data: dict[str, Any]) -> RunConfig:
+    """A `RunConfig` from nested tables (a parsed TOML file); absent sections take defaults."""
+    sections = {f.name: f for f in fields(RunConfig)}
+    unknown = sorted(set(data) - set(sections))
+    if unknown:
+        raise ValueError(f"[{unknown[0]}] is not a config section; sections: {', '.join(sections)}")
+    built = {}
+    for name, f in sections.items():
+        cls = f.default_factory().__class__
+        built[name] = _section(cls, name, data.get(name, {}))
+    return RunConfig(**built)
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """``"section.key=value"`` -> (section, key, value); the value is read as a TOML value
+    (``3``, ``1e-5``, ``true``, ``"bf16"``, ``[1, 2]``), and as a plain string when it is
+    not one, so ``precision.kv_cache=nvfp4`` needs no quotes."""
+    target, sep, raw = text.partition("=")
+    section, dot, key = target.strip().partition(".")
+    if not sep or not dot or not section or not key:
+        raise ValueError(f"--set takes section.key=value, got {text!r}")
+    raw = raw.strip()
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return section, key, value
+
+
+def load(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
+    """Read a TOML file (or start from the defaults) and apply ``section.key=value`` overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except tomllib.TOMLDecodeError as err:
+            raise ValueError(f"{path}: not valid TOML: {err}") from None
+    for text in overrides:
+        section, key, value = parse_override(text)
+        table = data.setdefault(section, {})
+        if not isinstance(table, dict):
+            raise ValueError(f"--set {text!r}: [{section}] is not a table")
+        table[key] = value
+    return from_dict(data)
+
+
+def to_toml(config: RunConfig) -> str:
+    """The resolved config as TOML text (the run directory's ``config.toml``)."""
+    lines = []
+    for name, table in config.to_dict().items():
+        lines.append(f"[{name}]")
+        lines += [f"{key} = {_toml_value(value)}" for key, value in table.items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"cannot write {value} to TOML")
+    return repr(value)

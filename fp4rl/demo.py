@@ -1,0 +1,164 @@
+"""`fp4rl demo`: RL with FP4 rollouts improving a tiny MoE at addition, on any laptop.
+
+1. A base policy: a 4-layer MoE (8 experts, top-2, hidden 64) trained from scratch by a short
+   supervised warm-up on the built-in addition task (`fp4rl.tasks.arith`), through the QAT
+   model, so it is already an FP4 policy. Its held-out accuracy lands well above zero and well
+   below its ceiling; it is saved as a Hugging Face checkpoint in a cache directory and reused.
+2. GRPO from it (`fp4rl.loop.train`) with the NVFP4 engine (FP4 experts and FP4 KV in the
+   middle layers), router replay and full guidance, printing a line per step.
+3. Held-out accuracy before and after, per seed, with the NVFP4 engine: sampled as the rollout
+   samples (the quantity GRPO improves) and greedy.
+
+The settings live in `configs/demo.toml` (the GRPO run) and `WARMUP` / `MODEL` here (the base
+policy); `tests/test_demo.py` keeps the two in step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import torch
+
+import fp4rl
+from fp4rl import config as run_config
+from fp4rl.loop import setup, train
+from fp4rl.model.checkpoint import save_checkpoint
+from fp4rl.model.presets import tiny_qwen3_moe
+from fp4rl.model.transformer import build_model, init_weights
+from fp4rl.records import Completion
+from fp4rl.tasks.arith import train_problems
+from fp4rl.train.optim import MasterAdamW, OptimConfig
+from fp4rl.train.step import supervised_update
+
+CONFIG_FILE = Path(__file__).resolve().parent / "configs" / "demo.toml"
+# The shape of the demo's policy: every dimension a multiple of 16 (NVFP4 blocks), the
+# vocabulary the task's 15 tokens rounded up to 16.
+MODEL = dict(
+    vocab_size=16,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=64,
+    num_experts=8,
+    num_experts_per_tok=2,
+    mlp_only_layers=(),
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Warmup:
+    steps: int = 400
+    batch: int = 64  # problems per step
+    optim: OptimConfig = OptimConfig(
+        lr=3e-3, warmup_steps=20, schedule="cosine", total_steps=400, max_grad_norm=1.0
+    )
+    init_std: float = 0.02
+
+
+WARMUP = Warmup()
+
+
+def base_policy(
+    config: run_config.RunConfig,
+    cache_dir: Path,
+    *,
+    seed: int,
+    warmup: Warmup = WARMUP,
+    log=print,
+) -> Path:
+    """The warmed-up base policy's checkpoint directory, built once per settings and seed."""
+    settings = {
+        "fp4rl": fp4rl.__version__,
+        "model": MODEL,
+        "precision": dataclasses.asdict(config.precision),
+        "task": dataclasses.asdict(config.task),
+        "warmup": dataclasses.asdict(warmup),
+        "dtype": config.model.dtype,
+        "seed": seed,
+    }
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    path = Path(cache_dir) / f"base-{key}"
+    if (path / "config.json").exists():
+        log(f"base policy: reusing {path}")
+        return path
+    device, dtype = setup(config)
+    torch.manual_seed(seed)
+    model_config = tiny_qwen3_moe(**MODEL)
+    policy = build_model(model_config, config.precision, dtype=dtype, device=device)
+    init_weights(policy, std=warmup.init_std, seed=seed)
+    optimizer = MasterAdamW(policy.parameters(), warmup.optim)
+    start = time.perf_counter()
+    for step in range(warmup.steps):
+        problems = train_problems(config.task, num=warmup.batch, seed=10**6 + seed * 10**4 + step)
+        answers = [_answer(p) for p in problems]
+        out = supervised_update(policy, optimizer, answers)
+        if step % 50 == 0 or step == warmup.steps - 1:
+            seconds = time.perf_counter() - start
+            log(f"warm-up step {step:>4} | loss {out['loss']:.3f} | {seconds:.0f}s")
+    try:
+        save_checkpoint(policy.state_dict(), model_config, path)
+    except FileExistsError:
+        # Another process built the same base policy meanwhile: the settings, hence the
+        # weights, are the same, and the save is atomic, so theirs is complete.
+        if not (path / "config.json").exists():
+            raise
+    return path
+
+
+def _answer(problem) -> Completion:
+    return Completion(
+        prompt_index=0,
+        sample_index=0,
+        prompt_ids=problem.prompt_ids,
+        completion_ids=problem.answer_ids,
+        finish_reason="stop",
+        policy_version=0,
+    )
+
+
+def run(
+    *,
+    seeds: tuple[int, ...] = (0,),
+    cache_dir: Path,
+    out_dir: Path,
+    overrides: list[str] = (),
+    warmup: Warmup = WARMUP,
+    log=print,
+) -> list[tuple[float, float, float, float]]:
+    """For each seed: the base policy, GRPO from it; returns held-out accuracy (sampled,
+    greedy) before and after: ``(before, before_greedy, after, after_greedy)``."""
+    results = []
+    for seed in seeds:
+        per_seed = [*overrides, f"run.seed={seed}", f"run.out_dir={out_dir / f'seed{seed}'}"]
+        base_config = run_config.load(CONFIG_FILE, per_seed)
+        path = base_policy(base_config, cache_dir, seed=seed, warmup=warmup, log=log)
+        config = run_config.load(CONFIG_FILE, [*per_seed, f"model.path={path}"])
+        history = train(config, log=log)
+        first, last = history[0], history[-1]
+        results.append(
+            tuple(
+                run[key]
+                for run in (first, last)
+                for key in ("held_out_accuracy", "held_out_greedy")
+            )
+        )
+    log("")
+    log("held-out accuracy: sampled as the rollout samples (greedy in brackets)")
+    log("seed           before            after")
+    for seed, (before, before_greedy, after, after_greedy) in zip(seeds, results, strict=True):
+        log(f"{seed:>4}  {before:.3f} ({before_greedy:.3f})  {after:.3f} ({after_greedy:.3f})")
+    gain = sum(r[2] - r[0] for r in results) / len(results)
+    greedy_gain = sum(r[3] - r[1] for r in results) / len(results)
+    log(
+        f"mean gain {100 * gain:+.1f} points sampled ({100 * greedy_gain:+.1f} greedy) over "
+        f"{len(results)} seed(s)"
+    )
+    return results

@@ -1,0 +1,221 @@
+"""The GRPO loop: rollout on the NVFP4 engine -> reward -> advantages -> update -> refit.
+
+`train(config)` reads top to bottom. The trainer holds the QAT model (BF16-layout parameters,
+FP32 masters, fake-quantized W4A4 experts); the engine holds its packed twin, refit from the
+trainer after every update through `fp4rl.refit`. Routing is replayed when the engine records
+it, and the trainer rounds toward the rollout's codes when the engine records guidance: the
+engine's config is the one place that says so. Metrics go to ``metrics.jsonl`` in the run
+directory, one JSON object per step, and a summary line per step to ``log``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from fp4rl.config import RunConfig, to_toml
+from fp4rl.model.weights import load_pretrained
+from fp4rl.refit import RefitReceiver, refit_records
+from fp4rl.rollout import Engine, SamplingParams
+from fp4rl.tasks.arith import Problem, held_out_problems, reward, train_problems
+from fp4rl.tasks.tokenizer import EOS, VOCAB
+from fp4rl.train.grpo import group_advantages
+from fp4rl.train.optim import MasterAdamW
+from fp4rl.train.step import grpo_update
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("model.device='cuda' but no CUDA device is available")
+    return torch.device(device)
+
+
+def setup(config: RunConfig) -> tuple[torch.device, torch.dtype]:
+    if config.run.threads:
+        torch.set_num_threads(config.run.threads)
+    random.seed(config.run.seed)
+    torch.manual_seed(config.run.seed)
+    return resolve_device(config.model.device), DTYPES[config.model.dtype]
+
+
+def train(config: RunConfig, *, log=print) -> list[dict]:
+    """Run ``config.run.steps`` GRPO steps; returns the per-step metrics (also written to
+    ``<out_dir>/metrics.jsonl``), the last entry holding the final held-out accuracy."""
+    device, dtype = setup(config)
+    run_dir = Path(config.run.out_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(to_toml(config))
+
+    path, precision = config.model.path, config.precision
+    policy = load_pretrained(path, precision, fp4_experts="qat", dtype=dtype, device=device)
+    engine = Engine.from_pretrained(
+        path, config.engine, precision=precision, dtype=dtype, device=device
+    )
+    _check_vocab(policy.config.vocab_size)
+    optimizer = MasterAdamW(policy.parameters(), config.optim)
+    receiver = RefitReceiver(engine)
+    held_out = held_out_problems(config.task)
+    replay, guided = config.engine.capture_routing, config.engine.guidance is not None
+    log(f"precision plan:\n{policy.plan}\nreplay={replay} guided={config.engine.guidance}")
+
+    history = []
+    with open(run_dir / "metrics.jsonl", "a") as metrics_file:
+        for step in range(config.run.steps):
+            m: dict = {"step": step, "policy_version": engine.policy_version}
+            if step % config.run.eval_every == 0:
+                m.update(evaluate(engine, held_out, config))
+
+            problems = train_problems(
+                config.task, num=config.rollout.prompts_per_step, seed=_seed(config, step)
+            )
+            t0 = time.perf_counter()
+            completions = engine.generate(
+                [list(p.prompt_ids) for p in problems], sampling(config, step)
+            )
+            t1 = time.perf_counter()
+
+            n = config.rollout.samples_per_prompt
+            rewards_GS = torch.tensor(
+                [
+                    [
+                        reward(p, c.completion_ids, config.task)
+                        for c in completions[g * n : (g + 1) * n]
+                    ]
+                    for g, p in enumerate(problems)
+                ]
+            )
+            adv_GS, zero_var_G = group_advantages(
+                rewards_GS,
+                normalize_std=config.grpo.normalize_std,
+                leave_one_out=config.grpo.leave_one_out,
+            )
+            # Samples that teach nothing are left out of the update, and counted: those of
+            # groups whose rewards are all equal (advantage exactly 0) and, when asked, those
+            # cut off by max_tokens.
+            truncated = [c.finish_reason == "length" for c in completions]
+            keep = [
+                i
+                for i in range(len(completions))
+                if not zero_var_G[i // n] and not (config.grpo.mask_truncated and truncated[i])
+            ]
+            stats: dict = {}
+            update = {}
+            if keep:
+                update = grpo_update(
+                    policy,
+                    optimizer,
+                    [completions[i] for i in keep],
+                    [float(adv_GS.flatten()[i]) for i in keep],
+                    config=config.grpo,
+                    replay=replay,
+                    guided=guided,
+                    temperature=config.rollout.temperature,
+                    micro_batch_seqs=config.run.micro_batch_seqs,
+                    stats=stats,
+                )
+            t2 = time.perf_counter()
+            receiver.receive(refit_records(policy, policy_version=engine.policy_version + 1))
+            t3 = time.perf_counter()
+
+            generated = sum(len(c.completion_ids) for c in completions)
+            m.update(
+                reward=float(rewards_GS.mean()),
+                response_length=generated / len(completions),
+                zero_variance_groups=int(zero_var_G.sum()),
+                truncated=sum(truncated),
+                trained_samples=len(keep),
+                replay_fallback_tokens=stats.get("replay_fallback_tokens", 0),
+                rollout_s=t1 - t0,
+                train_s=t2 - t1,
+                refit_s=t3 - t2,
+                rollout_tokens_per_s=generated / (t1 - t0),
+                **update,
+            )
+            history.append(m)
+            metrics_file.write(json.dumps(m) + "\n")
+            metrics_file.flush()
+            log(summary_line(m))
+        final = {"step": config.run.steps, "policy_version": engine.policy_version}
+        final.update(evaluate(engine, held_out, config))
+        history.append(final)
+        metrics_file.write(json.dumps(final) + "\n")
+    for key in ("held_out_accuracy", "held_out_greedy"):
+        log(f"{key.replace('_', ' ')} {history[0][key]:.3f} -> {final[key]:.3f}")
+    return history
+
+
+def sampling(config: RunConfig, step: int) -> SamplingParams:
+    r = config.rollout
+    return SamplingParams(
+        n=r.samples_per_prompt,
+        temperature=r.temperature,
+        max_tokens=r.max_tokens,
+        stop_token_ids=(EOS,),
+        seed=_seed(config, step),
+    )
+
+
+def evaluate(engine: Engine, problems: list[Problem], config: RunConfig) -> dict[str, float]:
+    """Held-out accuracy of the policy as the engine holds it: ``held_out_accuracy``, the share
+    of exact answers sampled as the rollout samples (its temperature, ``run.eval_samples`` per
+    problem, the same seed at every evaluation), and ``held_out_greedy``, greedy decoding."""
+    prompts = [list(p.prompt_ids) for p in problems]
+    r = config.rollout
+    params = {
+        "held_out_accuracy": SamplingParams(
+            n=config.run.eval_samples,
+            temperature=r.temperature,
+            max_tokens=r.max_tokens,
+            stop_token_ids=(EOS,),
+            seed=config.run.seed,
+        ),
+        "held_out_greedy": SamplingParams(
+            temperature=0, max_tokens=r.max_tokens, stop_token_ids=(EOS,)
+        ),
+    }
+    out = {}
+    for key, sampling_params in params.items():
+        done = engine.generate(prompts, sampling_params)
+        n = sampling_params.n
+        exact = [
+            reward(problems[i // n], c.completion_ids, config.task) == 1.0
+            for i, c in enumerate(done)
+        ]
+        out[key] = sum(exact) / len(exact)
+    return out
+
+
+def summary_line(m: dict) -> str:
+    parts = [f"step {m['step']:>4}", f"reward {m['reward']:.3f}"]
+    if "held_out_accuracy" in m:
+        parts.append(f"held-out {m['held_out_accuracy']:.3f} (greedy {m['held_out_greedy']:.3f})")
+    parts.append(f"len {m['response_length']:.1f}")
+    if "loss" in m:
+        parts += [
+            f"entropy {m['entropy']:.3f}",
+            f"clip {m['clip_frac_low'] + m['clip_frac_high']:.3f}",
+            f"is-corr {m['correction_frac']:.3f}",
+            f"gap {m['token_mult_prob_error']:.5f}",
+        ]
+    parts.append(f"trained {m['trained_samples']}")
+    parts.append(f"{m['rollout_s']:.2f}+{m['train_s']:.2f}+{m['refit_s']:.2f}s")
+    return " | ".join(parts)
+
+
+def _seed(config: RunConfig, step: int) -> int:
+    return config.run.seed * 1_000_003 + step
+
+
+def _check_vocab(vocab_size: int) -> None:
+    if vocab_size < len(VOCAB):
+        raise ValueError(
+            f"the model's vocab_size={vocab_size} is smaller than the task's {len(VOCAB)} tokens"
+        )
