@@ -61,3 +61,9 @@ def test_module_imports_only_the_packages_below_it(path):
     assert imported <= ALLOWED[package], (
         f"{path.relative_to(ROOT)} ({package}) imports {sorted(imported - ALLOWED[package])}"
     )
+
+
+def test_test_modules_have_unique_basenames():
+    """Test folders have no ``__init__.py``, so pytest refuses two test modules of one name."""
+    names = [p.name for p in (ROOT.parent / "tests").rglob("test_*.py")]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)

@@ -124,8 +124,15 @@ def build_model(
 ) -> MoETransformer:
     """Construct the model, parameters uninitialized (load a checkpoint or `init_weights`)."""
     plan = resolve_plan(config, precision or PrecisionConfig())
-    with torch.device(device):
-        model = MoETransformer(config, plan, fp4_experts)
+    # Built in ``dtype`` directly: building in FP32 and casting would need twice the memory of
+    # the model at its peak (a 48-layer Qwen3-30B-A3B shape: 122 GB before the cast).
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = MoETransformer(config, plan, fp4_experts)
+    finally:
+        torch.set_default_dtype(default)
     return model.to(dtype)
 
 
