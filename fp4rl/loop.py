@@ -10,6 +10,7 @@ directory, one JSON object per step, and a summary line per step to ``log``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import time
@@ -19,6 +20,7 @@ import torch
 
 from fp4rl.config import RunConfig, to_toml
 from fp4rl.model.weights import load_pretrained
+from fp4rl.progress import Progress
 from fp4rl.refit import RefitReceiver, refit_records
 from fp4rl.rollout import Engine, SamplingParams
 from fp4rl.tasks.arith import Problem, held_out_problems, reward, train_problems
@@ -72,73 +74,34 @@ def train(config: RunConfig, *, log=print) -> list[dict]:
             m: dict = {"step": step, "policy_version": engine.policy_version}
             if step % config.run.eval_every == 0:
                 m.update(evaluate(engine, held_out, config))
-
             problems = train_problems(
                 config.task, num=config.rollout.prompts_per_step, seed=_seed(config, step)
             )
-            t0 = time.perf_counter()
-            completions = engine.generate(
-                [list(p.prompt_ids) for p in problems], sampling(config, step)
-            )
-            t1 = time.perf_counter()
-
-            n = config.rollout.samples_per_prompt
-            rewards_GS = torch.tensor(
-                [
-                    [
-                        reward(p, c.completion_ids, config.task)
-                        for c in completions[g * n : (g + 1) * n]
-                    ]
-                    for g, p in enumerate(problems)
-                ]
-            )
-            adv_GS, zero_var_G = group_advantages(
-                rewards_GS,
-                normalize_std=config.grpo.normalize_std,
-                leave_one_out=config.grpo.leave_one_out,
-            )
-            # Samples that teach nothing are left out of the update, and counted: those of
-            # groups whose rewards are all equal (advantage exactly 0) and, when asked, those
-            # cut off by max_tokens.
-            truncated = [c.finish_reason == "length" for c in completions]
-            keep = [
-                i
-                for i in range(len(completions))
-                if not zero_var_G[i // n] and not (config.grpo.mask_truncated and truncated[i])
-            ]
-            stats: dict = {}
-            update = {}
-            if keep:
-                update = grpo_update(
-                    policy,
-                    optimizer,
-                    [completions[i] for i in keep],
-                    [float(adv_GS.flatten()[i]) for i in keep],
-                    config=config.grpo,
-                    replay=replay,
-                    guided=guided,
-                    temperature=config.rollout.temperature,
-                    micro_batch_seqs=config.run.micro_batch_seqs,
-                    stats=stats,
-                )
-            t2 = time.perf_counter()
-            receiver.receive(refit_records(policy, policy_version=engine.policy_version + 1))
-            t3 = time.perf_counter()
-
-            generated = sum(len(c.completion_ids) for c in completions)
-            m.update(
-                reward=float(rewards_GS.mean()),
-                response_length=generated / len(completions),
-                zero_variance_groups=int(zero_var_G.sum()),
-                truncated=sum(truncated),
-                trained_samples=len(keep),
-                replay_fallback_tokens=stats.get("replay_fallback_tokens", 0),
-                rollout_s=t1 - t0,
-                train_s=t2 - t1,
-                refit_s=t3 - t2,
-                rollout_tokens_per_s=generated / (t1 - t0),
-                **update,
-            )
+            with phase(m, "rollout", device):
+                completions = rollout(engine, problems, config, step)
+            keep, advantages = score(problems, completions, config, m)
+            engine.release_kv()  # the trainer takes the memory of the pages while it runs
+            with phase(m, "train", device), Progress(len(keep), f"step {step} train") as bar:
+                if keep:
+                    m.update(
+                        grpo_update(
+                            policy,
+                            optimizer,
+                            [completions[i] for i in keep],
+                            [advantages[i] for i in keep],
+                            config=config.grpo,
+                            replay=replay,
+                            guided=guided,
+                            temperature=config.rollout.temperature,
+                            micro_batch_seqs=config.run.micro_batch_seqs,
+                            stats=m,
+                            on_micro_batch=bar.update,
+                        )
+                    )
+            with phase(m, "refit", device):
+                receiver.receive(refit_records(policy, policy_version=engine.policy_version + 1))
+                engine.acquire_kv()
+            m["rollout_tokens_per_s"] = m["generated_tokens"] / m["rollout_s"]
             history.append(m)
             metrics_file.write(json.dumps(m) + "\n")
             metrics_file.flush()
@@ -150,6 +113,66 @@ def train(config: RunConfig, *, log=print) -> list[dict]:
     for key in ("held_out_accuracy", "held_out_greedy"):
         log(f"{key.replace('_', ' ')} {history[0][key]:.3f} -> {final[key]:.3f}")
     return history
+
+
+def rollout(engine: Engine, problems: list[Problem], config: RunConfig, step: int):
+    total = len(problems) * config.rollout.samples_per_prompt
+    with Progress(total, f"step {step} rollout") as bar:
+        prompts = [list(p.prompt_ids) for p in problems]
+        return engine.generate(prompts, sampling(config, step), on_finish=bar.update)
+
+
+def score(problems, completions, config: RunConfig, m: dict) -> tuple[list[int], list[float]]:
+    """Rewards and group advantages; returns the samples to train on and every advantage.
+
+    Samples that teach nothing are left out of the update, and counted: those of groups whose
+    rewards are all equal (advantage exactly 0) and, with ``grpo.mask_truncated``, those cut
+    off by ``max_tokens``."""
+    n = config.rollout.samples_per_prompt
+    rewards_GS = torch.tensor(
+        [
+            [reward(p, c.completion_ids, config.task) for c in completions[g * n : (g + 1) * n]]
+            for g, p in enumerate(problems)
+        ]
+    )
+    adv_GS, zero_var_G = group_advantages(
+        rewards_GS,
+        normalize_std=config.grpo.normalize_std,
+        leave_one_out=config.grpo.leave_one_out,
+    )
+    truncated = [c.finish_reason == "length" for c in completions]
+    keep = [
+        i
+        for i in range(len(completions))
+        if not zero_var_G[i // n] and not (config.grpo.mask_truncated and truncated[i])
+    ]
+    generated = sum(len(c.completion_ids) for c in completions)
+    m.update(
+        reward=float(rewards_GS.mean()),
+        response_length=generated / len(completions),
+        generated_tokens=generated,
+        zero_variance_groups=int(zero_var_G.sum()),
+        truncated=sum(truncated),
+        trained_samples=len(keep),
+        replay_fallback_tokens=0,  # the update adds the tokens routed live for want of a record
+    )
+    return keep, adv_GS.flatten().tolist()
+
+
+@contextlib.contextmanager
+def phase(m: dict, name: str, device: torch.device):
+    """Time a phase into ``m[name + "_s"]``; on CUDA also its peak memory (GiB) into
+    ``m["peak_" + name + "_gib"]``, counted from the phase's start."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    yield
+    if cuda:
+        torch.cuda.synchronize(device)
+        m[f"peak_{name}_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    m[f"{name}_s"] = time.perf_counter() - start
 
 
 def sampling(config: RunConfig, step: int) -> SamplingParams:

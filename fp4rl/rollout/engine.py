@@ -45,7 +45,8 @@ class Engine:
             )
         self.eos_token_ids = tuple(eos_token_ids)
         self.num_blocks = num_blocks_for_budget(config, self.layout.kv)
-        self.cache = KVCache(self.layout.kv, self.num_blocks, config.block_size, self.layout.device)
+        self.cache: KVCache | None = None
+        self.acquire_kv()
         if config.guidance is not None and not self.layout.guided_keys:
             raise ValueError(
                 f"engine.guidance={config.guidance!r} records FP4 sites, but the model's precision "
@@ -76,23 +77,38 @@ class Engine:
         model = load_pretrained(path, precision, fp4_experts="packed", dtype=dtype, device=device)
         return cls(model, config, eos_token_ids=eos_token_ids(path))
 
+    def release_kv(self) -> None:
+        """Give the KV pages back (a colocated trainer needs the memory while it runs);
+        `generate` refuses to run until `acquire_kv`. Nothing else holds them between calls."""
+        self.cache = None
+
+    def acquire_kv(self) -> None:
+        """Allocate the KV pages (again): zeroed, the size ``engine.kv_memory_bytes`` bought."""
+        if self.cache is None:
+            c = self.config
+            self.cache = KVCache(self.layout.kv, self.num_blocks, c.block_size, self.layout.device)
+
     def generate(
         self,
         prompts: list[list[int]],
         sampling: SamplingParams,
         *,
         stats: dict | None = None,
+        on_finish=None,
     ) -> list[Completion]:
         """Complete every prompt ``sampling.n`` times; results ordered by (prompt, sample).
 
         ``stats`` (optional dict) receives counters: ``steps``, ``preemptions``,
-        ``prefill_tokens``, ``decode_tokens``.
+        ``prefill_tokens``, ``decode_tokens``. ``on_finish`` (optional) is called with the
+        number of samples that finished, after each step that finished any (progress bars).
         """
         if self.invalid is not None:
             raise RuntimeError(
                 f"engine weights are not usable: {self.invalid}; no generation on stale or "
                 "partial weights until a refit succeeds"
             )
+        if self.cache is None:
+            raise RuntimeError("the engine's KV pages were released; call acquire_kv() first")
         self._check_prompts(prompts)
         seed = sampling.seed
         if seed is None:
@@ -124,7 +140,10 @@ class Engine:
                 step = scheduler.schedule()
                 if not step.prefills and not step.decodes:
                     raise RuntimeError("scheduler made no progress (a bug: one sequence fits)")
-                done += self._run_step(step, scheduler)
+                finished = self._run_step(step, scheduler)
+                done += finished
+                if on_finish is not None and finished:
+                    on_finish(len(finished))
                 counters["steps"] += 1
                 counters["preemptions"] += step.num_preempted
                 counters["decode_tokens"] += len(step.decodes)

@@ -34,10 +34,12 @@ def grpo_update(
     temperature: float,
     micro_batch_seqs: int,
     stats: dict | None = None,
+    on_micro_batch=None,
 ) -> dict[str, float]:
     """Accumulate the GRPO gradient of ``completions`` and take one optimizer step. Returns
     the loss and the objective's metrics (token-weighted means over the update) and the
-    optimizer's ``lr``, ``grad_norm`` and ``skipped``."""
+    optimizer's ``lr``, ``grad_norm`` and ``skipped``. ``stats`` receives the forward's counters
+    (``replay_fallback_tokens``); ``on_micro_batch(num_completions)`` is called after each."""
     if len(completions) != len(advantages_Q) or not completions:
         raise ValueError(
             f"{len(completions)} completions and {len(advantages_Q)} advantages; need as many, "
@@ -74,6 +76,8 @@ def grpo_update(
         )
         loss.backward()
         optimizer.accumulate()
+        if on_micro_batch is not None:
+            on_micro_batch(batch.num_seqs)
         # The micro-batch losses sum to the update's loss; the metrics are means over each
         # call's tokens, so they combine weighted by token share.
         sums["loss"] = sums.get("loss", 0.0) + loss.detach().float()

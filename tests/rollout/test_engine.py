@@ -315,3 +315,20 @@ def test_non_finite_logits_stop_generation(models):
     engine = Engine(Poisoned(packed), config())
     with pytest.raises(RuntimeError, match="non-finite logits for prompt 0 sample 0"):
         engine.generate([[1, 2]], SamplingParams(max_tokens=5))
+
+
+def test_kv_pages_can_be_given_back_and_taken_again(models):
+    """A colocated trainer takes the pages' memory while it runs; the engine refuses to
+    generate without them, and generates the same after taking them again."""
+    packed, _ = models[("nvfp4", "nvfp4")]
+    engine = Engine(packed, config())
+    sampling = SamplingParams(n=2, max_tokens=6, seed=4)
+    finished = []
+    before = engine.generate(PROMPTS[:2], sampling, on_finish=finished.append)
+    assert sum(finished) == 4
+    engine.release_kv()
+    assert engine.cache is None
+    with pytest.raises(RuntimeError, match="KV pages were released; call acquire_kv"):
+        engine.generate(PROMPTS[:2], sampling)
+    engine.acquire_kv()
+    assert_same_outputs(before, engine.generate(PROMPTS[:2], sampling))
