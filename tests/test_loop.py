@@ -17,10 +17,7 @@ from fp4rl.train.optim import MasterAdamW, OptimConfig
 from fp4rl.train.step import grpo_update
 
 # A warm-up this short leaves the policy weak but not useless; enough to exercise every part.
-SHORT_WARMUP = demo.Warmup(
-    steps=40,
-    optim=OptimConfig(lr=3e-3, warmup_steps=5, schedule="cosine", total_steps=40),
-)
+SHORT_WARMUP = demo.Warmup(steps=40, check_every=20, optim=OptimConfig(lr=3e-3, warmup_steps=5))
 
 
 @pytest.fixture(scope="module")
@@ -131,9 +128,9 @@ def test_update_does_not_depend_on_the_micro_batch_split(base):
 # any of rollout, reward, advantages, loss, optimizer or refit moves these numbers. Rewards are
 # exact (correct samples / 512); losses agree to FP32 rounding.
 PINNED = [  # (reward, loss) of steps 0, 1, 2
-    (0.021484375, 0.008928567171096802),
-    (0.0078125, 0.012295073829591274),
-    (0.015625, 0.012310600839555264),
+    (0.0234375, 0.005921041127294302),
+    (0.0234375, -0.005434783641248941),
+    (0.033203125, 0.0012254917528480291),
 ]
 
 
@@ -156,3 +153,34 @@ def test_first_steps_are_pinned(tmp_path, base):
     for (reward_got, loss_got), (reward_want, loss_want) in zip(got, PINNED, strict=True):
         assert reward_got == reward_want
         assert loss_got == pytest.approx(loss_want, rel=1e-5, abs=1e-7)
+
+
+def test_greedy_exact_matches_greedy_decoding(base):
+    """The warm-up's stopping rule counts exact greedy answers from one teacher-forced forward.
+    Taking the engine's own greedy completions as the answers, it must count every one of them
+    (and none once each answer's last token is changed)."""
+    from fp4rl.records import Completion, collate
+    from fp4rl.rollout import SamplingParams
+
+    config, policy, engine = policy_and_engine(base)
+    problems = train_problems(config.task, num=48, seed=9)
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    done = engine.generate([list(p.prompt_ids) for p in problems], greedy)
+
+    def answers(shift: int):
+        return collate(
+            [
+                Completion(
+                    prompt_index=0,
+                    sample_index=0,
+                    prompt_ids=c.prompt_ids,
+                    completion_ids=(*c.completion_ids[:-1], (c.completion_ids[-1] + shift) % 15),
+                    finish_reason="stop",
+                    policy_version=0,
+                )
+                for c in done
+            ]
+        )
+
+    assert demo.greedy_exact(policy, answers(0)) == 1.0
+    assert demo.greedy_exact(policy, answers(1)) == 0.0
