@@ -13,16 +13,17 @@ ROOT = Path(__file__).resolve().parents[1] / "fp4rl"
 
 # package (first component under fp4rl/, a module's stem for top-level files) -> what it may import
 ALLOWED = {
+    "checks": set(),
     "fp4": {"fp4"},
     "kernels": {"fp4", "kernels"},
     "ops": {"fp4", "kernels"},
     "records": {"fp4"},
-    "model": {"fp4", "ops", "records", "model"},
-    "rollout": {"fp4", "ops", "records", "model", "rollout"},
-    "train": {"fp4", "ops", "records", "model", "train"},
+    "model": {"fp4", "ops", "records", "model", "checks"},
+    "rollout": {"fp4", "ops", "records", "model", "rollout", "checks"},
+    "train": {"fp4", "ops", "records", "model", "train", "checks"},
     "refit": {"fp4", "ops", "records", "model", "rollout", "refit"},
-    "tasks": {"tasks"},
-    "config": {"fp4", "ops", "records", "model", "rollout", "train", "tasks", "config"},
+    "tasks": {"tasks", "checks"},
+    "config": {"fp4", "ops", "records", "model", "rollout", "train", "tasks", "config", "checks"},
     "progress": set(),
     "loop": {
         "fp4",

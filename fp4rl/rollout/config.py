@@ -12,18 +12,10 @@ import math
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from fp4rl import checks
+
 GuidanceMode = Literal["full", "compact"]
 GUIDANCE_MODES = (None, *get_args(GuidanceMode))
-
-
-def _int_at_least(section: str, key: str, value, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{section}.{key} must be an int >= {minimum}, got {value!r}")
-
-
-def _bool(section: str, key: str, value) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{section}.{key} must be a bool, got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -46,10 +38,10 @@ class EngineConfig:
             ("max_num_batched_tokens", 1),
             ("max_model_len", 2),
         ):
-            _int_at_least(s, key, getattr(self, key), minimum)
+            checks.integer(f"{s}.{key}", getattr(self, key), minimum)
         if self.guidance not in GUIDANCE_MODES:
             raise ValueError(f"{s}.guidance must be one of {GUIDANCE_MODES}, got {self.guidance!r}")
-        _bool(s, "capture_routing", self.capture_routing)
+        checks.boolean(f"{s}.capture_routing", self.capture_routing)
         fraction = self.compact_fraction
         if (
             not isinstance(fraction, int | float)
@@ -98,8 +90,8 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         s = "sampling"
-        _int_at_least(s, "n", self.n, 1)
-        _int_at_least(s, "max_tokens", self.max_tokens, 1)
+        checks.integer(f"{s}.n", self.n, 1)
+        checks.integer(f"{s}.max_tokens", self.max_tokens, 1)
         t = self.temperature
         if not isinstance(t, int | float) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
             raise ValueError(f"{s}.temperature must be a finite number >= 0, got {t!r}")
@@ -107,7 +99,7 @@ class SamplingParams:
         if not isinstance(p, int | float) or isinstance(p, bool) or not (0.0 < p <= 1.0):
             raise ValueError(f"{s}.top_p must be in (0, 1], got {p!r}")
         if self.top_k is not None:
-            _int_at_least(s, "top_k", self.top_k, 1)
+            checks.integer(f"{s}.top_k", self.top_k, 1)
         if not isinstance(self.stop_token_ids, tuple) or not all(
             isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.stop_token_ids
         ):
@@ -116,9 +108,9 @@ class SamplingParams:
                 f"{self.stop_token_ids!r}"
             )
         if self.seed is not None:
-            _int_at_least(s, "seed", self.seed, 0)
-        _bool(s, "ignore_eos", self.ignore_eos)
-        _bool(s, "return_logprobs", self.return_logprobs)
+            checks.integer(f"{s}.seed", self.seed, 0)
+        checks.boolean(f"{s}.ignore_eos", self.ignore_eos)
+        checks.boolean(f"{s}.return_logprobs", self.return_logprobs)
 
     @property
     def greedy(self) -> bool:

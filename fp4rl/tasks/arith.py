@@ -12,27 +12,16 @@ vocabulary (`fp4rl.tasks.tokenizer`), sampling, or the evaluation loop.
 from __future__ import annotations
 
 import hashlib
-import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from fp4rl import checks
 from fp4rl.tasks.tokenizer import BOS, EOS, encode
 
 Split = Literal["train", "held_out"]
 _DIGIT_IDS = frozenset(encode("0123456789"))
-
-
-def _int(key: str, value, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"task.{key} must be an int >= {minimum}, got {value!r}")
-
-
-def _fraction(key: str, value, bound: str, ok) -> None:
-    real = isinstance(value, int | float) and not isinstance(value, bool)
-    if not (real and math.isfinite(value) and ok(value)):
-        raise ValueError(f"task.{key} must be a number {bound}, got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -46,14 +35,15 @@ class TaskConfig:
     format_reward: float = 0.0  # reward for a wrong answer that is digits followed by EOS
 
     def __post_init__(self) -> None:
-        _int("min_digits", self.min_digits, 1)
-        _int("max_digits", self.max_digits, self.min_digits)
-        if not isinstance(self.reverse_answer, bool):
-            raise ValueError(f"task.reverse_answer must be a bool, got {self.reverse_answer!r}")
-        _fraction("held_out_fraction", self.held_out_fraction, "in (0, 1)", lambda v: 0 < v < 1)
-        _int("num_held_out", self.num_held_out, 1)
-        _int("held_out_seed", self.held_out_seed, 0)
-        _fraction("format_reward", self.format_reward, "in [0, 1)", lambda v: 0 <= v < 1)
+        checks.integer("task.min_digits", self.min_digits, 1)
+        checks.integer("task.max_digits", self.max_digits, self.min_digits)
+        checks.boolean("task.reverse_answer", self.reverse_answer)
+        checks.number(
+            "task.held_out_fraction", self.held_out_fraction, "in (0, 1)", lambda v: 0 < v < 1
+        )
+        checks.integer("task.num_held_out", self.num_held_out, 1)
+        checks.integer("task.held_out_seed", self.held_out_seed, 0)
+        checks.number("task.format_reward", self.format_reward, "in [0, 1)", lambda v: 0 <= v < 1)
         # Drawing distinct held-out problems by rejection must end: ask for at most half of
         # the problems the split is expected to hold.
         numbers = sum(10 if d == 1 else 9 * 10 ** (d - 1) for d in self._digit_range())
@@ -105,8 +95,8 @@ def _operand(rng: random.Random, config: TaskConfig) -> int:
 
 def train_problems(config: TaskConfig, *, num: int, seed: int) -> list[Problem]:
     """``num`` problems drawn independently (repeats possible) from the train split."""
-    _int("num", num, 0)
-    _int("seed", seed, 0)
+    checks.integer("task.num", num, 0)
+    checks.integer("task.seed", seed, 0)
     rng, out = random.Random(seed), []
     while len(out) < num:
         a, b = _operand(rng, config), _operand(rng, config)

@@ -27,20 +27,15 @@ and defaults to ``logp_new.detach()``: ``r`` is 1 in value and its gradient is t
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
 
+from fp4rl import checks
+
 Aggregation = Literal["token_mean", "seq_mean"]
 Correction = Literal["none", "tis", "mask"]
-
-
-def _number(key: str, value, bound: str, ok) -> None:
-    real = isinstance(value, int | float) and not isinstance(value, bool)
-    if not (real and math.isfinite(value) and ok(value)):
-        raise ValueError(f"grpo.{key} must be a finite number {bound}, got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -60,21 +55,17 @@ class GrpoConfig:
 
     def __post_init__(self) -> None:
         for key in ("normalize_std", "leave_one_out", "mask_truncated"):
-            if not isinstance(getattr(self, key), bool):
-                raise ValueError(f"grpo.{key} must be a bool, got {getattr(self, key)!r}")
+            checks.boolean(f"grpo.{key}", getattr(self, key))
         for key, allowed in (("aggregation", Aggregation), ("correction", Correction)):
-            if getattr(self, key) not in get_args(allowed):
-                raise ValueError(
-                    f"grpo.{key} must be one of {get_args(allowed)}, got {getattr(self, key)!r}"
-                )
+            checks.choice(f"grpo.{key}", getattr(self, key), get_args(allowed))
         # 1 - clip_low must stay positive, or the low clip would never bind.
-        _number("clip_low", self.clip_low, "in [0, 1)", lambda v: 0 <= v < 1)
-        _number("clip_high", self.clip_high, ">= 0", lambda v: v >= 0)
+        checks.number("grpo.clip_low", self.clip_low, "in [0, 1)", lambda v: 0 <= v < 1)
+        checks.number("grpo.clip_high", self.clip_high, ">= 0", lambda v: v >= 0)
         # A cap below 1 would down-weight tokens on which rollout and trainer agree exactly.
-        _number("tis_cap", self.tis_cap, ">= 1", lambda v: v >= 1)
-        _number("mask_low", self.mask_low, "in (0, 1]", lambda v: 0 < v <= 1)
-        _number("mask_high", self.mask_high, ">= 1", lambda v: v >= 1)
-        _number("kl_coef", self.kl_coef, ">= 0", lambda v: v >= 0)
+        checks.number("grpo.tis_cap", self.tis_cap, ">= 1", lambda v: v >= 1)
+        checks.number("grpo.mask_low", self.mask_low, "in (0, 1]", lambda v: 0 < v <= 1)
+        checks.number("grpo.mask_high", self.mask_high, ">= 1", lambda v: v >= 1)
+        checks.number("grpo.kl_coef", self.kl_coef, ">= 0", lambda v: v >= 0)
         for key in ("clip_low", "clip_high", "tis_cap", "mask_low", "mask_high", "kl_coef"):
             object.__setattr__(self, key, float(getattr(self, key)))
 

@@ -15,13 +15,9 @@ from typing import Literal, get_args
 
 import torch
 
+from fp4rl import checks
+
 Schedule = Literal["constant", "cosine"]
-
-
-def _real(key: str, value, bound: str, ok) -> None:
-    real = isinstance(value, int | float) and not isinstance(value, bool)
-    if not (real and math.isfinite(value) and ok(value)):
-        raise ValueError(f"optim.{key} must be a finite number {bound}, got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -38,18 +34,19 @@ class OptimConfig:
     total_steps: int | None = None  # "cosine" reaches min_lr at this step
 
     def __post_init__(self) -> None:
-        _real("lr", self.lr, "> 0", lambda v: v > 0)
-        _real("min_lr", self.min_lr, f"in [0, lr={self.lr}]", lambda v: 0 <= v <= self.lr)
-        _real("beta1", self.beta1, "in [0, 1)", lambda v: 0 <= v < 1)
-        _real("beta2", self.beta2, "in [0, 1)", lambda v: 0 <= v < 1)
-        _real("eps", self.eps, "> 0", lambda v: v > 0)
-        _real("weight_decay", self.weight_decay, ">= 0", lambda v: v >= 0)
+        checks.number("optim.lr", self.lr, "> 0", lambda v: v > 0)
+        checks.number(
+            "optim.min_lr", self.min_lr, f"in [0, lr={self.lr}]", lambda v: 0 <= v <= self.lr
+        )
+        checks.number("optim.beta1", self.beta1, "in [0, 1)", lambda v: 0 <= v < 1)
+        checks.number("optim.beta2", self.beta2, "in [0, 1)", lambda v: 0 <= v < 1)
+        checks.number("optim.eps", self.eps, "> 0", lambda v: v > 0)
+        checks.number("optim.weight_decay", self.weight_decay, ">= 0", lambda v: v >= 0)
         if self.max_grad_norm is not None:
-            _real("max_grad_norm", self.max_grad_norm, "> 0 (or None)", lambda v: v > 0)
-        if self.schedule not in get_args(Schedule):
-            raise ValueError(
-                f"optim.schedule must be one of {get_args(Schedule)}, got {self.schedule!r}"
+            checks.number(
+                "optim.max_grad_norm", self.max_grad_norm, "> 0 (or None)", lambda v: v > 0
             )
+        checks.choice("optim.schedule", self.schedule, get_args(Schedule))
         w = self.warmup_steps
         if not isinstance(w, int) or isinstance(w, bool) or w < 0:
             raise ValueError(f"optim.warmup_steps must be an int >= 0, got {w!r}")
