@@ -60,6 +60,35 @@ class RolloutSection:
         checks.number("rollout.temperature", self.temperature, "> 0", lambda t: t > 0)
 
 
+Rounding = Literal["guided", "nearest"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AlignSection:
+    """How the trainer aligns with the rollout, and how often the mismatch is measured. What
+    the engine records (``engine.capture_routing``, ``engine.guidance``) is what the trainer
+    can use, and by default (None) it uses it; setting these chooses otherwise (the variants
+    of a study: e.g. the engine records full codes to measure agreement, the trainer rounds to
+    nearest)."""
+
+    replay: bool | None = None  # run the rollout's experts; None: iff the engine records them
+    rounding: Rounding | None = None  # None: "guided" iff the engine records guidance
+    observe_every: int = 10  # mismatch metrics every this many steps; 0: never
+
+    def __post_init__(self) -> None:
+        if self.replay is not None:
+            checks.boolean("align.replay", self.replay)
+        if self.rounding is not None:
+            checks.choice("align.rounding", self.rounding, get_args(Rounding))
+        checks.integer("align.observe_every", self.observe_every, 0)
+
+    def resolve(self, engine: EngineConfig) -> tuple[bool, bool]:
+        """``(replay, guided)`` for the trainer."""
+        replay = engine.capture_routing if self.replay is None else self.replay
+        rounding = self.rounding or ("guided" if engine.guidance is not None else "nearest")
+        return replay, rounding == "guided"
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RunSection:
     steps: int = 100  # GRPO steps (rollout, reward, update, refit)
@@ -92,7 +121,28 @@ class RunConfig:
     grpo: GrpoConfig = field(default_factory=GrpoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    align: AlignSection = field(default_factory=AlignSection)
     run: RunSection = field(default_factory=RunSection)
+
+    def __post_init__(self) -> None:
+        replay, guided = self.align.resolve(self.engine)
+        if replay and not self.engine.capture_routing:
+            raise ValueError(
+                "align.replay=true needs the rollout's routing record: set "
+                "engine.capture_routing=true, or align.replay=false to route live"
+            )
+        if guided and self.engine.guidance is None:
+            raise ValueError(
+                "align.rounding='guided' needs the rollout's codes: set engine.guidance to "
+                "'full' or 'compact', or align.rounding='nearest'"
+            )
+        if guided and not replay:
+            # The expert intermediate's records belong to the rollout's experts; the trainer's
+            # own experts would follow codes of other rows.
+            raise ValueError(
+                "align.rounding='guided' needs router replay (align.replay and "
+                "engine.capture_routing true)"
+            )
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """The resolved config as TOML-ready tables (None values left out, as TOML has none)."""

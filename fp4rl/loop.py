@@ -2,10 +2,11 @@
 
 `train(config)` reads top to bottom. The trainer holds the QAT model (BF16-layout parameters,
 FP32 masters, fake-quantized W4A4 experts); the engine holds its packed twin, refit from the
-trainer after every update through `fp4rl.refit`. Routing is replayed when the engine records
-it, and the trainer rounds toward the rollout's codes when the engine records guidance: the
-engine's config is the one place that says so. Metrics go to ``metrics.jsonl`` in the run
-directory, one JSON object per step, and a summary line per step to ``log``.
+trainer after every update through `fp4rl.refit`. The engine records routing and guidance as
+its config says; ``[align]`` says whether the trainer replays and follows them, and how often
+the mismatch between the two is measured (`fp4rl.train.observe`). Metrics go to
+``metrics.jsonl`` in the run directory, one JSON object per step, and a summary line per step
+to ``log``.
 """
 
 from __future__ import annotations
@@ -21,11 +22,14 @@ import torch
 from fp4rl.config import RunConfig, to_toml
 from fp4rl.model.weights import load_pretrained
 from fp4rl.progress import Progress
+from fp4rl.records import capture_bytes_per_generated_token as capture_bytes
+from fp4rl.records import collate
 from fp4rl.refit import RefitReceiver, refit_records
 from fp4rl.rollout import Engine, SamplingParams
 from fp4rl.tasks.arith import Problem, held_out_problems, reward, train_problems
 from fp4rl.tasks.tokenizer import EOS, VOCAB
 from fp4rl.train.grpo import group_advantages
+from fp4rl.train.observe import observe
 from fp4rl.train.optim import MasterAdamW
 from fp4rl.train.step import grpo_update
 
@@ -65,8 +69,11 @@ def train(config: RunConfig, *, log=print) -> list[dict]:
     optimizer = MasterAdamW(policy.parameters(), config.optim)
     receiver = RefitReceiver(engine)
     held_out = held_out_problems(config.task)
-    replay, guided = config.engine.capture_routing, config.engine.guidance is not None
-    log(f"precision plan:\n{policy.plan}\nreplay={replay} guided={config.engine.guidance}")
+    replay, guided = config.align.resolve(config.engine)
+    log(
+        f"precision plan:\n{policy.plan}\nreplay={replay} guided={guided} "
+        f"(the engine records guidance={config.engine.guidance})"
+    )
 
     history = []
     with open(run_dir / "metrics.jsonl", "a") as metrics_file:
@@ -80,6 +87,11 @@ def train(config: RunConfig, *, log=print) -> list[dict]:
             with phase(m, "rollout", device):
                 completions = rollout(engine, problems, config, step)
             keep, advantages = score(problems, completions, config, m)
+            every = config.align.observe_every
+            if every and step % every == 0:
+                batch = collate(completions[: config.run.micro_batch_seqs])
+                m.update(observe(policy, batch, replay=replay, guided=guided))
+                m.update({f"{k}_bytes_per_token": v for k, v in capture_bytes(completions).items()})
             engine.release_kv()  # the trainer takes the memory of the pages while it runs
             with phase(m, "train", device), Progress(len(keep), f"step {step} train") as bar:
                 if keep:
@@ -221,6 +233,8 @@ def summary_line(m: dict) -> str:
     if "held_out_accuracy" in m:
         parts.append(f"held-out {m['held_out_accuracy']:.3f} (greedy {m['held_out_greedy']:.3f})")
     parts.append(f"len {m['response_length']:.1f}")
+    if "code_agreement" in m:
+        parts.append(f"codes {m['code_agreement']:.4f}")
     if "loss" in m:
         parts += [
             f"entropy {m['entropy']:.3f}",

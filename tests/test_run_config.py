@@ -14,7 +14,10 @@ def test_defaults_and_a_file_with_overrides(tmp_path):
     file.write_text(
         '[precision]\nkv_cache = "nvfp4"\nguided_sites = ["k", "v"]\n[run]\nsteps = 7\n'
     )
-    c = run_config.load(file, ["run.steps=9", "optim.lr=1e-5", "engine.guidance=full"])
+    c = run_config.load(
+        file,
+        ["run.steps=9", "optim.lr=1e-5", "engine.guidance=full", "engine.capture_routing=true"],
+    )
     assert c.precision.kv_cache == "nvfp4" and c.precision.guided_sites == ("k", "v")
     assert (c.run.steps, c.optim.lr, c.engine.guidance) == (9, 1e-5, "full")
 
@@ -37,6 +40,12 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
         (["engine.guidance=partial"], r"engine.guidance must be one of"),
         (["rollout.samples_per_prompt=1"], r"rollout.samples_per_prompt must be an int >= 2"),
         (["steps=3"], r"--set takes section.key=value"),
+        (["align.replay=true"], r"align.replay=true needs the rollout's routing record"),
+        (["align.rounding=guided"], r"align.rounding='guided' needs the rollout's codes"),
+        (
+            ["engine.guidance=full", "align.replay=false", "engine.capture_routing=true"],
+            r"align.rounding='guided' needs router replay",
+        ),
     ],
 )
 def test_mistakes_name_the_key_and_value(overrides, message):
@@ -68,3 +77,17 @@ def test_help_explains_every_option(command, capsys):
         tuple(command), ["--seeds", "--steps", "--cache-dir", "--out-dir", "--set"]
     ):
         assert option in out
+
+
+def test_align_follows_what_the_engine_records_unless_told_otherwise():
+    recorded = ["engine.capture_routing=true", "engine.guidance=compact"]
+    assert run_config.load(None, recorded).align.resolve(
+        run_config.load(None, recorded).engine
+    ) == (
+        True,
+        True,
+    )
+    nearest = run_config.load(None, [*recorded, "align.rounding=nearest"])
+    assert nearest.align.resolve(nearest.engine) == (True, False)
+    plain = run_config.load()
+    assert plain.align.resolve(plain.engine) == (False, False)
