@@ -17,9 +17,10 @@ global scales, dequantized values). All arithmetic is FP32, in this order:
 
 Zero and non-finite groups: a group with ``global_scale == 0`` gets zero codes and zero block
 scales; a block with ``block_scale == 0`` gets zero codes. A caller-given global scale is
-flushed the same way below ``MIN_GLOBAL_SCALE``; a negative one is refused. A poisoned group
-(any NaN or ±Inf in it) gets a NaN global scale, NaN block scales (byte 0x7F) and zero codes, so
-every value of it dequantizes to NaN and never to a plausible finite number.
+flushed the same way below ``MIN_GLOBAL_SCALE``; a negative or NaN one poisons its group. A
+poisoned group (any NaN or ±Inf in it, or a negative or NaN caller-given scale) gets a NaN global
+scale, NaN block scales (byte 0x7F) and zero codes, so every value of it dequantizes to NaN and
+never to a plausible finite number.
 """
 
 from __future__ import annotations
@@ -162,7 +163,9 @@ def resolve_global_scale(
     """The FP32 global scale of each group, shaped ``shape[:-g] + (1,) * g``.
 
     Computed from ``x`` when ``global_scale`` is None; otherwise the caller's scale (for groups
-    that span several tensors, such as an expert's W1 and W3) is checked and broadcast.
+    that span several tensors, such as an expert's W1 and W3) is checked and broadcast. Only its
+    dtype and shape are checked on the host; its values never leave the device (no sync, so a
+    quantize with a given scale can be captured in a CUDA graph).
     """
     g = group_ndim(x, scaling)
     shape = global_scale_shape(x.shape, g)
@@ -178,8 +181,9 @@ def resolve_global_scale(
             f"global_scale of shape {tuple(global_scale.shape)} does not broadcast to the "
             f"{shape} that scaling={scaling!r} gives for x of shape {tuple(x.shape)}"
         ) from err
-    if (s < 0).any() or (torch.signbit(s) & s.isnan()).any():
-        raise ValueError(f"global_scale must be >= 0 or a positive NaN; got min {s.min().item()}")
+    # A negative scale (or a NaN of either sign) fails closed, as non-finite input does: the
+    # canonical NaN poisons the group (NaN block scales, zero codes). -0 is not negative.
+    s = torch.where((s < 0) | s.isnan(), torch.full_like(s, math.nan), s)
     # The same flush as for computed scales: a tiny scale would make 1 / (sf * s) infinite.
     return torch.where(s < MIN_GLOBAL_SCALE, torch.zeros_like(s), s)
 

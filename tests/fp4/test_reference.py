@@ -152,6 +152,35 @@ def test_non_finite_input_poisons_its_group(bad, scaling):
     assert (t.codes[2] == 0).all()
 
 
+def test_negative_or_nan_caller_scale_poisons_its_group():
+    """Checked on the device, not refused on the host: the group fails closed like non-finite
+    input (canonical NaN global scale, NaN block scales, zero codes); -0 is a zero scale."""
+    x = torch.randn(6, 32)
+    nan_bits = torch.tensor([0x7FC00001, -0x400000], dtype=torch.int32).view(torch.float32)
+    given = torch.tensor([[-1.0], [-math.inf], [0.01], [-0.0], [0.0], [0.02]])
+    given[4, 0], given[5, 0] = nan_bits  # a positive NaN with a payload, and a negative NaN
+    t = R.quantize(x, scaling="row", global_scale=given)
+    poisoned = [0, 1, 4, 5]
+    assert (t.global_scale[poisoned].view(torch.int32) == 0x7FC00000).all()
+    assert (t.block_scale[poisoned].view(torch.uint8) == 0x7F).all()
+    assert (t.codes[poisoned] == 0).all() and R.dequantize(t)[poisoned].isnan().all()
+    assert t.global_scale[3].view(torch.int32).item() == 0  # -0 flushes to +0: zero codes
+    assert (t.codes[3] == 0).all() and (t.block_scale[3].float() == 0).all()
+    assert not R.dequantize(t)[[2, 3]].isnan().any()
+
+
+def test_caller_scale_is_never_read_on_the_host():
+    """No `.any()` / `.item()` on the scale's values: the whole resolution runs on tensors of
+    the meta device, which have no values to read (a CUDA caller pays no sync)."""
+    x = torch.empty(4, 3, 32, dtype=torch.bfloat16, device="meta")
+    s = R.resolve_global_scale(x, 2, torch.empty(4, 1, 1, device="meta"))
+    assert s.shape == (4, 1, 1) and s.device.type == "meta"
+    with pytest.raises(ValueError, match="does not broadcast"):
+        R.resolve_global_scale(x, 2, torch.empty(3, 1, 1, device="meta"))
+    with pytest.raises(TypeError, match="float32"):
+        R.resolve_global_scale(x, 2, torch.empty(4, 1, 1, dtype=torch.float16, device="meta"))
+
+
 def test_caller_scale_with_non_finite_block_marks_only_that_block():
     x = torch.randn(2, 32)
     s = R.quantize(x, scaling="row").global_scale
@@ -180,8 +209,6 @@ def test_bad_scaling_and_global_scale_are_named():
         R.quantize(x, scaling="col")
     with pytest.raises(ValueError, match=r"\(3, 1\)"):
         R.quantize(x, scaling="row", global_scale=torch.ones(3, 1))
-    with pytest.raises(ValueError, match=r">= 0 or a positive NaN; got min -1.0"):
-        R.quantize(x, scaling="row", global_scale=-torch.ones(4, 1))
     tiny = R.quantize(x, scaling="row", global_scale=torch.full((4, 1), 1e-36))
     assert (tiny.global_scale == 0).all() and (tiny.codes == 0).all()
     with pytest.raises(TypeError, match="float32"):
