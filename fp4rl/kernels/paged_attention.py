@@ -1,0 +1,456 @@
+"""Decode attention over paged KV, read where it lies: BF16 pages or NVFP4 pages.
+
+One query token per sequence attends to its sequence's cached context (itself included): the
+context's ``context_B[b]`` tokens sit in pages named by row b of ``block_table_BN`` (token t in
+page ``block_table_BN[b, t // P]`` at offset ``t % P``). Query heads are grouped over the KV
+heads (head ``h`` reads KV head ``h // G``). Each program takes one sequence, one KV head (all
+G query heads that share it) and one stretch of the context, and walks it BLOCK_N tokens at a
+time with an online softmax; nothing is gathered to memory.
+
+Numerics, the contract of `reference_decode` (the twin below: ``attend_fp32`` over
+``KVCache.read`` in `fp4rl.rollout`, restricted to one query token):
+
+- K and V enter the dot products as exactly the values ``KVCache.read`` returns in the query
+  dtype: BF16 pages cast to it, NVFP4 pages decoded in registers as ``reference.dequantize``
+  computes them, ``(e2m1 * f32(block_scale)) * global_scale`` in FP32, then cast (the decode is
+  `moe_gemm`'s: the first product is exact, the second rounds once, for every global scale below
+  2**120).
+- Scores ``(q . k) * (1 / sqrt(D))`` and the softmax are FP32. With BF16 queries, q . k runs on
+  the tensor cores (BF16 products are exact, FP32 sums) and so does p . v: each FP32
+  probability is split into three BF16 parts whose sum is exactly p, so all three products are
+  exact and only the FP32 summation order differs from the reference. FP32 queries use IEEE
+  FP32 dot products.
+- The output is ``acc / l`` (an IEEE division), cast once to the query dtype. Against the
+  reference only the order of FP32 sums and the exp approximation differ: ~1e-6 of the output's
+  scale, then the one rounding to the query dtype.
+- Tokens past a context are never read (masked loads), so padding pages may hold anything,
+  NaN included; a NaN K or V value inside a context makes its KV head's outputs NaN, as in
+  the reference. A context of 0 gives NaN (0 / 0), as the reference's all-masked softmax does.
+
+Work split: for long contexts at small batch, the context is cut into ``num_splits`` stretches
+(flash-decoding); each program writes its unnormalized output, running maximum and sum, and a
+second small kernel combines the stretches. The number of stretches depends on host-known
+shapes only (batch, heads, table width) and the launch reads nothing back, so it can be
+captured in a CUDA graph: contexts and tables may change between replays.
+
+Legend: B sequences, Hq query heads, K KV heads, G = Hq / K, D head dim, N table columns, P
+page (block) size, S context splits.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from fp4rl.fp4 import reference
+from fp4rl.fp4.tensor import NVFP4Tensor
+from fp4rl.kernels.launch import check_contiguous, check_device, check_kernel_device, device_of
+from fp4rl.kernels.numerics import e4m3_value, round_to
+
+KVPages = torch.Tensor | NVFP4Tensor  # [num_blocks, P, K, D] values, or the NVFP4 members
+
+# The decode of `moe_gemm` (docs/numerics.md): a code's magnitude index moved to FP32 bits
+# 22-24 is e2m1 * 2**-126, and the 2**126 comes back split between the block scale (times
+# 2**118, finite up to 448) and the global scale (times 2**8, finite below 2**120); both
+# products are exact up to the last one, which rounds as (e2m1 * sf) * s does.
+_BLOCK_SCALE_BIAS = tl.constexpr(2.0**118)
+_GLOBAL_SCALE_BIAS = tl.constexpr(2.0**8)
+_CODE_BITS = tl.constexpr(0x81C00000 - (1 << 32))  # FP32 sign bit and bits 22-24, as int32
+# Kernels are decorated interpreted-or-compiled when this package is imported; so is this.
+_INTERPRETED = tl.constexpr(bool(triton.knobs.runtime.interpret))
+
+
+@triton.jit
+def _code_values(words, sf_W, s_N, J: tl.constexpr, DTYPE: tl.constexpr):
+    """Code J of each int32 word of 8 (element ``8 * word + J``) scaled back, in DTYPE."""
+    e2m1 = (((words << (28 - 4 * J)) >> 6) & _CODE_BITS).to(tl.float32, bitcast=True)
+    return round_to((e2m1 * sf_W) * s_N[:, None], DTYPE)
+
+
+@triton.jit
+def _load_kv(
+    pages, block_scale, global_scale, rows_N, ok_N, D: tl.constexpr, NVFP4: tl.constexpr,
+    DTYPE: tl.constexpr,
+):  # fmt: skip
+    """The ``[BLOCK_N, D]`` K or V values of cache rows ``rows_N`` (row = slot * K + kv head) in
+    DTYPE, as ``KVCache.read`` returns them; 0 where ``ok_N`` is False."""
+    if NVFP4:
+        W: tl.constexpr = D // 8  # int32 words of codes per row
+        words = tl.load(
+            pages + rows_N[:, None] * W + tl.arange(0, W)[None, :], mask=ok_N[:, None], other=0
+        )
+        scale_bytes = tl.load(
+            block_scale + rows_N[:, None] * (D // 16) + tl.arange(0, D // 16)[None, :],
+            mask=ok_N[:, None],
+            other=0,
+        )
+        sf = e4m3_value(scale_bytes.to(tl.int32)) * _BLOCK_SCALE_BIAS
+        sf_W = tl.reshape(tl.join(sf, sf), [rows_N.shape[0], W])  # a block is two words
+        s_N = tl.load(global_scale + rows_N, mask=ok_N, other=0.0) * _GLOBAL_SCALE_BIAS
+        # Joined as [..., b2, b1, b0] for J = 4 * b2 + 2 * b1 + b0: element 8 * word + J.
+        evens = tl.join(
+            tl.join(
+                _code_values(words, sf_W, s_N, 0, DTYPE), _code_values(words, sf_W, s_N, 4, DTYPE)
+            ),
+            tl.join(
+                _code_values(words, sf_W, s_N, 2, DTYPE), _code_values(words, sf_W, s_N, 6, DTYPE)
+            ),
+        )
+        odds = tl.join(
+            tl.join(
+                _code_values(words, sf_W, s_N, 1, DTYPE), _code_values(words, sf_W, s_N, 5, DTYPE)
+            ),
+            tl.join(
+                _code_values(words, sf_W, s_N, 3, DTYPE), _code_values(words, sf_W, s_N, 7, DTYPE)
+            ),
+        )
+        return tl.reshape(tl.join(evens, odds), [rows_N.shape[0], D])
+    values = tl.load(
+        pages + rows_N[:, None] * D + tl.arange(0, D)[None, :], mask=ok_N[:, None], other=0.0
+    )
+    if pages.dtype.element_ty != DTYPE:
+        values = round_to(values.to(tl.float32), DTYPE)
+    return values
+
+
+@triton.jit
+def _dot(a, b, acc):
+    """``acc + a @ b``, FP32 accumulation: BF16 operands on the tensor cores (exact products),
+    FP32 operands as IEEE FP32. The interpreter multiplies BF16 operands as their raw 16-bit
+    integers, so there they are upcast (exactly) first."""
+    if _INTERPRETED:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    elif a.dtype == tl.float32:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _probabilities_times_values(p, v, acc):
+    """``acc + p @ v`` for FP32 probabilities p and V values in the dot's dtype. For BF16 V, p is
+    split into three BF16 parts ``p1 + p2 + p3 == p`` exactly (each part is the rounding error
+    of the ones before, which FP32 holds exactly: 24 bits in three parts of 8), so the three
+    tensor-core products are exact and the sum is p . v in FP32."""
+    if v.dtype == tl.float32:
+        acc = _dot(p, v, acc)
+    else:
+        p1 = round_to(p, tl.bfloat16)
+        rest = p - p1.to(tl.float32)
+        p2 = round_to(rest, tl.bfloat16)
+        p3 = round_to(rest - p2.to(tl.float32), tl.bfloat16)
+        acc = _dot(p3, v, _dot(p2, v, _dot(p1, v, acc)))
+    return acc
+
+
+# Batch, table width and split length change with every step: no recompiling for each.
+@triton.jit(do_not_specialize=["num_kv_heads", "table_cols", "split_tokens"])
+def _paged_decode_kernel(
+    q_BHD,
+    k_pages,
+    k_block_scale,
+    k_global_scale,
+    v_pages,
+    v_block_scale,
+    v_global_scale,
+    table_BN,
+    context_B,
+    out_BHD,
+    part_m,
+    part_l,
+    part_o,
+    softmax_scale,
+    num_kv_heads,
+    table_cols,
+    split_tokens,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NVFP4: tl.constexpr,
+    SPLIT: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    DTYPE: tl.constexpr = q_BHD.dtype.element_ty
+    b = tl.program_id(0) // num_kv_heads
+    kv_head = tl.program_id(0) % num_kv_heads
+    split = tl.program_id(1)
+    g_G = tl.arange(0, BLOCK_G)
+    d_D = tl.arange(0, D)
+    # Query rows b * Hq + kv_head * G + g; rows g >= G (padding to the dot's 16) stay zero.
+    q_rows = b.to(tl.int64) * (num_kv_heads * G) + kv_head * G + g_G
+    q_GD = tl.load(q_BHD + q_rows[:, None] * D + d_D[None, :], mask=(g_G < G)[:, None], other=0.0)
+
+    # This program's stretch of the context, never past what the table covers.
+    start = split * split_tokens
+    end = tl.minimum(tl.minimum(start + split_tokens, tl.load(context_B + b)), table_cols * PAGE)
+    table_row = table_BN + b.to(tl.int64) * table_cols
+    m_G = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_G = tl.zeros([BLOCK_G], tl.float32)
+    acc_GD = tl.zeros([BLOCK_G, D], tl.float32)
+    for n0 in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
+        t_N = n0 + tl.arange(0, BLOCK_N)
+        ok_N = t_N < end
+        page_N = tl.load(table_row + t_N // PAGE, mask=ok_N, other=0)
+        rows_N = (page_N.to(tl.int64) * PAGE + t_N % PAGE) * num_kv_heads + kv_head
+        k_ND = _load_kv(k_pages, k_block_scale, k_global_scale, rows_N, ok_N, D, NVFP4, DTYPE)
+        v_ND = _load_kv(v_pages, v_block_scale, v_global_scale, rows_N, ok_N, D, NVFP4, DTYPE)
+        scores = _dot(q_GD, tl.trans(k_ND), tl.zeros([BLOCK_G, BLOCK_N], tl.float32))
+        scores = tl.where(ok_N[None, :], scores * softmax_scale, float("-inf"))
+        # Every step holds at least one token of the context (n0 < end): m_new is finite
+        # unless the scores are not, and exp(-inf - m_new) = 0 on the first step.
+        m_new = tl.maximum(m_G, tl.max(scores, 1))
+        alpha = tl.exp(m_G - m_new)
+        p_GN = tl.exp(scores - m_new[:, None])
+        l_G = l_G * alpha + tl.sum(p_GN, 1)
+        acc_GD = _probabilities_times_values(p_GN, v_ND, acc_GD * alpha[:, None])
+        m_G = m_new
+
+    head_ok = (g_G < G)[:, None]
+    if SPLIT:
+        # An empty stretch writes (-inf, 0, 0): the combine gives it weight 0.
+        part = q_rows * tl.num_programs(1) + split
+        tl.store(part_m + part, m_G, mask=g_G < G)
+        tl.store(part_l + part, l_G, mask=g_G < G)
+        tl.store(part_o + part[:, None] * D + d_D[None, :], acc_GD, mask=head_ok)
+    else:
+        out = tl.math.div_rn(acc_GD, l_G[:, None])
+        tl.store(out_BHD + q_rows[:, None] * D + d_D[None, :], round_to(out, DTYPE), mask=head_ok)
+
+
+@triton.jit
+def _combine_splits_kernel(part_m, part_l, part_o, out_BHD, num_splits, D: tl.constexpr,
+                           BLOCK_S: tl.constexpr):  # fmt: skip
+    """One query row: ``sum_s w_s acc_s / sum_s w_s l_s`` with ``w_s = exp(m_s - max m)``."""
+    row = tl.program_id(0).to(tl.int64)
+    s_S = tl.arange(0, BLOCK_S)
+    ok_S = s_S < num_splits
+    m_S = tl.load(part_m + row * num_splits + s_S, mask=ok_S, other=float("-inf"))
+    l_S = tl.load(part_l + row * num_splits + s_S, mask=ok_S, other=0.0)
+    w_S = tl.where(ok_S, tl.exp(m_S - tl.max(m_S, 0)), 0.0)
+    d_D = tl.arange(0, D)
+    o_SD = tl.load(
+        part_o + (row * num_splits + s_S)[:, None] * D + d_D[None, :], mask=ok_S[:, None], other=0
+    )
+    out = tl.math.div_rn(tl.sum(w_S[:, None] * o_SD, 0), tl.sum(w_S * l_S, 0))
+    tl.store(out_BHD + row * D + d_D, round_to(out, out_BHD.dtype.element_ty))
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeTile:
+    """One program's step: ``block_n`` context tokens (a power of two >= 16), ``num_stages``
+    steps of loads in flight. Stretches of at least ``min_split_tokens`` are split off when the
+    grid would otherwise leave the GPU's multiprocessors idle."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+    min_split_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"DecodeTile.block_n must be a power of two >= 16; got {self.block_n}")
+
+
+# Chosen for the Qwen3-30B-A3B attention shape (32 / 4 heads of 128) on one H200; see
+# BENCHMARKS.md and `python benchmarks/attention.py`.
+CONFIGS = {
+    "bf16": DecodeTile(block_n=64, num_warps=4, num_stages=2),
+    "nvfp4": DecodeTile(block_n=64, num_warps=4, num_stages=2),
+}
+PROGRAMS_PER_SM = 2  # aim for this many programs per multiprocessor before splitting further
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter: as few programs as possible
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def split_tokens_for(
+    programs: int, table_tokens: int, tile: DecodeTile, device: torch.device,
+    num_splits: int | None = None,
+) -> int:  # fmt: skip
+    """Context tokens per program: the whole table unless ``programs`` (sequences x KV heads)
+    leave multiprocessors idle, then stretches of at least ``tile.min_split_tokens``; a multiple
+    of ``tile.block_n``. ``num_splits`` overrides the choice (tests, benchmarks)."""
+    if num_splits is None:
+        wanted = -(-PROGRAMS_PER_SM * _multiprocessors(device) // max(programs, 1))
+        num_splits = max(1, min(wanted, table_tokens // tile.min_split_tokens))
+    per_split = -(-table_tokens // max(num_splits, 1))
+    return max(tile.block_n, -(-per_split // tile.block_n) * tile.block_n)
+
+
+def _page_members(name: str, pages: KVPages) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(values or codes as int32 words, block-scale bytes, global scales) for the kernel; a
+    BF16 cache passes its values thrice (the scale pointers are not read)."""
+    if isinstance(pages, NVFP4Tensor):
+        lead = tuple(pages.codes.shape[:-1])
+        if pages.global_scale.shape != (*lead, 1):
+            raise ValueError(
+                f"{name}.global_scale must hold one scale per token-head, shape {(*lead, 1)}; "
+                f"got {tuple(pages.global_scale.shape)}"
+            )
+        for member, t in zip(
+            ("codes", "block_scale", "global_scale"), pages.tensors(), strict=True
+        ):
+            check_contiguous(f"{name}.{member}", t)
+        if pages.codes.data_ptr() % 4:  # read as int32 words of 8 codes
+            raise ValueError(
+                f"{name}.codes must be 4-byte aligned; got address {pages.codes.data_ptr():#x}"
+            )
+        return (
+            pages.codes.view(torch.int32),
+            pages.block_scale.view(torch.uint8),
+            pages.global_scale,
+        )
+    if pages.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"{name} pages must be bfloat16, float16 or float32; got {pages.dtype}")
+    check_contiguous(name, pages)
+    return pages, pages, pages
+
+
+def launch(
+    q_BHD: torch.Tensor,
+    k: KVPages,
+    v: KVPages,
+    block_table_BN: torch.Tensor,
+    context_B: torch.Tensor,
+    *,
+    config: DecodeTile | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Decode attention ``[B, Hq, D]`` in q's dtype (bfloat16 or float32): query b over the
+    first ``context_B[b]`` tokens of its pages ``block_table_BN[b]`` (int32 block ids; columns
+    past a context are not read). ``k``/``v``: one layer's pages, ``[num_blocks, P, K, D]``
+    values (bfloat16, float16 or float32) or `NVFP4Tensor`s with codes ``[num_blocks, P, K,
+    D/2]``, block scales ``[..., D/16]`` and global scales ``[..., 1]``.
+
+    Not checked (it would need a device sync): that contexts fit their table (a longer one
+    attends to the table's ``N * P`` tokens only) and that block ids within a context are
+    valid pages.
+    """
+    check_kernel_device("q_BHD", q_BHD)
+    if q_BHD.dim() != 3 or q_BHD.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(
+            f"q_BHD must be a 3-D bfloat16 or float32 tensor [B, Hq, D]; got {q_BHD.dtype} of "
+            f"shape {tuple(q_BHD.shape)}"
+        )
+    check_contiguous("q_BHD", q_BHD)
+    B, Hq, D = q_BHD.shape
+    if type(k) is not type(v):
+        raise TypeError(f"k and v pages must be of one format; got {type(k).__name__}/"
+                        f"{type(v).__name__}")  # fmt: skip
+    nvfp4 = isinstance(k, NVFP4Tensor)
+    k_shape, v_shape = tuple(k.shape), tuple(v.shape)
+    if len(k_shape) != 4 or k_shape != v_shape:
+        raise ValueError(
+            f"k and v pages must both be [num_blocks, P, K, D]; got {k_shape} and {v_shape}"
+        )
+    _, page, K, page_d = k_shape
+    if page_d != D:
+        raise ValueError(f"pages hold head dim D={page_d} but q_BHD is [B, Hq, D]={(B, Hq, D)}")
+    if D < 16 or D & (D - 1):
+        raise ValueError(f"head dim D={D} must be a power of two >= 16")
+    if Hq % K:
+        raise ValueError(f"query heads Hq={Hq} must be a multiple of the pages' KV heads K={K}")
+    members = (*_page_members("k", k), *_page_members("v", v))
+    for name, t in (("k", members[0]), ("v", members[3]), ("block_table_BN", block_table_BN),
+                    ("context_B", context_B)):  # fmt: skip
+        check_device(name, t, q_BHD.device)
+    if (
+        block_table_BN.dtype != torch.int32
+        or block_table_BN.dim() != 2
+        or (block_table_BN.shape[0] != B)
+    ):
+        raise ValueError(
+            f"block_table_BN must be int32 of shape ({B}, N); got {block_table_BN.dtype} of "
+            f"shape {tuple(block_table_BN.shape)}"
+        )
+    check_contiguous("block_table_BN", block_table_BN)
+    if context_B.dtype != torch.int32 or tuple(context_B.shape) != (B,):
+        raise ValueError(
+            f"context_B must be int32 of shape ({B},); got {context_B.dtype} of shape "
+            f"{tuple(context_B.shape)}"
+        )
+    check_contiguous("context_B", context_B)
+
+    out_BHD = torch.empty_like(q_BHD)
+    if B == 0:
+        return out_BHD
+    N = block_table_BN.shape[1]
+    tile = config or CONFIGS["nvfp4" if nvfp4 else "bf16"]
+    split_tokens = split_tokens_for(B * K, N * page, tile, q_BHD.device, num_splits)
+    splits = max(1, -(-N * page // split_tokens))
+    G = Hq // K
+    part_m = part_l = part_o = out_BHD  # stand-ins, not written without splits
+    if splits > 1:
+        part_m = torch.empty((B * Hq, splits), dtype=torch.float32, device=q_BHD.device)
+        part_l = torch.empty_like(part_m)
+        part_o = torch.empty((B * Hq, splits, D), dtype=torch.float32, device=q_BHD.device)
+    with device_of(q_BHD):
+        _paged_decode_kernel[(B * K, splits)](
+            q_BHD, *members, block_table_BN, context_B, out_BHD, part_m, part_l, part_o,
+            1.0 / math.sqrt(D), K, N, split_tokens,
+            G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, PAGE=page,
+            BLOCK_N=tile.block_n, NVFP4=nvfp4, SPLIT=splits > 1, NUM_STAGES=tile.num_stages,
+            num_warps=tile.num_warps,
+            # The decode's two products must not merge into an FMA with anything.
+            enable_fp_fusion=False,
+        )  # fmt: skip
+        if splits > 1:
+            _combine_splits_kernel[(B * Hq,)](
+                part_m, part_l, part_o, out_BHD, splits, D=D,
+                BLOCK_S=triton.next_power_of_2(splits), num_warps=4, enable_fp_fusion=False,
+            )  # fmt: skip
+    return out_BHD
+
+
+def reference_decode(
+    q_BHD: torch.Tensor,
+    k: KVPages,
+    v: KVPages,
+    block_table_BN: torch.Tensor,
+    context_B: torch.Tensor,
+) -> torch.Tensor:
+    """The kernel's specification in plain PyTorch: ``attend_fp32`` (`fp4rl.rollout.attention`)
+    over the rows ``KVCache.read`` returns, for one query token per sequence, op for op.
+
+    Context rows are gathered through the block table and read in q's dtype (BF16 pages cast,
+    NVFP4 rows dequantized by `reference.dequantize`); scores ``(q . k) * (1 / sqrt(D))``, the
+    softmax over the context and the probability-value product run in FP32; the output is cast
+    to q's dtype. Positions past a sequence's context read nothing: their scores are masked and
+    their V taken as 0, so padding pages cannot leak NaN into other sequences. Reads the
+    longest context on the host.
+    """
+    B, Hq, D = q_BHD.shape
+    page, K = k.shape[1], k.shape[2]
+    C = int(context_B.max()) if B else 0
+    c_C = torch.arange(C, device=q_BHD.device)
+    visible_BC = c_C < context_B.long()[:, None]
+    table = block_table_BN.long()
+    blocks_BC = table.gather(1, (c_C // page).clamp_max(max(table.shape[1] - 1, 0)).expand(B, C))
+    slots_BC = torch.where(visible_BC, blocks_BC * page + c_C % page, 0)
+
+    def read(pages: KVPages) -> torch.Tensor:
+        if isinstance(pages, NVFP4Tensor):
+            return reference.dequantize(pages.map(lambda m: m.flatten(0, 1)[slots_BC]), q_BHD.dtype)
+        return pages.flatten(0, 1)[slots_BC].to(q_BHD.dtype)
+
+    k_BCKD, v_BCKD = read(k), read(v)
+    v_BCKD = v_BCKD.masked_fill(~visible_BC[:, :, None, None], 0)
+    # attend_fp32 with one query per sequence: the same operations on the same shapes.
+    q = q_BHD.float().view(B, 1, K, Hq // K, D)
+    scores_BKGQC = torch.einsum("bqkgd,bckd->bkgqc", q, k_BCKD.float()) * (1.0 / math.sqrt(D))
+    scores_BKGQC = scores_BKGQC.masked_fill(~visible_BC[:, None, None, None], float("-inf"))
+    p = torch.softmax(scores_BKGQC, dim=-1)
+    o = torch.einsum("bkgqc,bckd->bqkgd", p, v_BCKD.float()).reshape(B, Hq, D)
+    return o.to(q_BHD.dtype)
