@@ -1,0 +1,289 @@
+"""Decode attention at Qwen3-30B-A3B's attention shape: the paged Triton kernel over BF16 and
+NVFP4 pages against today's gather + einsum path.
+
+One H200 (about a minute and a half): ``python benchmarks/attention.py``; a CPU smoke check of
+the script: ``python benchmarks/attention.py --device cpu`` (toy sizes, Triton's interpreter).
+Prints markdown tables and writes them to ``$OUT/attention.md`` when OUT is set.
+
+32 query / 4 KV heads of 128, pages of 16 tokens, BF16 queries, batches of 1, 64 and 256
+sequences each at a context of 1k, 2k or 4k tokens, block tables drawn from a shuffled pool
+(interleaved, out of order). Compared in the same run, per layer call:
+  (a) ``paged_attention.launch`` over BF16 pages;
+  (b) the same kernel over NVFP4 pages (codes and scales decoded in registers);
+  (c) today's decode path of ``PagedAttention.attend``: ``KVCache.read`` of every sequence's
+      padded context (NVFP4 rows dequantized), ``attend_fp32``, the cast back to BF16 -- over
+      BF16 pages and over NVFP4 pages.
+(c)'s output is the specification; (a) and (b) are checked against it at every shape before
+they are timed (outputs within one BF16 rounding). Times are CUDA-graph replays (the GPU's time)
+after warm-up, median over repeats, each repeat rotating over enough sets of pages, tables and
+queries that no call finds its KV in L2; inputs are random, never zeros. The roofline beside
+each time is the KV bytes that must be read (B x C x 4 KV heads x K and V x 256 bytes per
+token-head in BF16, 64 + 8 + 4 = 76 in NVFP4) over a device-to-device copy measured in the same
+run. A second table sweeps the number of context splits and the kernel's tiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--device",
+        default="cuda",
+        choices=["cuda", "cpu"],
+        help="cpu: toy sizes under Triton's interpreter (a smoke check)",
+    )
+    parser.add_argument("--batches", default="1,64,256")
+    parser.add_argument("--contexts", default="1024,2048,4096")
+    parser.add_argument(
+        "--tiles",
+        default="64:4:3,64:8:2,128:8:2",
+        help="other kernel tiles BLOCK_N:WARPS:STAGES, swept at --sweep-shapes",
+    )
+    parser.add_argument(
+        "--sweep-shapes",
+        default="1x1024,64x4096,256x2048",
+        help="BATCHxCONTEXT shapes where context splits and tiles are swept",
+    )
+    return parser.parse_args()
+
+
+ARGS = parse_args()
+if ARGS.device == "cpu":  # kernels must be decorated interpreted: before fp4rl.kernels loads
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from _timing import median_ms, report, run_header  # noqa: E402
+
+from fp4rl import ops  # noqa: E402
+from fp4rl.kernels import paged_attention  # noqa: E402
+from fp4rl.kernels.paged_attention import DecodeTile, split_tokens_for  # noqa: E402
+from fp4rl.rollout.attention import AttentionMetadata, Segment, attend_fp32  # noqa: E402
+from fp4rl.rollout.kv_cache import KVCache, KVCacheSpec  # noqa: E402
+
+NVFP4_BYTES = {128: 76}  # per token-head of K or V: codes D/2, E4M3 scales D/16, FP32 scale
+
+
+def main() -> None:
+    cuda = ARGS.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU; --device cpu runs a smoke check under TRITON_INTERPRET")
+    device = torch.device(ARGS.device)
+    if cuda:
+        heads, dim, page = (32, 4), 128, 16
+        batches = [int(b) for b in ARGS.batches.split(",")]
+        contexts = [int(c) for c in ARGS.contexts.split(",")]
+        sweep_shapes = {tuple(int(v) for v in s.split("x")) for s in ARGS.sweep_shapes.split(",")}
+        tiles = [DecodeTile(*(int(v) for v in t.split(":"))) for t in ARGS.tiles.split(",") if t]
+        warmup, repeats, min_bytes = 3, 10, 256 << 20
+    else:
+        heads, dim, page = (4, 2), 32, 16
+        batches, contexts, sweep_shapes = [1, 2], [32, 128], {(1, 128)}
+        tiles = [DecodeTile(16, 4, 2, min_split_tokens=16)]
+        warmup, repeats, min_bytes = 1, 1, 0
+    torch.manual_seed(0)
+    copy_gbs = copy_bandwidth(device)
+    lines = [
+        run_header(" ".join(["python", *sys.argv])),
+        "",
+        f"{heads[0]} query / {heads[1]} KV heads of {dim}, pages of {page} tokens, BF16 queries, "
+        f"every sequence at the full context. Device copy measured in this run: {copy_gbs:.0f} "
+        "GB/s (read + write, the best of 1 GiB, 256 MiB and 64 MiB copies). Times: CUDA-graph "
+        f"replay, median of {repeats}, us per layer call. Roofline: KV bytes / copy bandwidth.",
+        "",
+        "| batch | context | (a) BF16 pages us | roofline us | % | (b) NVFP4 pages us | roofline "
+        "us | % | (a) / (b) | (c) gather BF16 us | (c) gather NVFP4 us | (c) BF16 / (a) | (c) "
+        "NVFP4 / (b) | splits | check (a), (b) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    sweep = [
+        "",
+        "Sweep (us): the kernel with the context split in S stretches (auto: the launcher's "
+        "choice), and other tiles BLOCK_N:WARPS:STAGES at the launcher's split.",
+        "",
+        "| batch | context | pages | auto (S) | by S | tiles |",
+        "|---:|---:|---|---:|---|---|",
+    ]
+    failed = []
+    for batch in batches:
+        for context in contexts:
+            bench = Bench(batch, context, heads, dim, page, device, min_bytes)
+            row, bad = bench.table_row(copy_gbs, warmup, repeats)
+            lines.append(row)
+            failed += bad
+            print(row, flush=True)
+            del bench
+    # Sweeps last: the main table is printed even if a run is cut short.
+    for batch, context in sorted(sweep_shapes):
+        bench = Bench(batch, context, heads, dim, page, device, min_bytes)
+        for fmt in ("bf16", "nvfp4"):
+            sweep.append(bench.sweep_row(fmt, tiles, warmup, repeats))
+            print(sweep[-1], flush=True)
+        del bench
+    again = copy_bandwidth(device)
+    lines.insert(3, f"The same copy measured again after the last row: {again:.0f} GB/s.")
+    report("attention.md", lines + sweep)
+    if failed:
+        sys.exit("checks failed: " + "; ".join(failed))
+
+
+class Bench:
+    """One (batch, context): a two-layer cache (layer 0 BF16 pages, layer 1 NVFP4) holding
+    ``sets`` disjoint batches of sequences, and per set the queries, block tables and the
+    engine's metadata for today's path."""
+
+    def __init__(self, batch, context, heads, dim, page, device, min_bytes):
+        self.batch, self.context, self.dim = batch, context, dim
+        Hq, K = heads
+        self.kv_heads = K
+        blocks = -(-context // page)
+        nvfp4_bytes = batch * context * K * 2 * NVFP4_BYTES.get(dim, dim // 2 + dim // 16 + 4)
+        self.sets = max(1, min(256, -(-min_bytes // nvfp4_bytes)))
+        num_blocks = 1 + self.sets * batch * blocks
+        spec = KVCacheSpec(layer_formats=("bf16", "nvfp4"), num_kv_heads=K, head_dim=dim,
+                           dtype=torch.bfloat16)  # fmt: skip
+        self.cache = KVCache(spec, num_blocks, page, device)
+        slots = torch.arange(num_blocks * page, device=device)
+        k, v = (torch.randn(num_blocks * page, K, dim, device=device).to(torch.bfloat16)
+                for _ in range(2))  # fmt: skip
+        self.cache.write(0, slots, k, v)
+        self.cache.write(1, slots, ops.quantize(k, scaling="row"), ops.quantize(v, scaling="row"))
+        del k, v, slots
+        pool = torch.randperm(num_blocks - 1) + 1  # block 0 stays unused
+        self.inputs = []
+        for s in range(self.sets):
+            table = pool[s * batch * blocks : (s + 1) * batch * blocks].view(batch, blocks)
+            meta = AttentionMetadata.build(
+                [Segment(row, context - 1, 1) for row in table.tolist()], page, device
+            )
+            q = torch.randn(batch, Hq, dim, device=device).to(torch.bfloat16)
+            self.inputs.append((q, table.to(torch.int32).to(device),
+                                meta.decode_context_B.to(torch.int32), meta))  # fmt: skip
+        layers = self.cache.layers
+        self.pages = {
+            "bf16": (layers[0].k_NBKD, layers[0].v_NBKD),
+            "nvfp4": (layers[1].k, layers[1].v),
+        }
+        self.kv_bytes = {
+            "bf16": batch * context * K * 2 * dim * 2,
+            "nvfp4": nvfp4_bytes,
+        }
+
+    def kernel(self, fmt, **kw):
+        k, v = self.pages[fmt]
+        return lambda s: paged_attention.launch(s[0], k, v, s[1], s[2], **kw)
+
+    def today(self, fmt):
+        layer = 0 if fmt == "bf16" else 1
+
+        def run(s):
+            q, meta = s[0], s[3]
+            k, v = self.cache.read(layer, meta.decode_slots_BC, q.dtype)
+            positions = (meta.decode_context_B - 1)[:, None]
+            return attend_fp32(q[:, None], k, v, positions, meta.decode_context_B)[:, 0].to(q.dtype)
+
+        return run
+
+    def us(self, fn, warmup, repeats):
+        graph = self.is_cuda
+        return 1e3 * median_ms(fn, self.inputs, warmup=warmup, repeats=repeats, graph=graph)
+
+    def splits(self, fmt, tile=None, num_splits=None):
+        """How many stretches the launcher cuts each context into."""
+        tile = tile or paged_attention.CONFIGS[fmt]
+        device = self.inputs[0][0].device
+        per = split_tokens_for(self.batch * self.kv_heads, self.tokens, tile, device, num_splits)
+        return -(-self.tokens // per)
+
+    def table_row(self, copy_gbs, warmup, repeats):
+        bad, t = [], {}
+        for fmt in ("bf16", "nvfp4"):
+            want = self.today(fmt)(self.inputs[0])
+            verdict = check(self.kernel(fmt)(self.inputs[0]), want)
+            if verdict != "ok":
+                bad.append(f"{fmt} pages, batch {self.batch}, context {self.context}: {verdict}")
+            t[fmt, "check"] = verdict
+            t[fmt, "kernel"] = self.us(self.kernel(fmt), warmup, repeats)
+            t[fmt, "today"] = self.us(self.today(fmt), warmup, repeats)
+        roof = {fmt: 1e-3 * b / copy_gbs for fmt, b in self.kv_bytes.items()}  # us
+        a, b = t["bf16", "kernel"], t["nvfp4", "kernel"]
+        row = (
+            f"| {self.batch} | {self.context} | {a:.1f} | {roof['bf16']:.1f} | "
+            f"{100 * roof['bf16'] / a:.0f} | {b:.1f} | {roof['nvfp4']:.1f} | "
+            f"{100 * roof['nvfp4'] / b:.0f} | {a / b:.2f}x | {t['bf16', 'today']:.1f} | "
+            f"{t['nvfp4', 'today']:.1f} | {t['bf16', 'today'] / a:.1f}x | "
+            f"{t['nvfp4', 'today'] / b:.1f}x | {self.splits('bf16')} | "
+            f"{t['bf16', 'check']}, {t['nvfp4', 'check']} |"
+        )
+        return row, bad
+
+    def sweep_row(self, fmt, tiles, warmup, repeats):
+        auto = self.splits(fmt)
+        by_splits, seen = [], {auto}
+        for n in (1, 2, 4, 8, 16, 32):
+            actual = self.splits(fmt, num_splits=n)
+            # Stretches shorter than 128 tokens (16 on the CPU) are not worth a look.
+            if actual not in seen and self.tokens >= n * (128 if self.is_cuda else 16):
+                seen.add(actual)
+                us = self.us(self.kernel(fmt, num_splits=n), warmup, repeats)
+                by_splits.append(f"{actual}: {us:.1f}")
+        by_tile = [
+            f"{x.block_n}:{x.num_warps}:{x.num_stages}: "
+            f"{self.us(self.kernel(fmt, config=x), warmup, repeats):.1f}"
+            for x in tiles
+        ]
+        auto_us = self.us(self.kernel(fmt), warmup, repeats)
+        return (f"| {self.batch} | {self.context} | {fmt} | {auto_us:.1f} ({auto}) | "
+                f"{', '.join(by_splits)} | {', '.join(by_tile)} |")  # fmt: skip
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.cache.layers[0].k_NBKD.is_cuda
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the block tables cover (what the launcher splits)."""
+        return self.inputs[0][1].shape[1] * self.cache.block_size
+
+
+def check(got: torch.Tensor, want: torch.Tensor) -> str:
+    """'ok' when every output is within one BF16 ulp of the spec's (both round FP32 values that
+    differ by FP32 summation order) and none is NaN; else what is wrong."""
+    got, want = got.float(), want.float()
+    if got.isnan().any() or want.isnan().any():
+        return "NaN"
+    ulp = torch.where(want == 0, 0.0, 2.0 ** (torch.floor(torch.log2(want.abs())) - 7))
+    slack = 2.0**-16 * want.abs().max()
+    off = (got - want).abs() > ulp + slack
+    if off.any():
+        return f"{int(off.sum())} of {off.numel()} outputs off by more than one ulp"
+    same = float((got == want).float().mean())
+    return "ok" if same > 0.9 else f"only {100 * same:.0f} % bitwise equal"
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Device-to-device copy GB/s (read + write), the best of 1 GiB, 256 and 64 MiB copies,
+    after a matmul that brings the clocks up from idle."""
+    cuda = device.type == "cuda"
+    m = 8192 if cuda else 128
+    a = torch.randn(m, m, device=device).to(torch.bfloat16)
+    median_ms(lambda _: a @ a, [None], warmup=10, repeats=10)
+    size = 2**29 if cuda else 2**16  # BF16 elements: 1 GiB
+    src = torch.randn(size, device=device).to(torch.bfloat16)
+    rates = []
+    for part in (1, 4, 16):
+        views = [src[: size // part]]
+        dst = torch.empty_like(views[0])
+        ms = median_ms(dst.copy_, views, warmup=5, repeats=10, graph=cuda)
+        rates.append(2 * views[0].numel() * 2 / ms / 1e6)
+    print(f"copy GB/s at 1024/256/64 MiB: {[round(r) for r in rates]}", flush=True)
+    return max(rates)
+
+
+if __name__ == "__main__":
+    main()
