@@ -246,26 +246,33 @@ def _combine_splits_kernel(part_m, part_l, part_o, out_BHD, num_splits, D: tl.co
 @dataclass(frozen=True, slots=True)
 class DecodeTile:
     """One program's step: ``block_n`` context tokens (a power of two >= 16), ``num_stages``
-    steps of loads in flight. Stretches of at least ``min_split_tokens`` are split off when the
-    grid would otherwise leave the GPU's multiprocessors idle."""
+    steps of loads in flight. Contexts are split into stretches of at least
+    ``min_split_tokens`` when the grid would otherwise be too small for the GPU (see
+    `split_tokens_for`)."""
 
     block_n: int
     num_warps: int
     num_stages: int
-    min_split_tokens: int = 256
+    min_split_tokens: int = 128
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise ValueError(f"DecodeTile.block_n must be a power of two >= 16; got {self.block_n}")
 
 
-# Chosen for the Qwen3-30B-A3B attention shape (32 / 4 heads of 128) on one H200; see
-# BENCHMARKS.md and `python benchmarks/attention.py`.
+# For the Qwen3-30B-A3B attention shape (32 / 4 heads of 128) on one H200, from the sweep of
+# `python benchmarks/attention.py` in BENCHMARKS.md: 64-token steps of 4 warps were the
+# fastest or within 5 % at batch 256 and 64 (128:8:2 was faster at batch 1, 10.6 against 12.8
+# us at 1k tokens, and slower at batch 256, 424 against 303 us for BF16 pages).
 CONFIGS = {
     "bf16": DecodeTile(block_n=64, num_warps=4, num_stages=2),
     "nvfp4": DecodeTile(block_n=64, num_warps=4, num_stages=2),
 }
-PROGRAMS_PER_SM = 2  # aim for this many programs per multiprocessor before splitting further
+# Programs per multiprocessor the context splits aim for. The same sweep: batch 64 at 4k
+# tokens (256 sequence-heads) ran fastest in 4 stretches (163 us BF16, 255 us NVFP4) and slower
+# in 2 (188, 313; 512 programs, 1.3 waves if 3 fit an SM by registers) than in 1 (178, 276);
+# batch 256 (1,024 programs) fastest unsplit; batch 1 at 1k fastest in 8 stretches of 128.
+PROGRAMS_PER_SM = 8
 
 
 @functools.cache
@@ -279,11 +286,13 @@ def split_tokens_for(
     programs: int, table_tokens: int, tile: DecodeTile, device: torch.device,
     num_splits: int | None = None,
 ) -> int:  # fmt: skip
-    """Context tokens per program: the whole table unless ``programs`` (sequences x KV heads)
-    leave multiprocessors idle, then stretches of at least ``tile.min_split_tokens``; a multiple
-    of ``tile.block_n``. ``num_splits`` overrides the choice (tests, benchmarks)."""
+    """Context tokens per program, a multiple of ``tile.block_n``: the table is cut into the
+    largest power of two of stretches that keeps ``programs`` (sequences x KV heads) times it
+    within PROGRAMS_PER_SM per multiprocessor, and no stretch shorter than
+    ``tile.min_split_tokens``. ``num_splits`` overrides the choice (tests, benchmarks)."""
     if num_splits is None:
-        wanted = -(-PROGRAMS_PER_SM * _multiprocessors(device) // max(programs, 1))
+        wanted = max(1, PROGRAMS_PER_SM * _multiprocessors(device) // max(programs, 1))
+        wanted = 1 << (wanted.bit_length() - 1)
         num_splits = max(1, min(wanted, table_tokens // tile.min_split_tokens))
     per_split = -(-table_tokens // max(num_splits, 1))
     return max(tile.block_n, -(-per_split // tile.block_n) * tile.block_n)
