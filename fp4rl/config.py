@@ -73,9 +73,13 @@ class AlignSection:
 
     replay: bool | None = None  # run the rollout's experts; None: iff the engine records them
     rounding: Rounding | None = None  # None: "guided" iff the engine records guidance
+    # "bf16": the asymmetric baseline, a W4A16 trainer (weights fake-quantized, expert
+    # activations and K/V in BF16) against the W4A4 rollout.
+    trainer_activations: Literal["nvfp4", "bf16"] = "nvfp4"
     observe_every: int = 10  # mismatch metrics every this many steps; 0: never
 
     def __post_init__(self) -> None:
+        checks.choice("align.trainer_activations", self.trainer_activations, ("nvfp4", "bf16"))
         if self.replay is not None:
             checks.boolean("align.replay", self.replay)
         if self.rounding is not None:
@@ -135,6 +139,11 @@ class RunConfig:
             raise ValueError(
                 "align.rounding='guided' needs the rollout's codes: set engine.guidance to "
                 "'full' or 'compact', or align.rounding='nearest'"
+            )
+        if guided and self.align.trainer_activations == "bf16":
+            raise ValueError(
+                "align.trainer_activations='bf16' has no FP4 activations to guide: set "
+                "align.rounding='nearest'"
             )
         if guided and not replay:
             # The expert intermediate's records belong to the rollout's experts; the trainer's

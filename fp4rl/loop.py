@@ -61,7 +61,8 @@ def train(config: RunConfig, *, log=print) -> list[dict]:
     (run_dir / "config.toml").write_text(to_toml(config))
 
     path, precision = config.model.path, config.precision
-    policy = load_pretrained(path, precision, fp4_experts="qat", dtype=dtype, device=device)
+    experts = "qat" if config.align.trainer_activations == "nvfp4" else "qat_weights"
+    policy = load_pretrained(path, precision, fp4_experts=experts, dtype=dtype, device=device)
     engine = Engine.from_pretrained(
         path, config.engine, precision=precision, dtype=dtype, device=device
     )

@@ -46,6 +46,14 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
             ["engine.guidance=full", "align.replay=false", "engine.capture_routing=true"],
             r"align.rounding='guided' needs router replay",
         ),
+        (
+            [
+                "engine.guidance=full",
+                "engine.capture_routing=true",
+                "align.trainer_activations=bf16",
+            ],
+            r"align.trainer_activations='bf16' has no FP4 activations to guide",
+        ),
     ],
 )
 def test_mistakes_name_the_key_and_value(overrides, message):

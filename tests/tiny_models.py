@@ -44,10 +44,11 @@ def qat_model(
     dtype=torch.float32,
     config=None,
     device="cpu",
+    fp4_experts="qat",
 ):
     """The trainer's model: BF16-layout parameters in ``dtype``, experts fake-quantized."""
     model = build_model(
-        config or tiny_config(), precision, fp4_experts="qat", dtype=dtype, device=device
+        config or tiny_config(), precision, fp4_experts=fp4_experts, dtype=dtype, device=device
     )
     init_weights(model, std=0.1, seed=seed)
     return model.eval()

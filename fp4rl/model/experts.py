@@ -6,6 +6,7 @@ All three run the same SwiGLU over tokens sorted by expert (a grouped GEMM):
 - `QatExperts`: BF16 parameters, W4A4 fake quantization (the trainer): weights quantized with one
   global scale per expert shared by W1 and W3 and another for W2; the expert input quantized
   once per token and the intermediate once per token-expert row; gradients straight through.
+  (`QatWeightExperts`: the weights alone, activations BF16 — an asymmetric baseline.)
 - `PackedExperts`: weights stored as `NVFP4Tensor` (4.5 bits per weight; the rollout), the same
   activation sites; the grouped GEMM decodes them to the compute dtype (in registers on the
   GPU, `fp4rl.ops.grouped_mm`) for BF16 tensor-core math.
@@ -115,6 +116,16 @@ class QatExperts(Fp4Sites, Experts):
     def weights(self):
         # One global scale per expert: over W1 and W3 together in w13, over W2 alone in w2.
         return fake_quantize(self.w13, scaling=2), fake_quantize(self.w2, scaling=2)
+
+
+class QatWeightExperts(Experts):
+    """Fake-quantized W4 weights, BF16 activations (W4A16): the trainer of the asymmetric
+    baseline, which leaves the rollout's activation rounding unmodelled."""
+
+    def __init__(self, num_experts, hidden, intermediate, layer, *, guided_sites=()):
+        super().__init__(num_experts, hidden, intermediate, layer)
+
+    weights = QatExperts.weights
 
 
 class PackedExperts(Fp4Sites, RoutedExperts):

@@ -33,11 +33,10 @@ def check_inputs(model, tokens_T, attn, routing, guidance: GuidanceMap | None) -
                 f"got {routing.dtype} {tuple(routing.shape)}"
             )
     if guidance is not None:
-        _check_guidance(model.plan, guidance, T)
+        _check_guidance(model.plan, model.guided_keys, guidance, T)
 
 
-def _check_guidance(plan, guidance: GuidanceMap, T: int) -> None:
-    expected = plan.guided_keys()
+def _check_guidance(plan, expected, guidance: GuidanceMap, T: int) -> None:
     for key in sorted(set(guidance) - expected):
         layer, site = key
         where = (

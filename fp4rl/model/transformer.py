@@ -9,11 +9,13 @@ Legend: T tokens (sequences flattened), H hidden, V vocab, L decoder layers, k e
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
 from fp4rl.model.attention import Attention, AttentionBackend
-from fp4rl.model.experts import Experts, PackedExperts, QatExperts
+from fp4rl.model.experts import Experts, PackedExperts, QatExperts, QatWeightExperts
 from fp4rl.model.inputs import check_inputs
 from fp4rl.model.layers import MLP, RMSNorm
 from fp4rl.model.moe import SparseMoeBlock
@@ -21,7 +23,7 @@ from fp4rl.model.precision import LayerPlan, PrecisionConfig, PrecisionPlan, res
 from fp4rl.model.sites import Capture
 from fp4rl.records import GuidanceMap
 
-EXPERT_CLASSES = {"qat": QatExperts, "packed": PackedExperts}
+EXPERT_CLASSES = {"qat": QatExperts, "qat_weights": QatWeightExperts, "packed": PackedExperts}
 
 
 class DecoderLayer(nn.Module):
@@ -47,14 +49,26 @@ class DecoderLayer(nn.Module):
 
 class MoETransformer(nn.Module):
     def __init__(self, config, plan: PrecisionPlan, fp4_experts: str = "qat") -> None:
-        """``fp4_experts``: how FP4 layers hold their experts, "qat" (trainer) or "packed"."""
+        """``fp4_experts``: how FP4 layers hold their experts: "qat" (the trainer, W4A4 fake
+        quantization), "packed" (the rollout), or "qat_weights" (a W4A16 trainer: weights fake-
+        quantized, expert activations and K/V left in BF16 -- the asymmetric baseline)."""
         super().__init__()
-        if fp4_experts not in ("qat", "packed"):
-            raise ValueError(f"fp4_experts must be 'qat' or 'packed', got {fp4_experts!r}")
+        if fp4_experts not in EXPERT_CLASSES:
+            raise ValueError(
+                f"fp4_experts must be one of {tuple(EXPERT_CLASSES)}, got {fp4_experts!r}"
+            )
+        activations = fp4_experts != "qat_weights"
+        # The (layer, site) pairs whose rounding follows guidance: none without FP4 activations.
+        self.guided_keys = plan.guided_keys() if activations else frozenset()
         self.config, self.plan = config, plan
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, p, plan.guided_sites, self._mlp(config, plan, p, fp4_experts))
+            DecoderLayer(
+                config,
+                p if activations else dataclasses.replace(p, kv_cache="bf16"),
+                plan.guided_sites,
+                self._mlp(config, plan, p, fp4_experts),
+            )
             for p in plan.layers
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

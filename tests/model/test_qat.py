@@ -230,3 +230,17 @@ def test_chunked_logprobs_equal_full_softmax_and_backprop():
     (g_got,) = torch.autograd.grad(got.sum(), h)
     (g_want,) = torch.autograd.grad(want.sum(), h)
     torch.testing.assert_close(g_got, g_want, rtol=1e-6, atol=1e-6)
+
+
+def test_weight_only_trainer_quantizes_weights_and_leaves_activations_bf16():
+    """The asymmetric baseline's trainer: the QAT model's weights, no activation or K/V site."""
+    w4a4 = tiny_model()
+    w4a16 = qat_model(FP4_EVERYWHERE, fp4_experts="qat_weights")
+    w4a16.load_state_dict(w4a4.state_dict())
+    tokens = torch.randint(0, 128, (11,), generator=torch.Generator().manual_seed(6))
+    rec = SiteRecords()
+    out = w4a16(tokens, CausalAttention([11]), capture=rec)
+    assert rec.sites == {} and w4a16.guided_keys == frozenset()
+    pairs = zip(w4a16.layers[1].mlp.experts.weights(), w4a4.layers[1].mlp.experts.weights())
+    assert all(torch.equal(a, b) for a, b in pairs)  # the same fake-quantized weights
+    assert not torch.equal(out, w4a4(tokens, CausalAttention([11])))  # activations differ
