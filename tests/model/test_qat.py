@@ -241,6 +241,7 @@ def test_weight_only_trainer_quantizes_weights_and_leaves_activations_bf16():
     rec = SiteRecords()
     out = w4a16(tokens, CausalAttention([11]), capture=rec)
     assert rec.sites == {} and w4a16.guided_keys == frozenset()
-    pairs = zip(w4a16.layers[1].mlp.experts.weights(), w4a4.layers[1].mlp.experts.weights())
+    ours, theirs = w4a16.layers[1].mlp.experts, w4a4.layers[1].mlp.experts
+    pairs = zip(ours.weights(), theirs.weights(), strict=True)
     assert all(torch.equal(a, b) for a, b in pairs)  # the same fake-quantized weights
     assert not torch.equal(out, w4a4(tokens, CausalAttention([11])))  # activations differ
