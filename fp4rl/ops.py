@@ -85,6 +85,23 @@ def grouped_mm(
     return torch.cat(outs) if outs else x_AK.new_zeros(0, w_ENK.shape[1])
 
 
+def paged_decode_attention(
+    q_BHD: torch.Tensor,
+    k: torch.Tensor | NVFP4Tensor,
+    v: torch.Tensor | NVFP4Tensor,
+    block_table_BN: torch.Tensor,
+    context_B: torch.Tensor,
+) -> torch.Tensor | None:
+    """Decode attention of one query token per sequence over its pages (``[num_blocks, P, K,
+    D]`` tensors or NVFP4Tensors, read where they lie), on the GPU; None elsewhere, where the
+    caller gathers and runs the plain-PyTorch attention (`fp4rl.rollout.attention`), the spec
+    the kernel is tested against."""
+    kernels = _kernels(q_BHD)
+    if kernels is None:
+        return None
+    return kernels.paged_decode_attention(q_BHD, k, v, block_table_BN, context_B)
+
+
 def quantize_site(
     x: torch.Tensor, *, scaling: Scaling = "row", guidance: Guidance = None
 ) -> NVFP4Tensor:

@@ -13,12 +13,13 @@ import torch
 from fp4rl.fp4.reference import Scaling
 from fp4rl.fp4.rounding import CompactCodes
 from fp4rl.fp4.tensor import NVFP4Tensor
-from fp4rl.kernels import dequant, guided, moe_gemm, nearest
+from fp4rl.kernels import dequant, guided, moe_gemm, nearest, paged_attention
 
 __all__ = [
     "dequantize",
     "fake_quantize",
     "grouped_mm",
+    "paged_decode_attention",
     "quantize",
     "round_guided_compact",
     "round_guided_full",
@@ -66,3 +67,9 @@ def grouped_mm(x_AK: torch.Tensor, w: NVFP4Tensor, counts_E: torch.Tensor) -> to
     """`moe_gemm.reference_gemm`: expert-grouped rows times packed NVFP4 weights, decoded in
     registers."""
     return moe_gemm.launch(x_AK, w, counts_E)
+
+
+def paged_decode_attention(q_BHD, k, v, block_table_BN, context_B) -> torch.Tensor:
+    """`paged_attention.reference_decode`: one query token per sequence over its KV pages
+    (BF16 tensors or NVFP4 decoded in registers)."""
+    return paged_attention.launch(q_BHD, k, v, block_table_BN, context_B)

@@ -5,10 +5,12 @@ the new tokens of a sequence at positions ``start .. start + num_new - 1`` (a wh
 one decode token). `PagedAttention.attend` writes the step's K/V into each sequence's blocks,
 then lets each token attend causally to its own sequence's cached context, itself included.
 
-Reference implementation, correctness first: scores, softmax and the probability-value product
-all run in FP32 (softmax scale ``1/sqrt(D)``), the output is cast to the query dtype. Decode
-segments (one token each) are batched over a padded context; prefill segments go one at a
-time so a long prompt never pads the whole batch to its length.
+Scores, softmax and the probability-value product run in FP32 (softmax scale ``1/sqrt(D)``),
+the output is cast to the query dtype. On the GPU, decode segments (one token each) go to one
+Triton kernel that reads BF16 or NVFP4 pages where they lie through the block tables
+(`fp4rl.kernels.paged_attention`, via `fp4rl.ops`). Elsewhere, and for prefill segments, the
+context is gathered and attended in plain PyTorch (`attend_fp32`, the kernel's spec): decodes
+batched over a padded context, prefills one at a time so a long prompt never pads the batch.
 
 Legend: T step tokens, S segments, N blocks per table, C context tokens, Hq/K query/kv heads,
 G = Hq/K, D head dim.
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fp4rl import ops
 from fp4rl.model.attention import NewKV
 from fp4rl.rollout.kv_cache import KVCache
 
@@ -48,6 +51,7 @@ class AttentionMetadata:
     decode_rows_B: torch.Tensor
     decode_slots_BC: torch.Tensor
     decode_context_B: torch.Tensor
+    decode_table_BN: torch.Tensor  # int32 block tables of the decode segments (0-padded)
     # Prefill segments, one at a time: (first row, number of rows, context slots [C]).
     prefills: tuple[tuple[int, int, torch.Tensor], ...]
 
@@ -93,6 +97,7 @@ class AttentionMetadata:
             decode_rows_B=torch.tensor([first_row[i] for i in decodes], device=device),
             decode_slots_BC=decode_slots.to(device),
             decode_context_B=context[decodes].to(device),
+            decode_table_BN=table_SN[decodes].to(torch.int32).to(device),
             prefills=tuple((r, n, c.to(device)) for r, n, c in prefills),
         )
 
@@ -132,7 +137,19 @@ class PagedAttention:
         m = self.meta
         self.cache.write(layer, m.slots_T, *kv.packed())
         o_THD = torch.empty_like(q_THD)
+        fused = None
         if m.decode_rows_B.numel():
+            # On the GPU one kernel reads the pages where they lie (`fp4rl.ops`); elsewhere
+            # the context is gathered and attended in plain PyTorch, the kernel's spec.
+            fused = ops.paged_decode_attention(
+                q_THD[m.decode_rows_B],
+                *self.cache.pages(layer),
+                m.decode_table_BN,
+                m.decode_context_B.to(torch.int32),
+            )
+        if fused is not None:
+            o_THD[m.decode_rows_B] = fused
+        elif m.decode_rows_B.numel():
             k_BCKD, v_BCKD = self.cache.read(layer, m.decode_slots_BC, q_THD.dtype)
             o = attend_fp32(
                 q_THD[m.decode_rows_B][:, None],

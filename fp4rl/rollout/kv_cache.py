@@ -146,6 +146,11 @@ class KVCache:
             )
         self.layers[layer].write(slots_T, k, v)
 
+    def pages(self, layer: int) -> tuple[KVEntry, KVEntry]:
+        """``layer``'s K and V pages as stored: ``[N, B, K, D]`` tensors or `NVFP4Tensor`s."""
+        p = self.layers[layer]
+        return (p.k, p.v) if isinstance(p, _Nvfp4Pages) else (p.k_NBKD, p.v_NBKD)
+
     def read(
         self, layer: int, slots_C: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
