@@ -7,7 +7,8 @@ One kernel; SCALE_SOURCE says where each row's FP32 global scale comes from:
   once and kept in registers between the passes (ONE_CHUNK); longer rows are walked twice, the
   second walk re-reading what the first brought into L1/L2.
 - ``"group_amax"`` (per-tensor, per-expert): the int32 group amax from `amax.group_amax_bits`,
-  a first launch that reads x once more.
+  a first launch that reads x once more. Groups small enough to stay in L2 between the two
+  passes (experts) go to `expert_quant` instead: one launch that reads them from HBM once.
 - ``"given"``: the caller's global scale per group (a group spanning several tensors).
 
 With FAKE the kernel stores ``dequantize(quantize(x))`` in x's dtype instead of codes, block
@@ -23,7 +24,7 @@ import triton.language as tl
 from fp4rl.fp4 import reference
 from fp4rl.fp4.reference import Scaling
 from fp4rl.fp4.tensor import NVFP4Tensor
-from fp4rl.kernels import amax
+from fp4rl.kernels import amax, expert_quant
 from fp4rl.kernels.launch import (
     CONFIGS,
     TileConfig,
@@ -34,30 +35,8 @@ from fp4rl.kernels.launch import (
     pair_view,
     rows_per_group,
 )
-from fp4rl.kernels.numerics import (
-    block_ratio,
-    block_reciprocal,
-    code_byte,
-    e2m1_round,
-    e4m3_rne_satfinite,
-    global_scale_from_amax,
-    is_finite,
-    max_nan,
-    nan_like,
-    ratio_divisor,
-    scale_back,
-    with_sign_of,
-)
-from fp4rl.kernels.tiles import (
-    block_amax,
-    load_pairs,
-    per_block,
-    per_row,
-    program_rows,
-    row_amax,
-    store_codes,
-    store_values,
-)
+from fp4rl.kernels.numerics import global_scale_from_amax, is_finite, max_nan, ratio_divisor
+from fp4rl.kernels.tiles import block_amax, load_pairs, program_rows, quantize_chunk, row_amax
 
 
 # Row counts change with every batch: no recompiling for R == 1 or R % 16 == 0.
@@ -97,39 +76,16 @@ def _quantize_kernel(
         s_R = global_scale_from_amax(amax_R, is_finite(amax_R))
         if not FAKE:  # one store per group: by the program holding its first row
             tl.store(global_scale_G + group_R, s_R, mask=row_ok_R & (rows_R % rows_per_group == 0))
-    s_RB = s_R[:, None]
     scale_R, d_scaled_R, reciprocal_R = ratio_divisor(s_R)
-    divisor_RB = scale_R[:, None], d_scaled_R[:, None], reciprocal_R[:, None]
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         if not ONE_CHUNK:
             x_even, x_odd = load_pairs(x_RK, rows_R, row_ok_R, k0, K, BLOCK_K)
             block_amax_RB = block_amax(x_even, x_odd)
-        # A non-finite x makes its group's scale NaN, and so every block scale of the group,
-        # except under a caller's scale: then the blocks holding inf/NaN are poisoned alone.
-        ratio = block_ratio(block_amax_RB, s_RB, *divisor_RB)
-        block_byte, block_scale = e4m3_rne_satfinite(ratio)
-        if SCALE_SOURCE == "given":
-            bad = ~is_finite(block_amax_RB)
-            block_byte = tl.where(bad, 0x7F, block_byte)
-            block_scale = tl.where(bad, nan_like(block_scale), block_scale)
-        live, recip = block_reciprocal(block_scale, s_RB)
-        # Dead blocks (zero or NaN scale) round everything to +0: no saturation cap, no sign.
-        cap = per_block(tl.where(live, 6.0, 0.0))
-        sign_mask = per_block(tl.where(live, -0x80000000, 0))
-        y_even, y_odd = x_even * per_block(recip), x_odd * per_block(recip)
-        q_even = with_sign_of(e2m1_round(y_even, cap), y_even, sign_mask)
-        q_odd = with_sign_of(e2m1_round(y_odd, cap), y_odd, sign_mask)
-        if FAKE:
-            sf, s = per_block(block_scale), per_row(s_R)
-            store_values(
-                fake_RK, rows_R, row_ok_R, k0, K, scale_back(q_even, sf, s),
-                scale_back(q_odd, sf, s), BLOCK_K,
-            )  # fmt: skip
-        else:
-            store_codes(
-                codes_RK8, block_scale_RKB, rows_R, row_ok_R, k0, K, code_byte(q_even, q_odd),
-                block_byte, BLOCK_K,
-            )  # fmt: skip
+        quantize_chunk(
+            x_even, x_odd, block_amax_RB, s_R, scale_R, d_scaled_R, reciprocal_R, fake_RK,
+            codes_RK8, block_scale_RKB, rows_R, row_ok_R, k0, K,
+            POISON_BLOCKS=SCALE_SOURCE == "given", FAKE=FAKE, BLOCK_K=BLOCK_K,
+        )  # fmt: skip
 
 
 def _default_config(source: str, k: int, fake: bool) -> TileConfig:
@@ -171,7 +127,12 @@ def launch(
             raise ValueError(f"scaling={scaling!r} makes empty groups for x {tuple(x.shape)}")
         source = "row_amax" if group_rows == 1 else "group_amax"
     fake_RK, codes, codes_words, block_scale = outputs(x, fake)
-    if num_rows:
+    # Groups that fit in L2 (experts) are read from HBM once; a given tile config asks for the
+    # two-launch path below.
+    fused = source == "group_amax" and config is None and expert_quant.fits(x_RK, group_rows)
+    if num_rows and fused:
+        expert_quant.launch(x_RK, group_rows, s, fake_RK, codes_words, block_scale, fake=fake)
+    elif num_rows:
         if config is None:
             config = _default_config(source, k, fake)
         if source == "group_amax":

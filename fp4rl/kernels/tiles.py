@@ -16,12 +16,27 @@ uses that order, so kernels never see it.
 Block-level values are ``[BLOCK_R, NB]`` (`per_block` lifts them onto the pairs), row-level ones
 ``[BLOCK_R]`` (`per_row`). The arrays a chunk touches have ``PER_BLOCK`` entries per block:
 x as int32 pairs and packed codes 8, x as elements 16, block scales 1.
+
+`quantize_chunk` is the round-to-nearest work on one loaded chunk, shared by the quantize kernels
+that differ only in how they find each row's global scale (`nearest`, `expert_quant`).
 """
 
 import triton
 import triton.language as tl
 
-from fp4rl.kernels.numerics import max_nan, round_to
+from fp4rl.kernels.numerics import (
+    block_ratio,
+    block_reciprocal,
+    code_byte,
+    e2m1_round,
+    e4m3_rne_satfinite,
+    is_finite,
+    max_nan,
+    nan_like,
+    round_to,
+    scale_back,
+    with_sign_of,
+)
 
 
 @triton.jit
@@ -193,3 +208,44 @@ def row_amax(
         even, odd = load_pairs(x_RK, rows_R, row_ok_R, k0, K, BLOCK_K)
         amax = max_nan(amax, block_amax(even, odd))
     return tl.reduce(amax, 1, max_nan)
+
+
+@triton.jit
+def quantize_chunk(
+    x_even, x_odd, block_amax_RB, s_R, scale_R, d_scaled_R, reciprocal_R, out_RK, codes_RK8,
+    block_scale_RKB, rows_R, row_ok_R, k0, K, POISON_BLOCKS: tl.constexpr, FAKE: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Quantize a loaded chunk (`load_pairs`, its `block_amax`) under the rows' global scales
+    ``s_R`` (with ``scale_R, d_scaled_R, reciprocal_R`` from `numerics.ratio_divisor`) and store
+    its codes and block-scale bytes, or with FAKE its dequantized values in ``out_RK``'s dtype.
+
+    A non-finite x makes its group's scale NaN, and so every block scale of the group; under a
+    caller's scale (POISON_BLOCKS) the blocks holding inf/NaN are poisoned alone.
+    """
+    s_RB = s_R[:, None]
+    ratio = block_ratio(block_amax_RB, s_RB, scale_R[:, None], d_scaled_R[:, None],
+                        reciprocal_R[:, None])  # fmt: skip
+    block_byte, block_scale = e4m3_rne_satfinite(ratio)
+    if POISON_BLOCKS:
+        bad = ~is_finite(block_amax_RB)
+        block_byte = tl.where(bad, 0x7F, block_byte)
+        block_scale = tl.where(bad, nan_like(block_scale), block_scale)
+    live, recip = block_reciprocal(block_scale, s_RB)
+    # Dead blocks (zero or NaN scale) round everything to +0: no saturation cap, no sign.
+    cap = per_block(tl.where(live, 6.0, 0.0))
+    sign_mask = per_block(tl.where(live, -0x80000000, 0))
+    y_even, y_odd = x_even * per_block(recip), x_odd * per_block(recip)
+    q_even = with_sign_of(e2m1_round(y_even, cap), y_even, sign_mask)
+    q_odd = with_sign_of(e2m1_round(y_odd, cap), y_odd, sign_mask)
+    if FAKE:
+        sf, s = per_block(block_scale), per_row(s_R)
+        store_values(
+            out_RK, rows_R, row_ok_R, k0, K, scale_back(q_even, sf, s), scale_back(q_odd, sf, s),
+            BLOCK_K,
+        )  # fmt: skip
+    else:
+        store_codes(
+            codes_RK8, block_scale_RKB, rows_R, row_ok_R, k0, K, code_byte(q_even, q_odd),
+            block_byte, BLOCK_K,
+        )  # fmt: skip

@@ -147,6 +147,13 @@ def test_caller_given_global_scales(device, dtype):
     check_quantize(w3, "tensor", global_scale=shared)
     per_row = torch.tensor([[1e-3], [0.0], [math.nan], [math.inf], [2.0**-117], [50.0]])
     check_quantize(w1, "row", global_scale=per_row.to(device))
+    # Negative scales are not refused on the host (no sync): they poison their group.
+    negative = torch.tensor([[-1e-3], [-0.0], [-math.nan], [-math.inf], [-(2.0**-130)], [5e-3]])
+    check_quantize(w1, "row", global_scale=negative.to(device))
+    got = kernels.quantize(w1, scaling="row", global_scale=negative.to(device))
+    assert (got.global_scale[[0, 2, 3, 4]].view(torch.int32) == 0x7FC00000).all()
+    assert (got.block_scale[[0, 2, 3, 4]].view(torch.uint8) == 0x7F).all()
+    assert (got.codes[:5] == 0).all() and got.global_scale[1].view(torch.int32).item() == 0
     check_quantize(x, 2, global_scale=torch.tensor([[[0.02]], [[0.0]]], device=device))
     check_quantize(x, "row", global_scale=torch.tensor(0.01, device=device).view(1, 1, 1))
 
@@ -204,7 +211,13 @@ def test_bad_inputs_name_the_offending_value(device, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("shape", "scaling"),
-    [((4096, 7168), "row"), ((8, 512, 7168), 2), ((2048, 4096), "tensor"), ((1000, 2064), "row")],
+    [
+        ((4096, 7168), "row"),
+        ((8, 512, 7168), 2),  # experts of 7 MiB: one launch (`expert_quant`)
+        ((2048, 4096), "tensor"),
+        ((4096, 7168), "tensor"),  # 56 MiB, larger than L2: amax launch, then quantize
+        ((1000, 2064), "row"),
+    ],
 )
 def test_large_shapes_on_gpu(shape, scaling):
     check_quantize(randn(shape, torch.bfloat16, "cuda", seed=5), scaling)

@@ -1,0 +1,213 @@
+"""Per-group NVFP4 quantize (`reference.quantize` with ``scaling=2`` on ``[E, N, K]`` experts, or
+any group of consecutive rows) in one launch that reads each group from HBM once.
+
+A group's global scale needs the amax of the whole group before its first code, so the group is
+read twice: an amax pass, then the quantize pass. An expert's weight is a few MiB (W2 of
+Qwen3-30B-A3B 3 MiB, W1+W3 6 MiB), far below an H200's 50 MB L2, so the second read hits L2 if
+it follows the first closely. The kernel is persistent: a fixed grid of programs takes work
+items from one ticket counter, in an order that puts the quantize items of group g right after
+the amax items of group g + lag:
+
+    amax(0) .. amax(lag - 1) | amax(lag) quant(0) | amax(lag + 1) quant(1) | .. | quant(G - 1)
+
+(each ``amax(g)`` / ``quant(g)`` is the group's ``items_per_group`` items of ``item_rows``
+rows). An amax item folds its rows' maximum into the group's int32 slot (`atomic_max` on the
+FP32 bits, as `amax.group_amax_bits`) and then counts itself done with release semantics; a
+quantize item waits (acquire) until all of its group's amax items are done, which the lag makes
+rare: with ``2 * lag * items_per_group`` tickets between them at least the number of programs
+plus one group, every amax item of g was finished before quant(g) is dealt.
+
+Tickets are dealt in order and a program takes one only once it is running, so every item a
+quantize item waits for is held by a running program that waits on nothing: no deadlock however
+many programs are resident (other kernels on the GPU, MPS), and under Triton's CPU interpreter,
+which runs programs one after another, the first program simply does every item in order.
+
+Per item the arithmetic is `tiles.quantize_chunk`, as in `nearest`'s kernel, so the bits are
+the reference's. With FAKE the kernel stores ``dequantize(quantize(x))`` in x's dtype instead.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from fp4rl.kernels.launch import device_of, interpreting, pair_view
+from fp4rl.kernels.numerics import global_scale_from_amax, is_finite, max_nan, ratio_divisor
+from fp4rl.kernels.tiles import block_amax, load_pairs, quantize_chunk
+
+
+@triton.jit
+def _work_of(ticket, num_groups, items_per_group, lag):
+    """``(quantize?, group, item)`` of a ticket in the order of the module docstring."""
+    C = items_per_group
+    lead = tl.minimum(lag, num_groups)  # groups whose amax items come before any quantize item
+    paired = num_groups - lead  # pairs [amax(j + lead), quant(j)]
+    u = ticket - lead * C
+    v = u - paired * 2 * C
+    in_pairs = (u >= 0) & (v < 0)
+    second = tl.where(in_pairs, (u % (2 * C)) >= C, u >= 0)
+    group = tl.where(
+        u < 0,
+        ticket // C,
+        tl.where(in_pairs, u // (2 * C) + tl.where(second, 0, lead), paired + v // C),
+    )
+    item = tl.where(u < 0, ticket % C, tl.where(in_pairs, u % C, v % C))
+    return second, group, item
+
+
+# Expert counts and row counts vary; K (a model dimension) is specialized.
+@triton.jit(
+    do_not_specialize=["R", "rows_per_group", "num_groups", "items_per_group", "item_rows", "lag"]
+)
+def _expert_quantize_kernel(
+    x_RK,
+    codes_RK8,
+    block_scale_RKB,
+    fake_RK,
+    global_scale_G,
+    work,  # int32 zeros [1 + 2G]: the ticket counter, then G amax slots, then G done counts
+    R,
+    K,
+    rows_per_group,
+    num_groups,
+    items_per_group,
+    item_rows,
+    lag,
+    FAKE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    amax_bits_G = work + 1
+    done_G = work + 1 + num_groups
+    num_tickets = 2 * num_groups * items_per_group
+    ticket = tl.atomic_add(work, 1, sem="relaxed")
+    while ticket < num_tickets:
+        second, g, item = _work_of(ticket, num_groups, items_per_group, lag)
+        first_row = g * rows_per_group + item * item_rows
+        end_row = tl.minimum(first_row + item_rows, (g + 1) * rows_per_group)
+        if second:
+            # Wait for the group's amax items (scalar atomics run on one thread; acquire orders
+            # the amax read after the count that says it is complete).
+            seen = tl.atomic_add(done_G + g, 0, sem="acquire")
+            while seen < items_per_group:
+                seen = tl.atomic_add(done_G + g, 0, sem="acquire")
+            amax = tl.atomic_add(amax_bits_G + g, 0, sem="acquire").to(tl.float32, bitcast=True)
+            s = global_scale_from_amax(amax, is_finite(amax))
+            if not FAKE:  # one store per group
+                tl.store(global_scale_G + g, s, mask=item == 0)
+            s_R = tl.zeros([BLOCK_R], tl.float32) + s  # s is +0, positive or NaN: adding 0 is exact
+            scale_R, d_scaled_R, reciprocal_R = ratio_divisor(s_R)
+            for r0 in range(first_row, end_row, BLOCK_R):
+                rows_R = r0 + tl.arange(0, BLOCK_R)
+                row_ok_R = rows_R < end_row
+                for k0 in range(0, K, BLOCK_K):
+                    x_even, x_odd = load_pairs(x_RK, rows_R, row_ok_R, k0, K, BLOCK_K)
+                    quantize_chunk(
+                        x_even, x_odd, block_amax(x_even, x_odd), s_R, scale_R, d_scaled_R,
+                        reciprocal_R, fake_RK, codes_RK8, block_scale_RKB, rows_R, row_ok_R, k0, K,
+                        POISON_BLOCKS=False, FAKE=FAKE, BLOCK_K=BLOCK_K,
+                    )  # fmt: skip
+        else:
+            amax_RB = tl.zeros([BLOCK_R, BLOCK_K // 16], tl.float32)
+            for r0 in range(first_row, end_row, BLOCK_R):
+                rows_R = r0 + tl.arange(0, BLOCK_R)
+                row_ok_R = rows_R < end_row
+                for k0 in range(0, K, BLOCK_K):
+                    x_even, x_odd = load_pairs(x_RK, rows_R, row_ok_R, k0, K, BLOCK_K)
+                    amax_RB = max_nan(amax_RB, block_amax(x_even, x_odd))
+            amax = tl.reduce(tl.reduce(amax_RB, 1, max_nan), 0, max_nan)
+            # As bits, +inf and (positive) NaN rank above every number: a non-finite item
+            # poisons its group. Release: the maximum lands before the count says so.
+            tl.atomic_max(amax_bits_G + g, amax.to(tl.int32, bitcast=True), sem="relaxed")
+            tl.atomic_add(done_G + g, 1, sem="release")
+        ticket = tl.atomic_add(work, 1, sem="relaxed")
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertConfig:
+    """``tile`` elements per chunk (``BLOCK_R x BLOCK_K``), ``item_elements`` per work item (a
+    whole number of row blocks), ``programs_per_sm`` resident programs of ``num_warps``."""
+
+    tile: int
+    item_elements: int
+    num_warps: int
+    programs_per_sm: int
+    lag: int | None = None  # groups of amax items dealt ahead (None: enough that none waits)
+
+
+CONFIGS = {
+    "default": ExpertConfig(tile=4096, item_elements=32768, num_warps=4, programs_per_sm=2),
+    # Small enough that tests' tiny groups span several items and several row blocks per item.
+    "tiny": ExpertConfig(tile=64, item_elements=128, num_warps=4, programs_per_sm=1),
+}
+
+# Groups up to this size come here; a larger group cannot stay in L2 between its two passes,
+# and `nearest` reads it twice from HBM with its amax pass in a launch of its own.
+MAX_GROUP_BYTES = 16 << 20
+
+
+def fits(x_RK: torch.Tensor, rows_per_group: int) -> bool:
+    """Whether groups of ``rows_per_group`` rows of x_RK are quantized here."""
+    group_bytes = rows_per_group * x_RK.shape[1] * x_RK.element_size()
+    return rows_per_group > 1 and group_bytes <= MAX_GROUP_BYTES
+
+
+def block_k_for(k: int) -> int:
+    """The widest power-of-two chunk (16 to 1024) that pads rows of k by at most 1/8: 768-wide
+    rows (W2) walk three 256-wide chunks instead of one 1024-wide chunk a quarter masked."""
+    block_k = 1024
+    while block_k > 16 and -(-k // block_k) * block_k * 8 > 9 * k:
+        block_k //= 2
+    return block_k
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def launch(
+    x_RK: torch.Tensor,
+    rows_per_group: int,
+    global_scale: torch.Tensor,
+    out_RK: torch.Tensor,
+    codes_words: torch.Tensor,
+    block_scale: torch.Tensor,
+    *,
+    fake: bool,
+    config: ExpertConfig | None = None,
+) -> None:
+    """Quantize contiguous ``x_RK [R, K]`` (R > 0) in groups of ``rows_per_group`` rows into the
+    buffers of `launch.outputs` and ``global_scale`` (FP32, one per group, contiguous; not
+    written with ``fake``). The caller (`nearest.launch`) has checked x."""
+    num_rows, k = x_RK.shape
+    if rows_per_group < 1 or num_rows % rows_per_group:
+        raise ValueError(f"rows_per_group={rows_per_group} does not divide R={num_rows}")
+    config = config or CONFIGS["default"]
+    num_groups = num_rows // rows_per_group
+    block_k = min(block_k_for(k), max(16, config.tile))
+    block_r = max(1, config.tile // block_k)
+    row_blocks = -(-rows_per_group // block_r)  # row blocks per group
+    per_item = max(1, config.item_elements // (block_r * block_k * -(-k // block_k)))
+    item_rows = block_r * min(per_item, row_blocks)
+    items_per_group = -(-rows_per_group // item_rows)
+    if interpreting() or not x_RK.is_cuda:
+        num_programs = 2  # run one after another: the first does every item
+    else:
+        num_programs = config.programs_per_sm * _num_sms(x_RK.device)
+    num_programs = min(num_programs, 2 * num_groups * items_per_group)
+    # Enough tickets between amax(g) and quant(g) that every program has moved on since.
+    lag = -(-(num_programs + items_per_group) // (2 * items_per_group))
+    lag = lag if config.lag is None else config.lag
+    work = torch.zeros(1 + 2 * num_groups, dtype=torch.int32, device=x_RK.device)
+    with device_of(x_RK):
+        _expert_quantize_kernel[(num_programs,)](
+            pair_view(x_RK), codes_words, block_scale, out_RK, global_scale, work, num_rows, k,
+            rows_per_group, num_groups, items_per_group, item_rows, lag,
+            FAKE=fake, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=config.num_warps,
+            num_stages=1, enable_fp_fusion=False,
+        )  # fmt: skip
