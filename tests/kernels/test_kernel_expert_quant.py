@@ -77,9 +77,10 @@ def check(x: torch.Tensor, group_ndim: int, config=None, what: str = "") -> None
 
 
 def randn(shape, dtype, device, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=g) * torch.exp2(6 * torch.rand(shape, generator=g))
-    return x.to(dtype).to(device)
+    """Random values over several binades, drawn on ``device`` (the model's shapes are large)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(shape, generator=g, device=device)
+    return (x * torch.exp2(6 * torch.rand(shape, generator=g, device=device))).to(dtype)
 
 
 # ---- the ticket order ------------------------------------------------------------------------
