@@ -12,15 +12,23 @@ the amax items of group g + lag:
 
 (each ``amax(g)`` / ``quant(g)`` is the group's ``items_per_group`` items of ``item_rows``
 rows). An amax item folds its rows' maximum into the group's int32 slot (`atomic_max` on the
-FP32 bits, as `amax.group_amax_bits`) and then counts itself done with release semantics; a
-quantize item waits (acquire) until all of its group's amax items are done, which the lag makes
-rare: with ``2 * lag * items_per_group`` tickets between them at least the number of programs
-plus one group, every amax item of g was finished before quant(g) is dealt.
+FP32 bits, as `amax.group_amax_bits`, so the result does not depend on the order) and counts
+itself done (acquire-release); the group's last one computes the global scale and publishes it
+(release). A quantize item waits (acquire) for that scale, which the lag makes rare: a program
+holds two tickets (the item it works on and the next), and with ``2 * lag * items_per_group``
+tickets between amax(g) and quant(g) at least twice the number of programs plus one group, every
+amax item of g is finished before quant(g) is dealt. Amax reads ask L2 to keep their lines
+(``evict_last``), quantize reads to let them go (``evict_first``).
 
-Tickets are dealt in order and a program takes one only once it is running, so every item a
-quantize item waits for is held by a running program that waits on nothing: no deadlock however
-many programs are resident (other kernels on the GPU, MPS), and under Triton's CPU interpreter,
-which runs programs one after another, the first program simply does every item in order.
+Each program keeps the loads of its next chunk in flight while it works on the current one, and
+takes its next ticket and its group's scale while the first chunk's loads are in flight, so the
+atomics' round trips hide behind memory traffic.
+
+Tickets are dealt in order and only to running programs, and an item waits only on items with
+smaller tickets: the smallest unfinished ticket is always being worked on or is next for a
+program whose current item is done, so the kernel cannot deadlock however many programs are
+resident (other kernels on the GPU, MPS). Under Triton's CPU interpreter, which runs programs
+one after another, the first program does every item in order.
 
 Per item the arithmetic is `tiles.quantize_chunk`, as in `nearest`'s kernel, so the bits are
 the reference's. With FAKE the kernel stores ``dequantize(quantize(x))`` in x's dtype instead.
@@ -37,7 +45,7 @@ import triton.language as tl
 
 from fp4rl.kernels.launch import device_of, interpreting, pair_view
 from fp4rl.kernels.numerics import global_scale_from_amax, is_finite, max_nan, ratio_divisor
-from fp4rl.kernels.tiles import block_amax, load_pairs, quantize_chunk
+from fp4rl.kernels.tiles import block_amax, load_raw, quantize_chunk, unpack_raw
 
 
 @triton.jit
@@ -59,72 +67,119 @@ def _work_of(ticket, num_groups, items_per_group, lag):
     return second, group, item
 
 
+@triton.jit
+def _item(ticket, num_tickets, num_groups, items_per_group, item_rows, rows_per_group, lag):
+    """``(quantize?, group, first row, end row)`` of a ticket's item; no rows past the last
+    ticket."""
+    second, g, item = _work_of(ticket, num_groups, items_per_group, lag)
+    first_row = g * rows_per_group + item * item_rows
+    end_row = tl.minimum(first_row + item_rows, (g + 1) * rows_per_group)
+    return second, g, first_row, tl.where(ticket < num_tickets, end_row, first_row)
+
+
+@triton.jit
+def _chunk_rows(first_row, end_row, c, CHUNKS_PER_ROW: tl.constexpr, BLOCK_R: tl.constexpr,
+                BLOCK_K: tl.constexpr):  # fmt: skip
+    """Rows ``[BLOCK_R]``, their mask and the first column of an item's chunk c (row-major)."""
+    rows_R = first_row + (c // CHUNKS_PER_ROW) * BLOCK_R + tl.arange(0, BLOCK_R)
+    return rows_R, rows_R < end_row, (c % CHUNKS_PER_ROW) * BLOCK_K
+
+
 # Expert counts and row counts vary; K (a model dimension) is specialized.
 @triton.jit(
-    do_not_specialize=["R", "rows_per_group", "num_groups", "items_per_group", "item_rows", "lag"]
-)
+    do_not_specialize=[
+        "R", "rows_per_group", "num_groups", "items_per_group", "item_rows", "chunks_per_item",
+        "lag",
+    ]
+)  # fmt: skip
 def _expert_quantize_kernel(
     x_RK,
     codes_RK8,
     block_scale_RKB,
     fake_RK,
     global_scale_G,
-    work,  # int32 zeros [1 + 2G]: the ticket counter, then G amax slots, then G done counts
+    work,  # int32 zeros [1 + 3G]: the ticket counter, then per group its amax, done, scale word
     R,
     K,
     rows_per_group,
     num_groups,
     items_per_group,
     item_rows,
+    chunks_per_item,
     lag,
     FAKE: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    CHUNKS_PER_ROW: tl.constexpr,
 ):
     amax_bits_G = work + 1
-    done_G = work + 1 + num_groups
+    done_G = amax_bits_G + num_groups
+    # The group's global scale once known, as ~bits (never 0: the bits of a scale are >= 0).
+    scale_word_G = done_G + num_groups
     num_tickets = 2 * num_groups * items_per_group
     ticket = tl.atomic_add(work, 1, sem="relaxed")
+    second, g, first_row, end_row = _item(
+        ticket, num_tickets, num_groups, items_per_group, item_rows, rows_per_group, lag
+    )
+    rows_R, row_ok_R, k0 = _chunk_rows(first_row, end_row, 0, CHUNKS_PER_ROW, BLOCK_R, BLOCK_K)
+    # Amax reads keep their lines in L2 for the quantize reads, which let them go.
+    if second:
+        raw = load_raw(x_RK, rows_R, row_ok_R, k0, K, BLOCK_K, "evict_first")
+    else:
+        raw = load_raw(x_RK, rows_R, row_ok_R, k0, K, BLOCK_K, "evict_last")
     while ticket < num_tickets:
-        second, g, item = _work_of(ticket, num_groups, items_per_group, lag)
-        first_row = g * rows_per_group + item * item_rows
-        end_row = tl.minimum(first_row + item_rows, (g + 1) * rows_per_group)
-        if second:
-            # Wait for the group's amax items (scalar atomics run on one thread; acquire orders
-            # the amax read after the count that says it is complete).
-            seen = tl.atomic_add(done_G + g, 0, sem="acquire")
-            while seen < items_per_group:
-                seen = tl.atomic_add(done_G + g, 0, sem="acquire")
-            amax = tl.atomic_add(amax_bits_G + g, 0, sem="acquire").to(tl.float32, bitcast=True)
-            s = global_scale_from_amax(amax, is_finite(amax))
-            if not FAKE:  # one store per group
-                tl.store(global_scale_G + g, s, mask=item == 0)
-            s_R = tl.zeros([BLOCK_R], tl.float32) + s  # s is +0, positive or NaN: adding 0 is exact
-            scale_R, d_scaled_R, reciprocal_R = ratio_divisor(s_R)
-            for r0 in range(first_row, end_row, BLOCK_R):
-                rows_R = r0 + tl.arange(0, BLOCK_R)
-                row_ok_R = rows_R < end_row
-                for k0 in range(0, K, BLOCK_K):
-                    x_even, x_odd = load_pairs(x_RK, rows_R, row_ok_R, k0, K, BLOCK_K)
-                    quantize_chunk(
-                        x_even, x_odd, block_amax(x_even, x_odd), s_R, scale_R, d_scaled_R,
-                        reciprocal_R, fake_RK, codes_RK8, block_scale_RKB, rows_R, row_ok_R, k0, K,
-                        POISON_BLOCKS=False, FAKE=FAKE, BLOCK_K=BLOCK_K,
-                    )  # fmt: skip
-        else:
-            amax_RB = tl.zeros([BLOCK_R, BLOCK_K // 16], tl.float32)
-            for r0 in range(first_row, end_row, BLOCK_R):
-                rows_R = r0 + tl.arange(0, BLOCK_R)
-                row_ok_R = rows_R < end_row
-                for k0 in range(0, K, BLOCK_K):
-                    x_even, x_odd = load_pairs(x_RK, rows_R, row_ok_R, k0, K, BLOCK_K)
-                    amax_RB = max_nan(amax_RB, block_amax(x_even, x_odd))
-            amax = tl.reduce(tl.reduce(amax_RB, 1, max_nan), 0, max_nan)
+        # Each program holds its next ticket while it works on this one, and always has the
+        # next chunk's loads in flight: the round trips of the atomics overlap the loads.
+        next_ticket = tl.atomic_add(work, 1, sem="relaxed")
+        next_second, next_g, next_first, next_end = _item(
+            next_ticket, num_tickets, num_groups, items_per_group, item_rows, rows_per_group, lag
+        )
+        word = tl.atomic_add(scale_word_G + g, 0, mask=second, sem="acquire")
+        while second & (word == 0):  # the group's last amax item has not published its scale
+            word = tl.atomic_add(scale_word_G + g, 0, sem="acquire")
+        s_R = tl.zeros([BLOCK_R], tl.float32) + (~word).to(tl.float32, bitcast=True)
+        scale_R, d_scaled_R, reciprocal_R = ratio_divisor(s_R)
+        amax_RB = tl.zeros([BLOCK_R, BLOCK_K // 16], tl.float32)
+        for c in range(0, chunks_per_item):
+            last = c == chunks_per_item - 1
+            rows_R, row_ok_R, k0 = _chunk_rows(
+                tl.where(last, next_first, first_row), tl.where(last, next_end, end_row),
+                tl.where(last, 0, c + 1), CHUNKS_PER_ROW, BLOCK_R, BLOCK_K,
+            )  # fmt: skip
+            if tl.where(last, next_second, second):
+                raw_next = load_raw(x_RK, rows_R, row_ok_R, k0, K, BLOCK_K, "evict_first")
+            else:
+                raw_next = load_raw(x_RK, rows_R, row_ok_R, k0, K, BLOCK_K, "evict_last")
+            x_even, x_odd = unpack_raw(raw)
+            block_amax_RB = block_amax(x_even, x_odd)
+            rows_R, row_ok_R, k0 = _chunk_rows(first_row, end_row, c, CHUNKS_PER_ROW, BLOCK_R,
+                                               BLOCK_K)  # fmt: skip
+            if second:
+                quantize_chunk(
+                    x_even, x_odd, block_amax_RB, s_R, scale_R, d_scaled_R, reciprocal_R, fake_RK,
+                    codes_RK8, block_scale_RKB, rows_R, row_ok_R, k0, K, POISON_BLOCKS=False,
+                    FAKE=FAKE, BLOCK_K=BLOCK_K,
+                )  # fmt: skip
+            else:
+                amax_RB = max_nan(amax_RB, block_amax_RB)
+            raw = raw_next
+        if not second:
             # As bits, +inf and (positive) NaN rank above every number: a non-finite item
             # poisons its group. Release: the maximum lands before the count says so.
+            amax = tl.reduce(tl.reduce(amax_RB, 1, max_nan), 0, max_nan)
             tl.atomic_max(amax_bits_G + g, amax.to(tl.int32, bitcast=True), sem="relaxed")
-            tl.atomic_add(done_G + g, 1, sem="release")
-        ticket = tl.atomic_add(work, 1, sem="relaxed")
+            finished = tl.atomic_add(done_G + g, 1, sem="acq_rel")
+            if finished == items_per_group - 1:  # the group's last amax item publishes its scale
+                amax = tl.atomic_add(amax_bits_G + g, 0, sem="acquire").to(tl.float32, bitcast=True)
+                s = global_scale_from_amax(amax, is_finite(amax))
+                if not FAKE:
+                    tl.store(global_scale_G + g, s)
+                tl.atomic_xchg(scale_word_G + g, ~s.to(tl.int32, bitcast=True), sem="release")
+        ticket = next_ticket
+        second = next_second
+        g = next_g
+        first_row = next_first
+        end_row = next_end
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +195,9 @@ class ExpertConfig:
 
 
 CONFIGS = {
-    "default": ExpertConfig(tile=4096, item_elements=32768, num_warps=4, programs_per_sm=2),
+    # 4 programs of 4 warps fill an SM's registers (about 128 per thread); items of 32 KiB of
+    # BF16 keep what is read between the two passes of a row well inside L2 (module docstring).
+    "default": ExpertConfig(tile=4096, item_elements=16384, num_warps=4, programs_per_sm=4),
     # Small enough that tests' tiny groups span several items and several row blocks per item.
     "tiny": ExpertConfig(tile=64, item_elements=128, num_warps=4, programs_per_sm=1),
 }
@@ -191,8 +248,9 @@ def launch(
     num_groups = num_rows // rows_per_group
     block_k = min(block_k_for(k), max(16, config.tile))
     block_r = max(1, config.tile // block_k)
-    row_blocks = -(-rows_per_group // block_r)  # row blocks per group
-    per_item = max(1, config.item_elements // (block_r * block_k * -(-k // block_k)))
+    chunks = -(-k // block_k)  # per row
+    row_blocks = -(-rows_per_group // block_r)  # per group
+    per_item = max(1, config.item_elements // (block_r * block_k * chunks))
     item_rows = block_r * min(per_item, row_blocks)
     items_per_group = -(-rows_per_group // item_rows)
     if interpreting() or not x_RK.is_cuda:
@@ -200,14 +258,15 @@ def launch(
     else:
         num_programs = config.programs_per_sm * _num_sms(x_RK.device)
     num_programs = min(num_programs, 2 * num_groups * items_per_group)
-    # Enough tickets between amax(g) and quant(g) that every program has moved on since.
-    lag = -(-(num_programs + items_per_group) // (2 * items_per_group))
+    # Enough tickets between amax(g) and quant(g) that every program has finished both items it
+    # held when the last amax item of g was dealt.
+    lag = -(-(2 * num_programs + items_per_group) // (2 * items_per_group))
     lag = lag if config.lag is None else config.lag
-    work = torch.zeros(1 + 2 * num_groups, dtype=torch.int32, device=x_RK.device)
+    work = torch.zeros(1 + 3 * num_groups, dtype=torch.int32, device=x_RK.device)
     with device_of(x_RK):
         _expert_quantize_kernel[(num_programs,)](
             pair_view(x_RK), codes_words, block_scale, out_RK, global_scale, work, num_rows, k,
-            rows_per_group, num_groups, items_per_group, item_rows, lag,
-            FAKE=fake, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=config.num_warps,
-            num_stages=1, enable_fp_fusion=False,
+            rows_per_group, num_groups, items_per_group, item_rows, item_rows // block_r * chunks,
+            lag, FAKE=fake, BLOCK_R=block_r, BLOCK_K=block_k, CHUNKS_PER_ROW=chunks,
+            num_warps=config.num_warps, num_stages=1, enable_fp_fusion=False,
         )  # fmt: skip

@@ -111,23 +111,48 @@ def store_halves(ptr, rows_R, row_ok_R, k0, K, v, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def load_pairs(x_RK, rows_R, row_ok_R, k0, K, BLOCK_K: tl.constexpr):
-    """x's chunk upcast exactly to FP32, as (even, odd) ``[BLOCK_R, NB, 8]``; 0 outside x.
+def load_raw(x_RK, rows_R, row_ok_R, k0, K, BLOCK_K: tl.constexpr, EVICT: tl.constexpr):
+    """x's chunk as stored, 0 outside x: bf16 as int32 pairs (`launch.pair_view`) ``[BLOCK_R,
+    NB, 8]``, other dtypes as values ``[BLOCK_R, NB, 16]`` (`unpack_raw` upcasts either).
 
-    bf16 x arrives as int32 pairs (`launch.pair_view`): a pair's two FP32 values are its low and
-    high halves moved to the top, one integer op each and no data movement between threads.
+    Split from the upcast so that a kernel can issue the next chunk's loads before it works on
+    this one; EVICT is `tl.load`'s L2 eviction policy ("" for the default).
     """
     if x_RK.dtype.element_ty == tl.int32:
-        pairs = load_halves(x_RK, rows_R, row_ok_R, k0, K, 8, BLOCK_K)
-        return (pairs << 16).to(tl.float32, bitcast=True), (pairs & -65536).to(
-            tl.float32, bitcast=True
-        )
-    values = load_halves(x_RK, rows_R, row_ok_R, k0, K, 16, BLOCK_K).to(tl.float32)
-    # Joined halves of 8 values: element e of half h sits at 2 * e + h; pair j of half h is
-    # elements 2j, 2j + 1, i.e. positions 4j + h and 4j + 2 + h, and must land at 2j + h.
-    values = tl.reshape(values, [values.shape[0], values.shape[1], 4, 2, 2])
-    values = tl.permute(values, [0, 1, 2, 4, 3])
-    return tl.split(tl.reshape(values, [values.shape[0], values.shape[1], 8, 2]))
+        offsets, mask = half_offsets(rows_R, row_ok_R, k0, K, 8, BLOCK_K)
+        first = tl.load(x_RK + offsets, mask=mask, other=0, eviction_policy=EVICT)
+        second = tl.load(x_RK + offsets + 4, mask=mask, other=0, eviction_policy=EVICT)
+    else:
+        offsets, mask = half_offsets(rows_R, row_ok_R, k0, K, 16, BLOCK_K)
+        first = tl.load(x_RK + offsets, mask=mask, other=0, eviction_policy=EVICT)
+        second = tl.load(x_RK + offsets + 8, mask=mask, other=0, eviction_policy=EVICT)
+    return join_halves(first, second)
+
+
+@triton.jit
+def unpack_raw(raw):
+    """A `load_raw` chunk upcast exactly to FP32, as (even, odd) ``[BLOCK_R, NB, 8]``.
+
+    A bf16 pair's two FP32 values are its low and high halves moved to the top, one integer op
+    each and no data movement between threads.
+    """
+    if raw.dtype == tl.int32:
+        even = (raw << 16).to(tl.float32, bitcast=True)
+        odd = (raw & -65536).to(tl.float32, bitcast=True)
+    else:
+        values = raw.to(tl.float32)
+        # Joined halves of 8 values: element e of half h sits at 2 * e + h; pair j of half h is
+        # elements 2j, 2j + 1, i.e. positions 4j + h and 4j + 2 + h, and must land at 2j + h.
+        values = tl.reshape(values, [values.shape[0], values.shape[1], 4, 2, 2])
+        values = tl.permute(values, [0, 1, 2, 4, 3])
+        even, odd = tl.split(tl.reshape(values, [values.shape[0], values.shape[1], 8, 2]))
+    return even, odd
+
+
+@triton.jit
+def load_pairs(x_RK, rows_R, row_ok_R, k0, K, BLOCK_K: tl.constexpr):
+    """x's chunk upcast exactly to FP32, as (even, odd) ``[BLOCK_R, NB, 8]``; 0 outside x."""
+    return unpack_raw(load_raw(x_RK, rows_R, row_ok_R, k0, K, BLOCK_K, ""))
 
 
 @triton.jit
