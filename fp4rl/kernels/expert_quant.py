@@ -85,6 +85,19 @@ def _chunk_rows(first_row, end_row, c, CHUNKS_PER_ROW: tl.constexpr, BLOCK_R: tl
     return rows_R, rows_R < end_row, (c % CHUNKS_PER_ROW) * BLOCK_K
 
 
+@triton.jit
+def _load_chunk(x_RK, first_row, end_row, c, K, second, CHUNKS_PER_ROW: tl.constexpr,
+                BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """`tiles.load_raw` of an item's chunk c. Amax reads (``second`` false) ask L2 to keep the
+    lines for the quantize reads, which let them go."""
+    rows_R, row_ok_R, k0 = _chunk_rows(first_row, end_row, c, CHUNKS_PER_ROW, BLOCK_R, BLOCK_K)
+    if second:
+        raw = load_raw(x_RK, rows_R, row_ok_R, k0, K, BLOCK_K, "evict_first")
+    else:
+        raw = load_raw(x_RK, rows_R, row_ok_R, k0, K, BLOCK_K, "evict_last")
+    return raw
+
+
 # Expert counts and row counts vary; K (a model dimension) is specialized.
 @triton.jit(
     do_not_specialize=[
@@ -118,22 +131,16 @@ def _expert_quantize_kernel(
     scale_word_G = done_G + num_groups
     num_tickets = 2 * num_groups * items_per_group
     ticket = tl.atomic_add(work, 1, sem="relaxed")
-    second, g, first_row, end_row = _item(
-        ticket, num_tickets, num_groups, items_per_group, item_rows, rows_per_group, lag
-    )
-    rows_R, row_ok_R, k0 = _chunk_rows(first_row, end_row, 0, CHUNKS_PER_ROW, BLOCK_R, BLOCK_K)
-    # Amax reads keep their lines in L2 for the quantize reads, which let them go.
-    if second:
-        raw = load_raw(x_RK, rows_R, row_ok_R, k0, K, BLOCK_K, "evict_first")
-    else:
-        raw = load_raw(x_RK, rows_R, row_ok_R, k0, K, BLOCK_K, "evict_last")
     while ticket < num_tickets:
-        # Each program holds its next ticket while it works on this one, and always has the
-        # next chunk's loads in flight: the round trips of the atomics overlap the loads.
-        next_ticket = tl.atomic_add(work, 1, sem="relaxed")
-        next_second, next_g, next_first, next_end = _item(
-            next_ticket, num_tickets, num_groups, items_per_group, item_rows, rows_per_group, lag
+        second, g, first_row, end_row = _item(
+            ticket, num_tickets, num_groups, items_per_group, item_rows, rows_per_group, lag
         )
+        # The first chunk's loads go out before the round trips of the atomics below (the next
+        # ticket; the group's scale), and inside the item each chunk's loads before the work on
+        # the one before. (A loaded chunk carried from one item to the next would overlap more,
+        # but Triton 3.6 fails to compile a tensor carried through this while loop.)
+        raw = _load_chunk(x_RK, first_row, end_row, 0, K, second, CHUNKS_PER_ROW, BLOCK_R, BLOCK_K)
+        next_ticket = tl.atomic_add(work, 1, sem="relaxed")
         word = tl.atomic_add(scale_word_G + g, 0, mask=second, sem="acquire")
         while second & (word == 0):  # the group's last amax item has not published its scale
             word = tl.atomic_add(scale_word_G + g, 0, sem="acquire")
@@ -141,15 +148,12 @@ def _expert_quantize_kernel(
         scale_R, d_scaled_R, reciprocal_R = ratio_divisor(s_R)
         amax_RB = tl.zeros([BLOCK_R, BLOCK_K // 16], tl.float32)
         for c in range(0, chunks_per_item):
+            # The next chunk of the item (none after the last: all its rows masked).
             last = c == chunks_per_item - 1
-            rows_R, row_ok_R, k0 = _chunk_rows(
-                tl.where(last, next_first, first_row), tl.where(last, next_end, end_row),
-                tl.where(last, 0, c + 1), CHUNKS_PER_ROW, BLOCK_R, BLOCK_K,
+            raw_next = _load_chunk(
+                x_RK, first_row, tl.where(last, first_row, end_row), c + 1, K, second,
+                CHUNKS_PER_ROW, BLOCK_R, BLOCK_K,
             )  # fmt: skip
-            if tl.where(last, next_second, second):
-                raw_next = load_raw(x_RK, rows_R, row_ok_R, k0, K, BLOCK_K, "evict_first")
-            else:
-                raw_next = load_raw(x_RK, rows_R, row_ok_R, k0, K, BLOCK_K, "evict_last")
             x_even, x_odd = unpack_raw(raw)
             block_amax_RB = block_amax(x_even, x_odd)
             rows_R, row_ok_R, k0 = _chunk_rows(first_row, end_row, c, CHUNKS_PER_ROW, BLOCK_R,
@@ -176,10 +180,6 @@ def _expert_quantize_kernel(
                     tl.store(global_scale_G + g, s)
                 tl.atomic_xchg(scale_word_G + g, ~s.to(tl.int32, bitcast=True), sem="release")
         ticket = next_ticket
-        second = next_second
-        g = next_g
-        first_row = next_first
-        end_row = next_end
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,16 +195,19 @@ class ExpertConfig:
 
 
 CONFIGS = {
-    # 4 programs of 4 warps fill an SM's registers (about 128 per thread); items of 32 KiB of
-    # BF16 keep what is read between the two passes of a row well inside L2 (module docstring).
+    # Offline compile for sm_90 (Triton 3.6): 128 registers per thread at K = 2048, 141 at 768,
+    # so 3-4 programs of 4 warps per SM; items of 32 KiB of BF16 keep what is read between the
+    # two passes of a row well inside L2 (module docstring). Not yet timed on a GPU.
     "default": ExpertConfig(tile=4096, item_elements=16384, num_warps=4, programs_per_sm=4),
     # Small enough that tests' tiny groups span several items and several row blocks per item.
     "tiny": ExpertConfig(tile=64, item_elements=128, num_warps=4, programs_per_sm=1),
 }
 
-# Groups up to this size come here; a larger group cannot stay in L2 between its two passes,
-# and `nearest` reads it twice from HBM with its amax pass in a launch of its own.
-MAX_GROUP_BYTES = 16 << 20
+# Groups up to this size can come here; a larger one cannot stay in L2 between its two passes,
+# and `nearest` reads it twice from HBM with its amax pass in a launch of its own. 0 for now, so
+# that `nearest` sends nothing here: this version has not yet run on an H200 (its predecessor
+# was measured, BENCHMARKS.md), and 16 << 20 routes experts here once it has.
+MAX_GROUP_BYTES = 0
 
 
 def fits(x_RK: torch.Tensor, rows_per_group: int) -> bool:

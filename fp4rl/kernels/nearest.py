@@ -8,7 +8,8 @@ One kernel; SCALE_SOURCE says where each row's FP32 global scale comes from:
   second walk re-reading what the first brought into L1/L2.
 - ``"group_amax"`` (per-tensor, per-expert): the int32 group amax from `amax.group_amax_bits`,
   a first launch that reads x once more. Groups small enough to stay in L2 between the two
-  passes (experts) go to `expert_quant` instead: one launch that reads them from HBM once.
+  passes (experts) can go to `expert_quant` instead, one launch that reads them from HBM once:
+  those up to its ``MAX_GROUP_BYTES``.
 - ``"given"``: the caller's global scale per group (a group spanning several tensors).
 
 With FAKE the kernel stores ``dequantize(quantize(x))`` in x's dtype instead of codes, block

@@ -132,8 +132,9 @@ def test_random_inputs_match_reference(device, config, shape, group_ndim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_every_dtype_through_quantize_and_fake_quantize(device, dtype):
+def test_every_dtype_through_quantize_and_fake_quantize(device, dtype, monkeypatch):
     """The public entry points send per-expert groups here (`nearest.launch` routes them)."""
+    monkeypatch.setattr(expert_quant, "MAX_GROUP_BYTES", 16 << 20)
     x = randn((3, 9, 64), dtype, device, seed=4)
     want = R.quantize(x.cpu(), scaling=2)
     assert_nvfp4_equal(cpu(kernels.quantize(x, scaling=2)), want, f"quantize {dtype}")
@@ -162,6 +163,7 @@ def test_ties_e4m3_edges_poison_and_zeros_per_expert(device, dtype):
 def test_nearest_routes_expert_sized_groups_here_and_larger_ones_to_two_launches(
     device, monkeypatch
 ):
+    monkeypatch.setattr(expert_quant, "MAX_GROUP_BYTES", 16 << 20)  # the size it is meant for
     calls = []
     real = expert_quant.launch
     monkeypatch.setattr(expert_quant, "launch", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
@@ -219,9 +221,11 @@ def test_model_shapes_on_gpu(shape):
 
 
 @pytest.mark.gpu
-def test_quantize_captured_in_a_cuda_graph_without_host_sync():
+@pytest.mark.parametrize("max_group_bytes", [0, 16 << 20], ids=["two launches", "one launch"])
+def test_quantize_captured_in_a_cuda_graph_without_host_sync(monkeypatch, max_group_bytes):
     """Per-expert quantize and quantize with a caller-given scale (a negative one included)
     run without a host synchronization, so both replay from a CUDA graph."""
+    monkeypatch.setattr(expert_quant, "MAX_GROUP_BYTES", max_group_bytes)
     x = randn((16, 256, 512), torch.bfloat16, "cuda", seed=7)
     given = torch.rand(16, 1, 1, device="cuda") * 1e-3
     given[3] = -1.0  # poisons expert 3, on the device

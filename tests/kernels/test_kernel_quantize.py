@@ -213,7 +213,7 @@ def test_bad_inputs_name_the_offending_value(device, monkeypatch):
     ("shape", "scaling"),
     [
         ((4096, 7168), "row"),
-        ((8, 512, 7168), 2),  # experts of 7 MiB: one launch (`expert_quant`)
+        ((8, 512, 7168), 2),  # experts of 7 MiB
         ((2048, 4096), "tensor"),
         ((4096, 7168), "tensor"),  # 56 MiB, larger than L2: amax launch, then quantize
         ((1000, 2064), "row"),
