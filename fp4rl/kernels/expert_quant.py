@@ -20,9 +20,9 @@ tickets between amax(g) and quant(g) at least twice the number of programs plus 
 amax item of g is finished before quant(g) is dealt. Amax reads ask L2 to keep their lines
 (``evict_last``), quantize reads to let them go (``evict_first``).
 
-Each program keeps the loads of its next chunk in flight while it works on the current one, and
-takes its next ticket and its group's scale while the first chunk's loads are in flight, so the
-atomics' round trips hide behind memory traffic.
+Within an item a program issues the loads of its next chunk before it works on the current one,
+and it takes its next ticket and its group's scale while the item's first chunk is loading, so
+the atomics' round trips hide behind memory traffic.
 
 Tickets are dealt in order and only to running programs, and an item waits only on items with
 smaller tickets: the smallest unfinished ticket is always being worked on or is next for a
