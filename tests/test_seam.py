@@ -13,12 +13,12 @@ Claims (FP32 on the CPU, tiny model with FP4 experts and NVFP4 KV in layers 1-2)
 import pytest
 import torch
 from assertions import assert_matches_rollout
-from tiny_models import rollout_model
+from tiny_models import engine_config, rollout_model
 
 from fp4rl.fp4 import CompactCodes, NVFP4Tensor, compact
 from fp4rl.model.sites import SiteRecords
 from fp4rl.records import Completion, collate, record_rows
-from fp4rl.rollout import Engine, EngineConfig, SamplingParams
+from fp4rl.rollout import Engine, SamplingParams
 from fp4rl.train.policy import policy_logprobs
 
 LOGPROB_ATOL = 1e-5  # FP32; observed ~2e-6
@@ -31,15 +31,7 @@ def models():
 
 
 def generate(packed, guidance: str, n: int = 3, **sampling):
-    config = EngineConfig(
-        block_size=4,
-        kv_memory_bytes=1 << 20,
-        max_model_len=48,
-        max_num_seqs=16,
-        max_num_batched_tokens=96,
-        capture_routing=True,
-        guidance=guidance,
-    )
+    config = engine_config(capture_routing=True, guidance=guidance)
     # A stop set of a tenth of the vocabulary ends samples at different lengths.
     stop = tuple(range(0, 128, 10))
     params = SamplingParams(n=n, max_tokens=14, seed=21, stop_token_ids=stop, **sampling)

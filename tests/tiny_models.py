@@ -19,6 +19,7 @@ from fp4rl.model.presets import tiny_qwen3_moe
 from fp4rl.model.transformer import build_model, init_weights
 from fp4rl.model.weights import load_weights
 from fp4rl.records import collate
+from fp4rl.rollout import EngineConfig
 from fp4rl.train.policy import policy_logprobs
 
 # Every MoE layer FP4, NVFP4 KV: the most sites per forward.
@@ -35,6 +36,19 @@ def tiny_precision(kv_cache: str = "bf16", experts: str = "nvfp4") -> PrecisionC
     return PrecisionConfig(
         experts=experts, kv_cache=kv_cache, bf16_first_layers=1, bf16_last_layers=1
     )
+
+
+def engine_config(**overrides) -> EngineConfig:
+    """A small engine for the tiny model: blocks of 4 tokens, 1 MiB of KV, sequences of up to
+    64 tokens, 16 at a time."""
+    fields = dict(
+        block_size=4,
+        kv_memory_bytes=1 << 20,
+        max_model_len=64,
+        max_num_seqs=16,
+        max_num_batched_tokens=128,
+    )
+    return EngineConfig(**{**fields, **overrides})
 
 
 def qat_model(

@@ -17,27 +17,19 @@ To extend to the QAT-parity check: take a `Completion` from any test here and co
 import pytest
 import torch
 from assertions import assert_matches_rollout, assert_records_close
-from tiny_models import rollout_model, trainer_distribution, trainer_logprobs
+from tiny_models import engine_config, rollout_model, trainer_distribution, trainer_logprobs
 
 from fp4rl.fp4 import CompactCodes, NVFP4Tensor, compact
 from fp4rl.fp4.reference import unpack_e2m1
 from fp4rl.model.sites import SiteRecords
 from fp4rl.records import capture_bytes_per_generated_token
-from fp4rl.rollout import Engine, EngineConfig, SamplingParams
+from fp4rl.rollout import Engine, SamplingParams
 
 LOGPROB_ATOL = 1e-5  # FP32 model; observed ~1.5e-6
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [7] * 20, [3], [90, 12, 55, 4, 4, 4, 100]]
 
 
-def config(**overrides):
-    fields = dict(
-        block_size=4,
-        kv_memory_bytes=1 << 20,
-        max_model_len=64,
-        max_num_seqs=16,
-        max_num_batched_tokens=128,
-    )
-    return EngineConfig(**{**fields, **overrides})
+config = engine_config
 
 
 @pytest.fixture(scope="module")

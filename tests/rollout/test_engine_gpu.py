@@ -9,11 +9,11 @@ seam test of the kernels, not of the reference. The trainer takes the whole batc
 import pytest
 import torch
 from assertions import assert_matches_rollout
-from tiny_models import rollout_model
+from tiny_models import engine_config, rollout_model
 
 from fp4rl.model.sites import SiteRecords
 from fp4rl.records import collate, record_rows
-from fp4rl.rollout import Engine, EngineConfig, SamplingParams
+from fp4rl.rollout import Engine, SamplingParams
 from fp4rl.train.policy import policy_logprobs
 
 pytestmark = pytest.mark.gpu
@@ -26,15 +26,7 @@ PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [7] * 20, [3], [90, 12, 55, 4, 4
 @torch.no_grad()
 def test_guided_trainer_on_gpu_recomputes_the_rollout_codes_and_logprobs():
     packed, qat = rollout_model("nvfp4", "nvfp4", dtype=torch.bfloat16, device="cuda")
-    config = EngineConfig(
-        block_size=16,
-        kv_memory_bytes=1 << 24,
-        max_model_len=64,
-        max_num_seqs=16,
-        max_num_batched_tokens=128,
-        capture_routing=True,
-        guidance="full",
-    )
+    config = engine_config(block_size=16, capture_routing=True, guidance="full")
     out = Engine(packed, config).generate(PROMPTS, SamplingParams(n=2, max_tokens=16, seed=1))
     assert len(out) == 2 * len(PROMPTS)
     batch = collate(out)

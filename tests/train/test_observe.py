@@ -3,10 +3,10 @@ from the rollout's: guided rounding agrees everywhere, nearest rounding does not
 its disagreements are adjacent codewords."""
 
 import torch
-from tiny_models import rollout_model
+from tiny_models import engine_config, rollout_model
 
 from fp4rl.records import collate
-from fp4rl.rollout import Engine, EngineConfig, SamplingParams
+from fp4rl.rollout import Engine, SamplingParams
 from fp4rl.train.observe import observe, signed_index
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [7] * 20, [90, 12, 55, 4, 4, 4, 100]]
@@ -19,15 +19,7 @@ def test_signed_index_puts_both_zeros_at_zero():
 
 def test_guided_agrees_everywhere_nearest_mostly_adjacent_and_live_routing_is_measured():
     packed, qat = rollout_model("nvfp4", "nvfp4", dtype=torch.bfloat16)
-    config = EngineConfig(
-        block_size=4,
-        kv_memory_bytes=1 << 20,
-        max_model_len=64,
-        max_num_seqs=16,
-        max_num_batched_tokens=128,
-        capture_routing=True,
-        guidance="full",
-    )
+    config = engine_config(capture_routing=True, guidance="full")
     out = Engine(packed, config).generate(PROMPTS, SamplingParams(n=2, max_tokens=12, seed=3))
     batch = collate(out)
     guided = observe(qat, batch, replay=True, guided=True)
