@@ -9,8 +9,8 @@
 3. Held-out accuracy before and after, per seed, with the NVFP4 engine: sampled as the rollout
    samples (the quantity GRPO improves) and greedy.
 
-The settings live in `configs/demo.toml` (the GRPO run) and `WARMUP` / `MODEL` here (the base
-policy); `tests/test_demo.py` keeps the two in step.
+The settings live in `fp4rl/configs/demo.toml` (the GRPO run), `WARMUP` here and
+`fp4rl.model.presets.demo_qwen3_moe` (the base policy).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from fp4rl import config as run_config
 from fp4rl.loop import setup, train
 from fp4rl.model.attention import CausalAttention
 from fp4rl.model.checkpoint import save_checkpoint
-from fp4rl.model.presets import tiny_qwen3_moe
+from fp4rl.model.presets import demo_qwen3_moe
 from fp4rl.model.transformer import build_model, init_weights
 from fp4rl.records import Completion, TrainBatch, collate
 from fp4rl.tasks.arith import train_problems
@@ -36,22 +36,6 @@ from fp4rl.train.optim import MasterAdamW, OptimConfig
 from fp4rl.train.step import supervised_update
 
 CONFIG_FILE = Path(__file__).resolve().parent / "configs" / "demo.toml"
-# The shape of the demo's policy: every dimension a multiple of 16 (NVFP4 blocks), the
-# vocabulary the task's 15 tokens rounded up to 16.
-MODEL = dict(
-    vocab_size=16,
-    hidden_size=64,
-    intermediate_size=128,
-    moe_intermediate_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=64,
-    num_experts=8,
-    num_experts_per_tok=2,
-    mlp_only_layers=(),
-)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -85,7 +69,7 @@ def base_policy(
     """The warmed-up base policy's checkpoint directory, built once per settings and seed."""
     settings = {
         "fp4rl": fp4rl.__version__,
-        "model": MODEL,
+        "model": dataclasses.asdict(demo_qwen3_moe()),
         "precision": dataclasses.asdict(config.precision),
         "task": dataclasses.asdict(config.task),
         "warmup": dataclasses.asdict(warmup),
@@ -99,7 +83,7 @@ def base_policy(
         return path
     device, dtype = setup(config)
     torch.manual_seed(seed)
-    model_config = tiny_qwen3_moe(**MODEL)
+    model_config = demo_qwen3_moe()
     policy = build_model(model_config, config.precision, dtype=dtype, device=device)
     init_weights(policy, std=warmup.init_std, seed=seed)
     optimizer = MasterAdamW(policy.parameters(), warmup.optim)

@@ -1,4 +1,5 @@
-"""Named model shapes: a tiny Qwen3-MoE for tests and examples, Qwen3-30B-A3B for benchmarks."""
+"""Named model shapes: a tiny Qwen3-MoE for tests and examples, the demo's policy, and
+Qwen3-30B-A3B for benchmarks."""
 
 from __future__ import annotations
 
@@ -35,6 +36,26 @@ def tiny_qwen3_moe(**overrides) -> ModelConfig:
         mlp_only_layers=(0,),
     )
     return ModelConfig(**{**fields, **overrides})
+
+
+def demo_qwen3_moe(**overrides) -> ModelConfig:
+    """The demo's policy: 4 MoE layers, hidden 64, 8 experts top-2, every dimension a multiple
+    of 16 (NVFP4 blocks), the vocabulary the addition task's 15 tokens rounded up to 16."""
+    fields = dict(
+        vocab_size=16,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        mlp_only_layers=(),
+    )
+    return tiny_qwen3_moe(**{**fields, **overrides})
 
 
 def qwen3_30b_a3b(**overrides) -> ModelConfig:
