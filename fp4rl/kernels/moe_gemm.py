@@ -39,35 +39,23 @@ from fp4rl.kernels.launch import (
     device_of,
     scale_per_group,
 )
-from fp4rl.kernels.numerics import e4m3_value, round_to
+from fp4rl.kernels.numerics import (
+    BLOCK_SCALE_BIAS,
+    GLOBAL_SCALE_BIAS,
+    dot,
+    e4m3_value,
+    packed_code,
+    round_to,
+)
 
-# Decoding places a code's magnitude index at FP32 bits 22-24, which is exactly e2m1 * 2**-126
-# (0.5 lands on a subnormal). The 2**126 is put back split between the two scales: block scales
-# times 2**118 stay finite (448 * 2**118 < 2**127), global scales times 2**8 stay finite below
-# 2**120 (every scale quantize computes from finite input is below 2**117). Both products are
-# exact, and (code * sf * 2**-8) * (s * 2**8) is the same real number as (code * sf) * s, so it
-# rounds to the same FP32 value: the reference's bits.
-_BLOCK_SCALE_BIAS = tl.constexpr(2.0**118)
-_GLOBAL_SCALE_BIAS = tl.constexpr(2.0**8)
-# Kernels are decorated interpreted-or-compiled when this package is imported; so is this.
-_INTERPRETED = tl.constexpr(bool(triton.knobs.runtime.interpret))
-# FP32 bit 31 (sign) and bits 22-24 (magnitude index), as an int32.
-_CODE_BITS = tl.constexpr(0x81C00000 - (1 << 32))
-
-
-@triton.jit
-def _nibble_value(words, J: tl.constexpr):
-    """Code J of each packed word (element ``8 * word + J``) as ``e2m1 * 2**-126`` (FP32): the
-    code moved to the top of the word, then an arithmetic shift by 6 that copies its sign over
-    bits 25-31 and lands its index on bits 22-24, then one mask (three integer operations)."""
-    return (((words << (28 - 4 * J)) >> 6) & _CODE_BITS).to(tl.float32, bitcast=True)
+# How a packed code becomes its value exactly (the biases, the bit trick): `numerics.py`.
 
 
 @triton.jit
 def _scaled(words, scale_NW, s_N, J: tl.constexpr, SCALE_AFTER: tl.constexpr):
     """Element J of each word times its block scale and its row's global scale, as BF16 (the
     global scale left out with SCALE_AFTER)."""
-    value = _nibble_value(words, J) * scale_NW
+    value = packed_code(words, J) * scale_NW
     if not SCALE_AFTER:
         value = value * s_N[:, None]
     return round_to(value, tl.bfloat16)
@@ -82,14 +70,14 @@ def _word_scales(block_scale_ptrs, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr)
     the software pipeline can prefetch (cp.async), and bytes are picked out by shifts."""
     if BLOCK_K >= 64:
         sw = tl.load(block_scale_ptrs)  # [BLOCK_N, BLOCK_K // 64] int32: blocks 4i .. 4i + 3
-        sf0 = e4m3_value(sw & 0xFF) * _BLOCK_SCALE_BIAS
-        sf1 = e4m3_value((sw >> 8) & 0xFF) * _BLOCK_SCALE_BIAS
-        sf2 = e4m3_value((sw >> 16) & 0xFF) * _BLOCK_SCALE_BIAS
-        sf3 = e4m3_value((sw >> 24) & 0xFF) * _BLOCK_SCALE_BIAS
+        sf0 = e4m3_value(sw & 0xFF) * BLOCK_SCALE_BIAS
+        sf1 = e4m3_value((sw >> 8) & 0xFF) * BLOCK_SCALE_BIAS
+        sf2 = e4m3_value((sw >> 16) & 0xFF) * BLOCK_SCALE_BIAS
+        sf3 = e4m3_value((sw >> 24) & 0xFF) * BLOCK_SCALE_BIAS
         # [..., k1, k0] for block k = 2 * k1 + k0 of the word.
         sf_NB = tl.reshape(tl.join(tl.join(sf0, sf2), tl.join(sf1, sf3)), [BLOCK_N, BLOCK_K // 16])
     else:
-        sf_NB = e4m3_value(tl.load(block_scale_ptrs).to(tl.int32)) * _BLOCK_SCALE_BIAS
+        sf_NB = e4m3_value(tl.load(block_scale_ptrs).to(tl.int32)) * BLOCK_SCALE_BIAS
     return tl.reshape(tl.join(sf_NB, sf_NB), [BLOCK_N, BLOCK_K // 8])  # a block is two words
 
 
@@ -119,15 +107,6 @@ def _decode_tile(words_NW, scale_NW, s_N, SCALE_AFTER: tl.constexpr):
         ),
     )
     return tl.reshape(tl.join(evens, odds), [words_NW.shape[0], words_NW.shape[1] * 8])
-
-
-@triton.jit
-def _dot(a, b, acc):
-    """``acc + a @ b`` for BF16 a and b, FP32 accumulation. The interpreter multiplies BF16
-    operands as their raw 16-bit integers, so there they are upcast (exactly) first."""
-    if _INTERPRETED:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -181,7 +160,7 @@ def _moe_gemm_kernel(
     row_ok_M = rows_M < rows_end
     cols_N = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # N % BLOCK_N == 0
     w_rows_N = expert.to(tl.int64) * N + cols_N
-    s_N = tl.load(scale_G + w_rows_N // rows_per_group) * _GLOBAL_SCALE_BIAS
+    s_N = tl.load(scale_G + w_rows_N // rows_per_group) * GLOBAL_SCALE_BIAS
 
     x_ptrs = x_AK + rows_M.to(tl.int64)[:, None] * K + tl.arange(0, BLOCK_K)[None, :]
     word_ptrs = codes_ENW + w_rows_N[:, None] * (K // 8) + tl.arange(0, BLOCK_K // 8)[None, :]
@@ -199,7 +178,7 @@ def _moe_gemm_kernel(
         x_MK = tl.load(x_ptrs, mask=row_ok_M[:, None], other=0.0)
         scale_NW = _word_scales(scale_ptrs, BLOCK_N, BLOCK_K)
         w_NK = _decode_tile(tl.load(word_ptrs), scale_NW, s_N, SCALE_AFTER)
-        acc_NM = _dot(w_NK, tl.trans(x_MK), acc_NM)
+        acc_NM = dot(w_NK, tl.trans(x_MK), acc_NM)
         x_ptrs += BLOCK_K
         word_ptrs += BLOCK_K // 8
         scale_ptrs += BLOCK_K // 16 // SCALES_PER_LOAD

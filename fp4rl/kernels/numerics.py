@@ -320,3 +320,37 @@ def e2m1_guided(y, guide, COMPACT: tl.constexpr):
         toward = tl.where((guide & 0x8) == sign, guide & 0x7, 0)
         magnitude = tl.minimum(tl.maximum(toward, lo), hi)
     return magnitude | sign
+
+
+# ---- decoding packed codes in registers (the expert GEMM, paged attention) -------------------
+# A code's magnitude index moved to FP32 bits 22-24 is exactly e2m1 * 2**-126 (0.5 lands on a
+# subnormal). The 2**126 comes back split between the two scales: block scales times 2**118
+# stay finite (448 * 2**118 < 2**127), global scales times 2**8 stay finite below 2**120 (every
+# scale quantize computes from finite input is below 2**117). Both products are exact, and
+# (code * sf * 2**-118) * (s * 2**8) is the same real number as (code * sf) * s, so it rounds
+# to the same FP32 value: the reference's bits (docs/numerics.md, "Dequantize").
+BLOCK_SCALE_BIAS = tl.constexpr(2.0**118)
+GLOBAL_SCALE_BIAS = tl.constexpr(2.0**8)
+_CODE_BITS = tl.constexpr(0x81C00000 - (1 << 32))  # FP32 sign bit and bits 22-24, as int32
+
+
+@triton.jit
+def packed_code(words, J: tl.constexpr):
+    """Code J of each int32 word of 8 packed codes (element ``8 * word + J``) as ``e2m1 *
+    2**-126`` (FP32): the code moved to the top of the word, then an arithmetic shift by 6 that
+    copies its sign over bits 25-31 and lands its index on bits 22-24, then one mask."""
+    return (((words << (28 - 4 * J)) >> 6) & _CODE_BITS).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def dot(a, b, acc):
+    """``acc + a @ b``, FP32 accumulation: BF16 operands on the tensor cores (exact products),
+    FP32 operands as IEEE FP32. The interpreter multiplies BF16 operands as their raw 16-bit
+    integers, so there they are upcast (exactly) first."""
+    if _INTERPRETED:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    elif a.dtype == tl.float32:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc

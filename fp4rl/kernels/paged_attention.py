@@ -50,26 +50,22 @@ import triton.language as tl
 from fp4rl.fp4 import reference
 from fp4rl.fp4.tensor import NVFP4Tensor
 from fp4rl.kernels.launch import check_contiguous, check_device, check_kernel_device, device_of
-from fp4rl.kernels.numerics import e4m3_value, round_to
+from fp4rl.kernels.numerics import (
+    BLOCK_SCALE_BIAS,
+    GLOBAL_SCALE_BIAS,
+    dot,
+    e4m3_value,
+    packed_code,
+    round_to,
+)
 
 KVPages = torch.Tensor | NVFP4Tensor  # [num_blocks, P, K, D] values, or the NVFP4 members
-
-# The decode of `moe_gemm` (docs/numerics.md): a code's magnitude index moved to FP32 bits
-# 22-24 is e2m1 * 2**-126, and the 2**126 comes back split between the block scale (times
-# 2**118, finite up to 448) and the global scale (times 2**8, finite below 2**120); both
-# products are exact up to the last one, which rounds as (e2m1 * sf) * s does.
-_BLOCK_SCALE_BIAS = tl.constexpr(2.0**118)
-_GLOBAL_SCALE_BIAS = tl.constexpr(2.0**8)
-_CODE_BITS = tl.constexpr(0x81C00000 - (1 << 32))  # FP32 sign bit and bits 22-24, as int32
-# Kernels are decorated interpreted-or-compiled when this package is imported; so is this.
-_INTERPRETED = tl.constexpr(bool(triton.knobs.runtime.interpret))
 
 
 @triton.jit
 def _code_values(words, sf_W, s_N, J: tl.constexpr, DTYPE: tl.constexpr):
     """Code J of each int32 word of 8 (element ``8 * word + J``) scaled back, in DTYPE."""
-    e2m1 = (((words << (28 - 4 * J)) >> 6) & _CODE_BITS).to(tl.float32, bitcast=True)
-    return round_to((e2m1 * sf_W) * s_N[:, None], DTYPE)
+    return round_to((packed_code(words, J) * sf_W) * s_N[:, None], DTYPE)
 
 
 @triton.jit
@@ -89,9 +85,9 @@ def _load_kv(
             mask=ok_N[:, None],
             other=0,
         )
-        sf = e4m3_value(scale_bytes.to(tl.int32)) * _BLOCK_SCALE_BIAS
+        sf = e4m3_value(scale_bytes.to(tl.int32)) * BLOCK_SCALE_BIAS
         sf_W = tl.reshape(tl.join(sf, sf), [rows_N.shape[0], W])  # a block is two words
-        s_N = tl.load(global_scale + rows_N, mask=ok_N, other=0.0) * _GLOBAL_SCALE_BIAS
+        s_N = tl.load(global_scale + rows_N, mask=ok_N, other=0.0) * GLOBAL_SCALE_BIAS
         # Joined as [..., b2, b1, b0] for J = 4 * b2 + 2 * b1 + b0: element 8 * word + J.
         evens = tl.join(
             tl.join(
@@ -119,33 +115,19 @@ def _load_kv(
 
 
 @triton.jit
-def _dot(a, b, acc):
-    """``acc + a @ b``, FP32 accumulation: BF16 operands on the tensor cores (exact products),
-    FP32 operands as IEEE FP32. The interpreter multiplies BF16 operands as their raw 16-bit
-    integers, so there they are upcast (exactly) first."""
-    if _INTERPRETED:
-        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    elif a.dtype == tl.float32:
-        acc = tl.dot(a, b, acc, input_precision="ieee")
-    else:
-        acc = tl.dot(a, b, acc)
-    return acc
-
-
-@triton.jit
 def _probabilities_times_values(p, v, acc):
     """``acc + p @ v`` for FP32 probabilities p and V values in the dot's dtype. For BF16 V, p is
     split into three BF16 parts ``p1 + p2 + p3 == p`` exactly (each part is the rounding error
     of the ones before, which FP32 holds exactly: 24 bits in three parts of 8), so the three
     tensor-core products are exact and the sum is p . v in FP32."""
     if v.dtype == tl.float32:
-        acc = _dot(p, v, acc)
+        acc = dot(p, v, acc)
     else:
         p1 = round_to(p, tl.bfloat16)
         rest = p - p1.to(tl.float32)
         p2 = round_to(rest, tl.bfloat16)
         p3 = round_to(rest - p2.to(tl.float32), tl.bfloat16)
-        acc = _dot(p3, v, _dot(p2, v, _dot(p1, v, acc)))
+        acc = dot(p3, v, dot(p2, v, dot(p1, v, acc)))
     return acc
 
 
@@ -202,7 +184,7 @@ def _paged_decode_kernel(
         rows_N = (page_N.to(tl.int64) * PAGE + t_N % PAGE) * num_kv_heads + kv_head
         k_ND = _load_kv(k_pages, k_block_scale, k_global_scale, rows_N, ok_N, D, NVFP4, DTYPE)
         v_ND = _load_kv(v_pages, v_block_scale, v_global_scale, rows_N, ok_N, D, NVFP4, DTYPE)
-        scores = _dot(q_GD, tl.trans(k_ND), tl.zeros([BLOCK_G, BLOCK_N], tl.float32))
+        scores = dot(q_GD, tl.trans(k_ND), tl.zeros([BLOCK_G, BLOCK_N], tl.float32))
         scores = tl.where(ok_N[None, :], scores * softmax_scale, float("-inf"))
         # Every step holds at least one token of the context (n0 < end): m_new is finite
         # unless the scores are not, and exp(-inf - m_new) = 0 on the first step.
