@@ -102,8 +102,10 @@ class RunSection:
     eval_samples: int = 4  # samples per held-out problem for the sampled accuracy
     micro_batch_seqs: int = 64  # completions per forward/backward; the update is independent
     threads: int = 0  # CPU threads for torch; 0: leave torch's default
+    tensorboard: bool = False  # also every numeric metric as scalars in <out_dir>/tensorboard
 
     def __post_init__(self) -> None:
+        checks.boolean("run.tensorboard", self.tensorboard)
         for key, low in (
             ("steps", 1),
             ("seed", 0),

@@ -25,6 +25,7 @@ from fp4rl.progress import Progress
 from fp4rl.records import capture_bytes_per_generated_token as capture_bytes
 from fp4rl.records import collate
 from fp4rl.refit import RefitReceiver, refit_records
+from fp4rl.report import TensorBoardLog
 from fp4rl.rollout import Engine, SamplingParams
 from fp4rl.tasks.arith import Problem, held_out_problems, reward, train_problems
 from fp4rl.tasks.tokenizer import EOS, VOCAB
@@ -77,7 +78,11 @@ def train(config: RunConfig, *, log=print) -> list[dict]:
     )
 
     history = []
-    with open(run_dir / "metrics.jsonl", "a") as metrics_file:
+    tensorboard = TensorBoardLog(run_dir) if config.run.tensorboard else None
+    with (
+        open(run_dir / "metrics.jsonl", "a") as metrics_file,
+        tensorboard or contextlib.nullcontext(),
+    ):
         for step in range(config.run.steps):
             m: dict = {"step": step, "policy_version": engine.policy_version}
             if step % config.run.eval_every == 0:
@@ -118,11 +123,15 @@ def train(config: RunConfig, *, log=print) -> list[dict]:
             history.append(m)
             metrics_file.write(json.dumps(m) + "\n")
             metrics_file.flush()
+            if tensorboard:
+                tensorboard.write(m)
             log(summary_line(m))
         final = {"step": config.run.steps, "policy_version": engine.policy_version}
         final.update(evaluate(engine, held_out, config))
         history.append(final)
         metrics_file.write(json.dumps(final) + "\n")
+        if tensorboard:
+            tensorboard.write(final)
     for key in ("held_out_accuracy", "held_out_greedy"):
         log(f"{key.replace('_', ' ')} {history[0][key]:.3f} -> {final[key]:.3f}")
     return history

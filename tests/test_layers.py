@@ -25,6 +25,7 @@ ALLOWED = {
     "tasks": {"tasks", "checks"},
     "config": {"fp4", "ops", "records", "model", "rollout", "train", "tasks", "config", "checks"},
     "progress": set(),
+    "report": set(),  # metrics read back, TensorBoard, plots; its extras imported lazily
     "loop": {
         "fp4",
         "ops",
@@ -36,6 +37,7 @@ ALLOWED = {
         "tasks",
         "config",
         "progress",
+        "report",
     },  # fmt: skip
     "demo": {"fp4", "ops", "records", "model", "train", "tasks", "config", "loop"},
     # every layer's user; the commands import their work lazily, inside ``run``
@@ -50,6 +52,7 @@ ALLOWED = {
         "tasks",
         "config",
         "progress",
+        "report",
         "loop",
         "demo",
         "commands",
