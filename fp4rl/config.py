@@ -97,7 +97,7 @@ class AlignSection:
 class RunSection:
     steps: int = 100  # GRPO steps (rollout, reward, update, refit)
     seed: int = 0
-    out_dir: str = "runs/fp4rl"  # the run directory: resolved config, metrics.jsonl
+    out_dir: str = "runs/fp4rl"  # the run directory: resolved config, metrics.jsonl, checkpoints
     eval_every: int = 10  # held-out accuracy every this many steps (and before the first)
     eval_samples: int = 4  # samples per held-out problem for the sampled accuracy
     micro_batch_seqs: int = 64  # completions per forward/backward; the update is independent
@@ -105,6 +105,8 @@ class RunSection:
     tensorboard: bool = False  # also every numeric metric as scalars in <out_dir>/tensorboard
 
     def __post_init__(self) -> None:
+    checkpoint_every: int = 0  # a checkpoint every this many steps; 0: only after the last step
+    keep_checkpoints: int = 2  # the newest this many are kept, older ones deleted
         checks.boolean("run.tensorboard", self.tensorboard)
         for key, low in (
             ("steps", 1),
@@ -115,6 +117,8 @@ class RunSection:
             ("threads", 0),
         ):
             checks.integer(f"run.{key}", getattr(self, key), low)
+            ("checkpoint_every", 0),
+            ("keep_checkpoints", 1),
         _text("run.out_dir", self.out_dir)
 
 
