@@ -103,10 +103,10 @@ class RunSection:
     micro_batch_seqs: int = 64  # completions per forward/backward; the update is independent
     threads: int = 0  # CPU threads for torch; 0: leave torch's default
     tensorboard: bool = False  # also every numeric metric as scalars in <out_dir>/tensorboard
-
-    def __post_init__(self) -> None:
     checkpoint_every: int = 0  # a checkpoint every this many steps; 0: only after the last step
     keep_checkpoints: int = 2  # the newest this many are kept, older ones deleted
+
+    def __post_init__(self) -> None:
         checks.boolean("run.tensorboard", self.tensorboard)
         for key, low in (
             ("steps", 1),
@@ -115,10 +115,10 @@ class RunSection:
             ("eval_samples", 1),
             ("micro_batch_seqs", 1),
             ("threads", 0),
-        ):
-            checks.integer(f"run.{key}", getattr(self, key), low)
             ("checkpoint_every", 0),
             ("keep_checkpoints", 1),
+        ):
+            checks.integer(f"run.{key}", getattr(self, key), low)
         _text("run.out_dir", self.out_dir)
 
 
