@@ -15,6 +15,11 @@ when used.
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import re
+import tomllib
 from pathlib import Path
 
 REPORT_EXTRA = "pip install 'fp4rl[report]'"
@@ -66,3 +71,326 @@ class TensorBoardLog:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The entries of ``<run_dir>/metrics.jsonl`` in order. Each line must be a JSON object
+    whose ``step`` is an int larger than the line before's (a file holding two runs, or a
+    torn last line, is an error naming the line)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{run_dir} has no metrics.jsonl: not a run directory")
+    entries: list[dict] = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        where = f"{path}:{number}"
+        try:
+            m = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{where}: not a JSON object ({err.msg}): {line[:60]!r}") from None
+        if not isinstance(m, dict):
+            raise ValueError(f"{where}: not a JSON object: {line[:60]!r}")
+        step = m.get("step")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"{where}: 'step' must be an int >= 0, got {step!r}")
+        if entries and step <= entries[-1]["step"]:
+            raise ValueError(
+                f"{where}: step {step} follows step {entries[-1]['step']}; steps must increase "
+                "(does the file hold more than one run?)"
+            )
+        entries.append(m)
+    if not entries:
+        raise ValueError(f"{path} holds no entries")
+    return entries
+
+
+def series(entries: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """``(steps, values)`` of the entries that recorded ``key`` as a number."""
+    pairs = [(m["step"], float(m[key])) for m in entries if key in scalars(m)]
+    return [s for s, _ in pairs], [v for _, v in pairs]
+
+
+def _recorded(entries: list[dict], pattern: str) -> list[str]:
+    """The recorded keys that match ``pattern`` (a regex), layers in numeric order."""
+    keys = {k for m in entries for k in scalars(m) if re.fullmatch(pattern, k)}
+    return sorted(keys, key=lambda k: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", k)])
+
+
+# A figure: its file, title and panels; a panel: its y label and the patterns of the keys it
+# draws, one line each. Panels with nothing recorded are left out, figures without panels too.
+FIGURES = {
+    "reward.png": (
+        "Reward and held-out accuracy",
+        [("share", [r"reward", r"held_out_accuracy", r"held_out_greedy"])],
+    ),
+    "gap.png": (
+        "Trainer vs rollout: logprob gap on the sampled tokens",
+        [
+            ("mean exp(|Δlogp|)", [r"token_mult_prob_error"]),
+            ("KL (k3 estimate)", [r"kl"]),
+            ("max |Δlogp|", [r"max_abs_dlogp"]),
+        ],
+    ),
+    "agreement.png": (
+        "Trainer vs rollout agreement at the captured FP4 sites",
+        [
+            ("codes, per layer", [r"code_agreement", r"code_agreement/layer\d+"]),
+            ("codes, per site kind", [r"code_agreement/(?!layer\d+$).+"]),
+            ("mantissa bit (compact)", [r"mantissa_agreement"]),
+            ("top-k experts, per layer", [r"router_agreement/layer\d+"]),
+        ],
+    ),
+    "time.png": (
+        "Time per phase and rollout throughput",
+        [
+            ("seconds", [r"rollout_s", r"train_s", r"refit_s"]),
+            ("rollout tokens/s", [r"rollout_tokens_per_s"]),
+            ("peak memory, GiB", [r"peak_.+_gib"]),
+        ],
+    ),
+}
+
+
+def plot(entries: list[dict], out_dir: Path) -> list[Path]:
+    """The PNGs of ``FIGURES`` that have something recorded; a known PNG left from an earlier
+    report of a run that no longer has its metrics is removed, so the folder matches the
+    summary."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as err:
+        raise ModuleNotFoundError(
+            f"fp4rl report draws with matplotlib ({err}): {REPORT_EXTRA}", name="matplotlib"
+        ) from None
+    written = []
+    for name, (title, panels) in FIGURES.items():
+        drawn = [
+            (label, keys)
+            for label, patterns in panels
+            if (keys := [k for p in patterns for k in _recorded(entries, p)])
+        ]
+        path = out_dir / name
+        if not drawn:
+            path.unlink(missing_ok=True)
+            continue
+        figure = Figure(figsize=(8, 2.6 * len(drawn) + 0.6), layout="constrained")
+        FigureCanvasAgg(figure)  # draws into memory; no pyplot, no global backend switch
+        axes = figure.subplots(len(drawn), 1, sharex=True, squeeze=False)[:, 0]
+        for ax, (label, keys) in zip(axes, drawn, strict=True):
+            for key in keys:
+                steps, values = series(entries, key)
+                # An overall value drawn among its parts (code_agreement among its layers).
+                parts = any(k.startswith(f"{key}/") for k in keys)
+                whole = {"color": "black", "linestyle": "--"} if parts else {}
+                marker = "." if len(steps) < 60 else None
+                ax.plot(steps, values, marker=marker, label=key, **whole)
+            ax.set_ylabel(label)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
+        axes[-1].set_xlabel("step")
+        figure.suptitle(title)
+        _atomic(path, lambda tmp, f=figure: f.savefig(tmp, format="png", dpi=100))
+        written.append(path)
+    return written
+
+
+def _atomic(path: Path, write) -> None:
+    """``write(tmp)`` then rename over ``path``: a reader never sees a half-written file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+# What the summary's configuration table shows, when the run's config.toml sets it.
+ESSENTIALS = {
+    "model": ("path", "dtype"),
+    "precision": ("experts", "kv_cache", "bf16_first_layers", "bf16_last_layers"),
+    "engine": ("capture_routing", "guidance"),
+    "align": ("replay", "rounding", "trainer_activations", "observe_every"),
+    "rollout": ("prompts_per_step", "samples_per_prompt", "max_tokens", "temperature"),
+    "grpo": ("correction",),
+    "optim": ("lr",),
+    "task": ("kind",),
+    "run": ("steps", "seed", "eval_every"),
+}
+GAP = ("token_mult_prob_error", "kl", "max_abs_dlogp")
+AGREEMENT = (
+    r"code_agreement(/.+)?",
+    r"adjacent_share",
+    r"mantissa_agreement",
+    r"router_agreement/.+",
+)
+PHASES = ("rollout", "train", "refit")
+
+
+def _fmt(value) -> str:
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
+
+
+def _table(header: list[str], rows: list[list]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(_fmt(c) for c in row) + " |" for row in rows]
+
+
+def _read_config(run_dir: Path) -> dict | None:
+    path = run_dir / "config.toml"
+    if not path.is_file():
+        return None
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise ValueError(f"{path}: not valid TOML: {err}") from None
+
+
+def _config_section(config: dict | None) -> list[str]:
+    if config is None:
+        return ["The run directory has no `config.toml`."]
+    rows = [
+        [f"`{section}.{key}`", f"`{json.dumps(config[section][key])}`"]
+        for section, keys in ESSENTIALS.items()
+        for key in keys
+        if key in config.get(section, {})
+    ]
+    return [*_table(["setting", "value"], rows), "", "All settings: `config.toml`."]
+
+
+def _extremes(entries: list[dict], key: str) -> tuple[tuple, tuple, tuple, tuple] | None:
+    """``(first, last, min, max)`` of a recorded key, each as ``(value, step)``; None when the
+    key was never recorded. Non-finite values count for first and last, not for min and max."""
+    steps, values = series(entries, key)
+    if not steps:
+        return None
+    pairs = list(zip(values, steps, strict=True))
+    finite = [p for p in pairs if math.isfinite(p[0])] or pairs
+    low = min(finite, key=lambda p: p[0])
+    high = max(finite, key=lambda p: p[0])
+    return pairs[0], pairs[-1], low, high
+
+
+def _at(pair: tuple) -> str:
+    return f"{_fmt(pair[0])} (step {pair[1]})"
+
+
+def _outcome_section(entries: list[dict], pngs: set[str]) -> list[str]:
+    rows = []
+    for key in ("held_out_accuracy", "held_out_greedy", "reward"):
+        if found := _extremes(entries, key):
+            first, last, _, best = found
+            rows.append([f"`{key}`", _at(first), _at(last), _at(best)])
+    lines = _table(["metric", "first", "last", "best"], rows) if rows else ["Nothing recorded."]
+    if "reward.png" in pngs:
+        lines += ["", "![reward and held-out accuracy](reward.png)"]
+    return lines
+
+
+def _mismatch_section(entries: list[dict], pngs: set[str]) -> list[str]:
+    keys = [k for k in GAP if series(entries, k)[0]]
+    keys += [k for p in AGREEMENT for k in _recorded(entries, p)]
+    if not keys:
+        return [
+            "No trainer-vs-rollout metrics were recorded (no update ran and "
+            "`align.observe_every` is 0), so there is no gap or agreement plot."
+        ]
+    rows = []
+    for key in keys:
+        first, last, low, high = _extremes(entries, key)
+        # Within a few ulps of 1 when the sides agree: shown as its distance from 1.
+        shift, name = (1.0, f"`{key}` - 1") if key == "token_mult_prob_error" else (0.0, f"`{key}`")
+        low, high, last = ((v - shift, s) for v, s in (low, high, last))
+        rows.append([name, _at(low), _at(high), _fmt(last[0]), len(series(entries, key)[0])])
+    lines = _table(["metric", "min", "max", "last", "steps recorded"], rows)
+    lines += [
+        "",
+        "`token_mult_prob_error` is the mean of exp(|logp_train - logp_rollout|) over the "
+        "sampled tokens (1 when the two sides agree): at a step that trained, over the "
+        "update's tokens, else over the observed batch's. `kl` (the k3 estimate of "
+        "KL(rollout || trainer) on the sampled tokens), `max_abs_dlogp` and the agreements are "
+        "measured on the observed batch every `align.observe_every` steps.",
+    ]
+    if "gap.png" in pngs:
+        lines += ["", "![logprob gap](gap.png)"]
+    if "agreement.png" in pngs:
+        lines += ["", "![agreement per layer and site kind](agreement.png)"]
+    else:
+        lines += [
+            "",
+            "No code or routing agreement was recorded (the engine recorded no guidance, or "
+            "`align.observe_every` is 0), so there is no agreement plot.",
+        ]
+    return lines
+
+
+def _time_section(entries: list[dict], pngs: set[str]) -> list[str]:
+    totals = {p: sum(series(entries, f"{p}_s")[1]) for p in PHASES}
+    counted = {p: len(series(entries, f"{p}_s")[0]) for p in PHASES}
+    if not any(counted.values()):
+        return ["No phase times were recorded."]
+    whole = sum(totals.values())
+    rows = [
+        [p, totals[p], totals[p] / counted[p], f"{100 * totals[p] / whole:.1f} %"]
+        for p in PHASES
+        if counted[p]
+    ]
+    lines = _table(["phase", "total s", "mean s per step", "share"], rows)
+    _, tokens = series(entries, "generated_tokens")
+    rollout_s = [m["rollout_s"] for m in entries if "generated_tokens" in m and "rollout_s" in m]
+    if tokens and len(rollout_s) == len(tokens) and sum(rollout_s) > 0:
+        _, per_step = series(entries, "rollout_tokens_per_s")
+        line = (
+            f"Rollout: {_fmt(sum(tokens))} tokens generated in {_fmt(sum(rollout_s))} s, "
+            f"{_fmt(sum(tokens) / sum(rollout_s))} tokens/s"
+        )
+        if per_step:
+            line += f" (per step {_fmt(min(per_step))} to {_fmt(max(per_step))})"
+        lines += ["", line + ". Held-out evaluations are not timed."]
+    peaks = _recorded(entries, r"peak_.+_gib")
+    if peaks:
+        lines += [
+            "",
+            "Peak memory: "
+            + ", ".join(f"{k} {_fmt(max(series(entries, k)[1]))}" for k in peaks)
+            + ".",
+        ]
+    if "time.png" in pngs:
+        lines += ["", "![time per phase and tokens/s](time.png)"]
+    return lines
+
+
+def summary(run_dir: Path, entries: list[dict], pngs: set[str]) -> str:
+    """``report.md``'s text: what the run was, how it went, where its time went."""
+    trained = [m["step"] for m in entries if "reward" in m]
+    final = entries[-1] if "reward" not in entries[-1] else None
+    head = f"{len(trained)} GRPO steps recorded" + (
+        f" (steps {trained[0]} to {trained[-1]})" if trained else ""
+    )
+    head += (
+        f"; final evaluation at step {final['step']}."
+        if final is not None
+        else "; no final evaluation: the run stopped before its end or is still running."
+    )
+    sections = [
+        ("Configuration", _config_section(_read_config(run_dir))),
+        ("Reward and held-out accuracy", _outcome_section(entries, pngs)),
+        ("Trainer vs rollout", _mismatch_section(entries, pngs)),
+        ("Time", _time_section(entries, pngs)),
+    ]
+    lines = [f"# Run report: `{run_dir}`", "", head]
+    for title, body in sections:
+        lines += ["", f"## {title}", "", *body]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
+    """Plots and ``report.md`` of a run into ``out_dir`` (default ``<run_dir>/report``);
+    returns the files written, ``report.md`` last."""
+    run_dir = Path(run_dir)
+    entries = read_metrics(run_dir)
+    out = Path(out_dir) if out_dir is not None else run_dir / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    pngs = plot(entries, out)
+    text = summary(run_dir, entries, {p.name for p in pngs})
+    md = out / "report.md"
+    _atomic(md, lambda tmp: tmp.write_text(text))
+    return [*pngs, md]
