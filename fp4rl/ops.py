@@ -13,10 +13,11 @@ import torch
 
 from fp4rl.fp4 import reference, rounding
 from fp4rl.fp4.reference import Scaling
-from fp4rl.fp4.rounding import CompactCodes
+from fp4rl.fp4.rounding import CompactCodes, SparseCodes
 from fp4rl.fp4.tensor import NVFP4Tensor
 
-Guidance = NVFP4Tensor | CompactCodes | None  # full codes, compact mantissa bits, or nearest
+# Full codes, compact mantissa bits, sparse near-boundary bits, or None: nearest.
+Guidance = NVFP4Tensor | CompactCodes | SparseCodes | None
 
 
 def _kernels(x: torch.Tensor):
@@ -44,14 +45,21 @@ def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tens
     return impl.dequantize(t, dtype)
 
 
-def quantize_guided(x: torch.Tensor, guidance: NVFP4Tensor | CompactCodes) -> NVFP4Tensor:
-    """Guided rounding with the rollout's scales: full codes or compact mantissa bits."""
+def quantize_guided(
+    x: torch.Tensor, guidance: NVFP4Tensor | CompactCodes | SparseCodes
+) -> NVFP4Tensor:
+    """Guided rounding with the rollout's scales: full codes, compact mantissa bits, or sparse
+    guidance (plain PyTorch on every device: no kernel reads the sparse layout yet)."""
+    if isinstance(guidance, SparseCodes):
+        return rounding.round_guided_sparse(x, guidance)
     impl = _kernels(x) or rounding
     if isinstance(guidance, NVFP4Tensor):
         return impl.round_guided_full(x, guidance)
     if isinstance(guidance, CompactCodes):
         return impl.round_guided_compact(x, guidance)
-    raise TypeError(f"guidance must be NVFP4Tensor or CompactCodes, got {type(guidance).__name__}")
+    raise TypeError(
+        f"guidance must be NVFP4Tensor, CompactCodes or SparseCodes, got {type(guidance).__name__}"
+    )
 
 
 # Row counts up to which the fused NVFP4 GEMM beats dequantizing every expert then one BF16
@@ -122,7 +130,8 @@ class _FakeQuantize(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, scaling, global_scale, guidance):
         kernels = _kernels(x)
-        if kernels is not None:  # one fused pass; codes and scales never reach memory
+        if kernels is not None and not isinstance(guidance, SparseCodes):
+            # One fused pass; codes and scales never reach memory.
             return kernels.fake_quantize(
                 x, scaling=scaling, global_scale=global_scale, guidance=guidance
             )

@@ -21,17 +21,19 @@ from dataclasses import dataclass
 
 import torch
 
-from fp4rl.fp4 import CompactCodes, NVFP4Tensor
+from fp4rl.fp4 import CompactCodes, NVFP4Tensor, SparseCodes
 
 SiteKey = tuple[int, str]  # (decoder layer, site): "expert_input", "expert_hidden", "k", "v"
-SiteRecord = NVFP4Tensor | CompactCodes  # full codes or compact mantissa bits, plus scales
+# Full codes, compact mantissa bits or sparse near-boundary bits, each with the rollout's scales.
+SiteRecord = NVFP4Tensor | CompactCodes | SparseCodes
 # A None value means "round this site to nearest" on purpose (compact guidance leaves out the
 # earlier FP4 layers); a missing key is an error.
 GuidanceMap = Mapping[SiteKey, SiteRecord | None]
 
 
 def _members(r: SiteRecord) -> tuple[torch.Tensor, ...]:
-    if isinstance(r, NVFP4Tensor):
+    """The record's tensors in field order; all but sparse entries have one row per token."""
+    if isinstance(r, NVFP4Tensor | SparseCodes):
         return r.tensors()
     return r.mantissa_bits, r.block_scale, r.global_scale
 
@@ -42,11 +44,14 @@ def _rebuild(r: SiteRecord, members) -> SiteRecord:
 
 def record_rows(r: SiteRecord, start: int, end: int) -> SiteRecord:
     """Rows ``[start, end)`` of a token-major record (per-row scales make this exact)."""
+    if isinstance(r, SparseCodes):  # its entries are ragged: found through the row counts
+        return r.rows(start, end)
     return _rebuild(r, [m[start:end] for m in _members(r)])
 
 
 def record_cat(records: Sequence[SiteRecord]) -> SiteRecord:
-    """Token-major records concatenated along rows; all of one kind."""
+    """Token-major records concatenated along rows; all of one kind. (Sparse entries are in
+    row order, so theirs concatenate as they are.)"""
     kinds = {type(r) for r in records}
     if len(kinds) != 1:
         raise ValueError(f"cannot concatenate records of kinds {sorted(k.__name__ for k in kinds)}")
@@ -78,8 +83,9 @@ class Completion:
     logprobs: torch.Tensor | None = None
     raw_logprobs: torch.Tensor | None = None
     routing: torch.Tensor | None = None  # int32 [L_moe, T, top_k], -1 = no record
-    # (layer, site) -> record with leading dim T: NVFP4Tensor ("full") or CompactCodes; None
-    # for the FP4 layers compact guidance leaves out (the trainer rounds those to nearest).
+    # (layer, site) -> record with leading dim T: NVFP4Tensor ("full"), CompactCodes or
+    # SparseCodes; None for the FP4 layers compact guidance leaves out (the trainer rounds
+    # those to nearest).
     guidance: dict[SiteKey, SiteRecord | None] | None = None
 
     @property

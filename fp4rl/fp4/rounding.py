@@ -1,6 +1,6 @@
 """Rollout-guided rounding (TRACE): quantize with the rollout's scales, round toward its codes.
 
-Rollout and trainer compute slightly different high-precision values for the same site. Both
+Rollout and trainer compute slightly different high-precision values for the same site. All
 guided modes take the rollout's block and global scales, scale the local value ``x`` by them
 exactly as `reference.quantize` would (``y = x * (1 / (f32(sf) * s))``), and then choose between
 the two E2M1 codewords that bracket ``y`` on the signed grid:
@@ -16,6 +16,11 @@ the two E2M1 codewords that bracket ``y`` on the signed grid:
   member whose mantissa bit equals the rollout's. Adjacent magnitudes always differ in that
   bit, so one bit names the rollout's neighbour whenever the rollout's codeword is one of the
   two.
+- **guided-sparse** (`round_guided_sparse`, from `SparseCodes`): the rollout records only the
+  values it computed within ``delta`` grid units of a rounding boundary (`boundary_distance`),
+  each with its mantissa bit. There the trainer takes the compact choice; everywhere else it
+  rounds to nearest under the rollout's scales. A trainer value that crosses a boundary the
+  rollout was farther than ``delta`` from stays a disagreement.
 
 Zero crossing: when ``|y| < 0.5`` the bracket is ``{0, 0.5}`` with the sign of ``y``. If the
 rollout chose a non-zero codeword of the *other* sign, guided-full returns (signed) zero, the
@@ -35,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from fp4rl.fp4.format import BLOCK_SIZE, E2M1_VALUES, MAGNITUDE_MASK, MANTISSA_BIT, SIGN_BIT
-from fp4rl.fp4.reference import check_input, pack_e2m1, scaled_values, unpack_e2m1
+from fp4rl.fp4.reference import check_input, e2m1_rne, pack_e2m1, scaled_values, unpack_e2m1
 from fp4rl.fp4.tensor import NVFP4Tensor
 
 
@@ -114,7 +119,7 @@ def _guided(
     y, live = scaled_values(x_blocks, block_scale, global_scale)
     lo, hi = e2m1_bracket(y)
     sign = torch.signbit(y).to(torch.uint8) << 3
-    codes = choose(lo, hi, sign) | sign
+    codes = choose(lo, hi, sign, y) | sign
     codes = torch.where(live.unsqueeze(-1), codes, torch.zeros_like(codes))
     return NVFP4Tensor(
         codes=pack_e2m1(codes.flatten(-2)), block_scale=block_scale, global_scale=global_scale
@@ -127,7 +132,7 @@ def round_guided_full(x: torch.Tensor, rollout: NVFP4Tensor) -> NVFP4Tensor:
         raise ValueError(f"rollout codes of shape {tuple(rollout.shape)} for x {tuple(x.shape)}")
     target = unpack_e2m1(rollout.codes).unflatten(-1, (-1, BLOCK_SIZE))
 
-    def choose(lo: torch.Tensor, hi: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
+    def choose(lo, hi, sign, y) -> torch.Tensor:
         # A rollout codeword across zero is nearest the bracket's lower magnitude.
         same_side = (target & SIGN_BIT) == sign
         want = torch.where(same_side, target & MAGNITUDE_MASK, torch.zeros_like(target))
@@ -144,7 +149,182 @@ def round_guided_compact(x: torch.Tensor, guidance: CompactCodes) -> NVFP4Tensor
         )
     bit = unpack_bits(guidance.mantissa_bits).unflatten(-1, (-1, BLOCK_SIZE))
 
-    def choose(lo: torch.Tensor, hi: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
+    def choose(lo, hi, sign, y) -> torch.Tensor:
         return torch.where((lo & MANTISSA_BIT) == bit, lo, hi)
+
+    return _guided(x, guidance.block_scale, guidance.global_scale, choose)
+
+
+# ---- sparse guidance ----------------------------------------------------------------------
+
+
+def boundary_distance(y: torch.Tensor) -> torch.Tensor:
+    """Distance of each scaled value ``y`` from the rounding boundary of its bracket, in grid units.
+
+    ``|y|`` lies between two adjacent codewords ``v_lo <= |y| <= v_hi``; their midpoint is the
+    only rounding boundary in between, and the grid unit there is ``v_hi - v_lo`` (0.5 below 2,
+    1 from 2 to 4, 2 from 4 to 6). The distance is ``| |y| - (v_lo + v_hi) / 2 | / (v_hi - v_lo)``,
+    in [0, 0.5]: 0 on a boundary, 0.5 on a codeword. Near a boundary both operations are exact
+    in FP32 (a difference of close numbers, a division by a power of two), so every device
+    computes the same distance there. Beyond the last codeword (``|y| >= 6``) there is no
+    boundary: the distance is +inf.
+    """
+    lo, hi = e2m1_bracket(y)
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=y.device)
+    v_lo, v_hi = table[lo.long()], table[hi.long()]
+    width = v_hi - v_lo
+    dist = (y.abs() - (v_lo + v_hi) * 0.5).abs() / torch.where(width > 0, width, 1.0)
+    on_codeword = torch.where(lo < 7, 0.5, math.inf)
+    return torch.where(width > 0, dist, on_codeword)
+
+
+def _index_dtype(limit: int) -> torch.dtype:
+    """The narrowest integer dtype holding 0..limit."""
+    for dtype, top in ((torch.uint8, 255), (torch.int16, 2**15 - 1), (torch.int32, 2**31 - 1)):
+        if limit <= top:
+            return dtype
+    raise ValueError(f"sparse guidance needs rows of fewer than 2**30 values, got {limit}")
+
+
+@dataclass(frozen=True, slots=True)
+class SparseCodes:
+    """Sparse guidance for one site ``[..., K]``: the values the rollout computed within
+    ``delta`` grid units of a rounding boundary (`boundary_distance`), one bit each, plus the
+    rollout's scales.
+
+    - ``counts``       ``[...]``           how many values of each row (of K) are recorded
+    - ``entries``      ``[n]``             ``column << 1 | mantissa_bit`` of each recorded value:
+      rows in order, columns increasing within a row, ``n == counts.sum()``
+    - ``block_scale``, ``global_scale``    as in `NVFP4Tensor`
+
+    ``counts`` and ``entries`` take the narrowest integer type holding ``K`` and ``2K - 1``
+    (uint8 up to K = 128, then int16, then int32). The mantissa bit of the rollout's code names
+    the side of the boundary it took: the two codewords around a boundary always differ in it.
+    """
+
+    counts: torch.Tensor
+    entries: torch.Tensor
+    block_scale: torch.Tensor
+    global_scale: torch.Tensor
+
+    def __post_init__(self) -> None:
+        lead = tuple(self.block_scale.shape[:-1])
+        if tuple(self.counts.shape) != lead or self.entries.dim() != 1:
+            raise ValueError(
+                f"sparse guidance: counts {tuple(self.counts.shape)} and entries "
+                f"{tuple(self.entries.shape)} do not match block_scale "
+                f"{tuple(self.block_scale.shape)} (counts [...], entries [n])"
+            )
+        if self.global_scale.dim() != self.block_scale.dim():
+            raise ValueError(
+                f"sparse guidance: global_scale {tuple(self.global_scale.shape)} must have one "
+                f"entry per dim of block_scale {tuple(self.block_scale.shape)}"
+            )
+        dtypes = (self.block_scale.dtype, self.global_scale.dtype)
+        if dtypes != (torch.float8_e4m3fn, torch.float32):
+            raise TypeError(f"sparse guidance scales must be float8_e4m3fn, float32; got {dtypes}")
+        K = self.shape[-1]
+        want = (_index_dtype(K), _index_dtype(2 * K - 1))
+        if (self.counts.dtype, self.entries.dtype) != want:
+            raise TypeError(
+                f"sparse guidance of rows of {K}: counts and entries must be {want}, got "
+                f"{(self.counts.dtype, self.entries.dtype)}"
+            )
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((*self.block_scale.shape[:-1], self.block_scale.shape[-1] * BLOCK_SIZE))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.counts, self.entries, self.block_scale, self.global_scale
+
+    def rows(self, start: int, end: int) -> SparseCodes:
+        """Rows ``[start, end)`` along the first dim (each with its recorded values)."""
+        per_row = self.counts[start:end]
+        before = self.counts[:start].sum(dtype=torch.int64)
+        first, num = (int(v) for v in torch.stack((before, per_row.sum(dtype=torch.int64))))
+        return SparseCodes(
+            counts=per_row,
+            entries=self.entries[first : first + num],
+            block_scale=self.block_scale[start:end],
+            global_scale=self.global_scale[start:end],
+        )
+
+    def select_rows(self, index: torch.Tensor) -> SparseCodes:
+        """Rows ``index`` (long ``[R]``) of the record with its leading dims flattened."""
+        counts = self.counts.flatten().long()
+        starts = counts.cumsum(0) - counts
+        picked = counts[index]
+        num = int(picked.sum())
+        row = torch.repeat_interleave(torch.arange(len(index), device=index.device), picked)
+        offset = torch.arange(num, device=index.device) - (picked.cumsum(0) - picked)[row]
+        return SparseCodes(
+            counts=self.counts.flatten()[index],
+            entries=self.entries[starts[index][row] + offset],
+            block_scale=self.block_scale.reshape(-1, self.block_scale.shape[-1])[index],
+            global_scale=self.global_scale.reshape(-1, self.global_scale.shape[-1])[index],
+        )
+
+    def expand(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(recorded, bit)``: bool and uint8 ``[..., K]``, the bit 0 where nothing is recorded.
+
+        Raises ValueError when the counts and entries do not describe the record's rows."""
+        K = self.shape[-1]
+        counts = self.counts.flatten().long()
+        total = int(counts.sum())
+        if total != self.entries.shape[0]:
+            raise ValueError(
+                f"sparse guidance counts sum to {total} but it holds {self.entries.shape[0]} "
+                "entries"
+            )
+        entries = self.entries.long()
+        column = entries >> 1
+        if total and not bool(((column >= 0) & (column < K)).all()):
+            raise ValueError(f"sparse guidance has a column outside [0, {K})")
+        row = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts)
+        recorded = torch.zeros(len(counts), K, dtype=torch.bool, device=counts.device)
+        bit = torch.zeros(len(counts), K, dtype=torch.uint8, device=counts.device)
+        recorded[row, column] = True
+        bit[row, column] = (entries & 1).to(torch.uint8)
+        return recorded.view(self.shape), bit.view(self.shape)
+
+
+def sparse(x: torch.Tensor, t: NVFP4Tensor, delta: float) -> SparseCodes:
+    """Sparse guidance from the rollout's values ``x [..., K]`` and their quantization ``t``:
+    the values within ``delta`` grid units of a rounding boundary under ``t``'s scales
+    (`boundary_distance`), with the mantissa bit of the code ``t`` gave each."""
+    check_input(x)
+    if t.shape != x.shape:
+        raise ValueError(f"codes of shape {tuple(t.shape)} for values {tuple(x.shape)}")
+    if not isinstance(delta, int | float) or isinstance(delta, bool) or not 0 <= delta <= 0.5:
+        raise ValueError(f"sparse guidance delta must be in [0, 0.5] grid units, got {delta!r}")
+    y, live = scaled_values(x.unflatten(-1, (-1, BLOCK_SIZE)), t.block_scale, t.global_scale)
+    near = ((boundary_distance(y) <= delta) & live.unsqueeze(-1)).flatten(-2)
+    K = x.shape[-1]
+    near_RK = near.reshape(-1, K)
+    row, column = near_RK.nonzero(as_tuple=True)  # row-major: rows in order, columns increasing
+    bit = (unpack_e2m1(t.codes).reshape(-1, K)[row, column] & MANTISSA_BIT).long()
+    return SparseCodes(
+        counts=near.sum(-1).to(_index_dtype(K)),
+        entries=(column << 1 | bit).to(_index_dtype(2 * K - 1)),
+        block_scale=t.block_scale,
+        global_scale=t.global_scale,
+    )
+
+
+def round_guided_sparse(x: torch.Tensor, guidance: SparseCodes) -> NVFP4Tensor:
+    """Quantize ``x`` with the rollout's scales: at the recorded values the neighbour with the
+    rollout's mantissa bit (as compact guidance), elsewhere the nearest codeword."""
+    if guidance.shape != x.shape:
+        raise ValueError(f"sparse guidance of shape {tuple(guidance.shape)} for x {tuple(x.shape)}")
+    recorded, bit = (t.unflatten(-1, (-1, BLOCK_SIZE)) for t in guidance.expand())
+
+    def choose(lo, hi, sign, y):
+        followed = torch.where((lo & MANTISSA_BIT) == bit, lo, hi)
+        return torch.where(recorded, followed, e2m1_rne(y) & MAGNITUDE_MASK)
 
     return _guided(x, guidance.block_scale, guidance.global_scale, choose)

@@ -8,20 +8,28 @@ a site's record sliceable by token: the rollout splits it per sequence, the trai
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from fp4rl.fp4 import CompactCodes, NVFP4Tensor
+from fp4rl.fp4 import CompactCodes, NVFP4Tensor, SparseCodes
 from fp4rl.ops import dequantize, fake_quantize, quantize_site
 from fp4rl.records import GuidanceMap, SiteKey
 
 
 class Capture(Protocol):
-    """Receives what the rollout computed, for the trainer to align with later."""
+    """Receives what the rollout computed, for the trainer to align with later.
 
-    def record(self, layer: int, site: str, t: NVFP4Tensor) -> None: ...
+    ``record`` gets the site's `NVFP4Tensor` and, when ``keeps_values``, also the values it
+    quantized (same layout): sparse guidance needs to know how close each was to a boundary."""
+
+    keeps_values: bool
+
+    def record(
+        self, layer: int, site: str, t: NVFP4Tensor, x: torch.Tensor | None = None
+    ) -> None: ...
 
     def record_routing(self, layer: int, topk_ids_Tk: torch.Tensor) -> None: ...
 
@@ -30,11 +38,13 @@ class SiteRecords:
     """A `Capture` that keeps, per forward, the record of every site and each layer's routing:
     what a trainer compares with the rollout's records (mismatch metrics, tests)."""
 
+    keeps_values = False
+
     def __init__(self) -> None:
         self.sites: dict[SiteKey, NVFP4Tensor] = {}
         self.routing: dict[int, torch.Tensor] = {}
 
-    def record(self, layer: int, site: str, t: NVFP4Tensor) -> None:
+    def record(self, layer: int, site: str, t: NVFP4Tensor, x=None) -> None:
         self.sites[(layer, site)] = t
 
     def record_routing(self, layer: int, topk_ids_Tk: torch.Tensor) -> None:
@@ -80,11 +90,12 @@ class Fp4Site:
         dims (``[T, top_k]``) holding, for each canonical row, its row in ``x``. Guidance arrives
         and captures leave in the canonical layout.
         """
-        g = self._guidance(guidance)
+        g = self._guidance(guidance, x, row_order)
         if g is not None and row_order is not None:
             g = _rows(g, torch.argsort(row_order.flatten()))
         if capture is None:  # the trainer's path: values only, one fused kernel on the GPU
-            return fake_quantize(x, scaling="row", guidance=g)
+            with self._named():
+                return fake_quantize(x, scaling="row", guidance=g)
         t = self._quantize(x, g, capture, row_order)
         return straight_through(x, dequantize(t, x.dtype))
 
@@ -93,32 +104,57 @@ class Fp4Site:
     ) -> NVFP4Tensor:
         """The site's `NVFP4Tensor` of ``x [..., K]`` (rows in canonical order): what a cache
         stores. Its dequantized value is bitwise what ``self(x, guidance, capture)`` returns."""
-        return self._quantize(x, self._guidance(guidance), capture, None)
+        return self._quantize(x, self._guidance(guidance, x, None), capture, None)
 
     def _quantize(self, x, g, capture, row_order) -> NVFP4Tensor:
-        t = quantize_site(x.detach(), scaling="row", guidance=g)
+        x = x.detach()
+        with self._named():
+            t = quantize_site(x, scaling="row", guidance=g)
         if capture is not None:
-            record = t
+            record, values = t, x if capture.keeps_values else None
             if row_order is not None:
-                lead = row_order.shape
-                record = _rows(t, row_order.flatten()).map(lambda m: m.view(*lead, m.shape[-1]))
-            capture.record(self.layer, self.name, record)
+                lead, index = row_order.shape, row_order.flatten()
+                record = _rows(t, index).map(lambda m: m.view(*lead, m.shape[-1]))
+                if values is not None:
+                    values = values[index].view(*lead, x.shape[-1])
+            capture.record(self.layer, self.name, record, values)
         return t
 
-    def _guidance(self, guidance: GuidanceMap | None):
+    def _guidance(self, guidance: GuidanceMap | None, x: torch.Tensor, row_order):
+        """This site's record, checked against the values it will round (canonical layout)."""
         if guidance is None or not self.guided:
             return None
         try:
-            return guidance[(self.layer, self.name)]
+            g = guidance[(self.layer, self.name)]
         except KeyError:
             raise ValueError(
-                f"guidance was given but has no entry for layers.{self.layer} site "
-                f"'{self.name}'; refusing to fall back to nearest rounding silently"
+                f"guidance was given but has no entry for {self._where()}; refusing to fall back "
+                "to nearest rounding silently"
             ) from None
+        lead = x.shape[:-1] if row_order is None else row_order.shape
+        if g is not None and tuple(g.shape) != (*lead, x.shape[-1]):
+            raise ValueError(
+                f"guidance for {self._where()} has shape {tuple(g.shape)}, but the site rounds "
+                f"values of shape {(*lead, x.shape[-1])}"
+            )
+        return g
+
+    def _where(self) -> str:
+        return f"layers.{self.layer} site '{self.name}'"
+
+    @contextmanager
+    def _named(self):
+        """Errors of the rounding itself (a malformed record) name the site."""
+        try:
+            yield
+        except ValueError as err:
+            raise ValueError(f"{self._where()}: {err}") from err
 
 
 def _rows(t, index: torch.Tensor):
     """Select rows of a site record laid out ``[R, ...]`` after flattening its leading dims."""
+    if isinstance(t, SparseCodes):
+        return t.select_rows(index)
     if isinstance(t, NVFP4Tensor):
         return NVFP4Tensor(
             codes=_flat_rows(t.codes, index),

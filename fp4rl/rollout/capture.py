@@ -10,7 +10,9 @@ fed tokens.
 
 Guidance modes: "full" keeps each `NVFP4Tensor`; "compact" keeps `fp4rl.fp4.compact(t)`
 (mantissa bits and scales) for the latter ``fraction`` of the FP4 layers only and drops the
-rest (the trainer rounds those to nearest).
+rest (the trainer rounds those to nearest); "sparse" keeps `fp4rl.fp4.sparse(x, t, delta)` in
+every FP4 layer: the scales, and a position and a bit for each value the site computed within
+``delta`` grid units of a rounding boundary (so it asks the sites for their values too).
 
 Legend: T tokens, k experts per token, L_moe MoE layers.
 """
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fp4rl.fp4 import NVFP4Tensor, compact
+from fp4rl.fp4 import NVFP4Tensor, compact, sparse
 from fp4rl.records import SiteKey, SiteRecord, record_cat, record_rows
 
 
@@ -31,7 +33,7 @@ def kept_layers(mode: str | None, fp4_layers: tuple[int, ...], fraction: float) 
     if mode is None:
         return frozenset()
     ordered = sorted(fp4_layers)
-    if mode == "full":
+    if mode in ("full", "sparse"):
         return frozenset(ordered)
     num_kept = math.ceil(fraction * len(ordered))
     return frozenset(ordered[len(ordered) - num_kept :])
@@ -55,19 +57,33 @@ class StepCapture:
         routing: bool,
         guidance: str | None,
         keep: set[SiteKey] | frozenset[SiteKey],
+        sparse_delta: float | None = None,  # used by guidance='sparse'
     ) -> None:
-        self.keep_routing, self.guidance = routing, guidance
+        if guidance == "sparse" and sparse_delta is None:
+            raise ValueError("guidance='sparse' needs sparse_delta (grid units)")
+        self.keep_routing, self.guidance, self.sparse_delta = routing, guidance, sparse_delta
+        self.keeps_values = guidance == "sparse"
         # Records the trainer would not follow (a site outside the precision plan's guided
         # sites, a layer compact mode drops) are not kept at all.
         self.keep = frozenset(keep)
         self.routing: dict[int, torch.Tensor] = {}
         self.sites: dict[SiteKey, SiteRecord] = {}
 
-    def record(self, layer: int, site: str, t: NVFP4Tensor) -> None:
+    def record(self, layer: int, site: str, t: NVFP4Tensor, x: torch.Tensor | None = None) -> None:
         if self.guidance is None or (layer, site) not in self.keep:
             return
-        # Compact the whole step at once: one pass instead of one per sequence.
-        self.sites[(layer, site)] = compact(t) if self.guidance == "compact" else t
+        # Compact or sparsify the whole step at once: one pass instead of one per sequence.
+        if self.guidance == "compact":
+            self.sites[(layer, site)] = compact(t)
+        elif self.guidance == "sparse":
+            if x is None:
+                raise ValueError(
+                    f"sparse guidance needs the values of layers.{layer} site '{site}', and the "
+                    "site recorded only its codes"
+                )
+            self.sites[(layer, site)] = sparse(x, t, self.sparse_delta)
+        else:
+            self.sites[(layer, site)] = t
 
     def record_routing(self, layer: int, topk_ids_Tk: torch.Tensor) -> None:
         if self.keep_routing:

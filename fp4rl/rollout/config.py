@@ -14,8 +14,12 @@ from typing import Literal, get_args
 
 from fp4rl import checks
 
-GuidanceMode = Literal["full", "compact"]
+GuidanceMode = Literal["full", "compact", "sparse"]
 GUIDANCE_MODES = (None, *get_args(GuidanceMode))
+
+
+def _grid_fraction(delta: float) -> bool:
+    return 0.0 < delta <= 0.5
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -26,8 +30,13 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192  # tokens fed to the model in one step
     max_model_len: int = 4096  # prompt + completion tokens of one sequence
     capture_routing: bool = False  # record top-k expert ids per token per MoE layer
-    guidance: GuidanceMode | None = None  # record the FP4 sites' codes (full) or mantissa bits
+    # Record the FP4 sites' codes ("full"), mantissa bits ("compact"), or the bits of the values
+    # near a rounding boundary ("sparse"); all with the rollout's scales.
+    guidance: GuidanceMode | None = None
     compact_fraction: float = 0.5  # "compact" keeps the latter fraction of the FP4 layers
+    # "sparse" records the values within this many E2M1 grid units of a rounding boundary
+    # (`fp4rl.fp4.rounding.boundary_distance`; a value on a codeword is 0.5 from both).
+    sparse_delta: float = 0.03
 
     def __post_init__(self) -> None:
         s = "engine"
@@ -49,6 +58,7 @@ class EngineConfig:
             or not (0.0 < fraction <= 1.0)
         ):
             raise ValueError(f"{s}.compact_fraction must be in (0, 1], got {fraction!r}")
+        checks.number(f"{s}.sparse_delta", self.sparse_delta, "in (0, 0.5]", _grid_fraction)
         # No chunked prefill: a prompt, or a preempted sequence being recomputed, enters the
         # model in one step, so one step must hold the longest sequence.
         if self.max_num_batched_tokens < self.max_model_len:

@@ -52,8 +52,8 @@ class Engine:
                 f"engine.guidance={config.guidance!r} records FP4 sites, but the model's precision "
                 "plan has no guided FP4 site (precision.experts='bf16', or guided_sites empty)"
             )
-        # The guided sites this engine records: all of them ("full"), or those of the latter
-        # FP4 layers ("compact").
+        # The guided sites this engine records: all of them ("full", "sparse"), or those of the
+        # latter FP4 layers ("compact").
         kept = kept_layers(config.guidance, self.layout.fp4_layers, config.compact_fraction)
         self.kept_keys = frozenset(k for k in self.layout.guided_keys if k[0] in kept)
         self.policy_version = 0  # the refit bumps it with every weight update
@@ -170,6 +170,7 @@ class Engine:
                 routing=self.config.capture_routing,
                 guidance=self.config.guidance,
                 keep=self.kept_keys,
+                sparse_delta=self.config.sparse_delta,
             )
         tokens_T = torch.tensor(tokens, dtype=torch.long, device=device)
         h_TH = self.model.hidden_states(tokens_T, PagedAttention(self.cache, meta), capture=capture)
