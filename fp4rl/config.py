@@ -144,7 +144,7 @@ class RunConfig:
         if guided and self.engine.guidance is None:
             raise ValueError(
                 "align.rounding='guided' needs the rollout's codes: set engine.guidance to "
-                "'full' or 'compact', or align.rounding='nearest'"
+                "'full', 'compact' or 'sparse', or align.rounding='nearest'"
             )
         if guided and self.align.trainer_activations == "bf16":
             raise ValueError(
