@@ -2,8 +2,9 @@
 ``section.key=value`` strings.
 
 Each section is the component's own config class (`PrecisionConfig`, `EngineConfig`,
-`GrpoConfig`, `OptimConfig`, `TaskConfig`) or one defined here, and validates itself; this
-module only maps TOML tables onto them. An unknown section or key is an error naming it and
+`GrpoConfig`, `OptimConfig`, the task's: ``[task] kind`` picks one of `fp4rl.tasks.CONFIGS`,
+``"arith"`` when absent) or one defined here, and validates itself; this module only maps TOML
+tables onto them. An unknown section or key is an error naming it and
 the keys allowed; a bad value is the section's own error, which names the key and the value.
 """
 
@@ -19,7 +20,8 @@ from typing import Any, Literal, get_args
 from fp4rl import checks
 from fp4rl.model.precision import PrecisionConfig
 from fp4rl.rollout.config import EngineConfig
-from fp4rl.tasks.arith import TaskConfig
+from fp4rl.tasks import CONFIGS as TASK_CONFIGS
+from fp4rl.tasks import JsonlConfig, TaskConfig, TaskSettings
 from fp4rl.train.grpo import GrpoConfig
 from fp4rl.train.optim import OptimConfig
 
@@ -130,7 +132,7 @@ class RunConfig:
     rollout: RolloutSection = field(default_factory=RolloutSection)
     grpo: GrpoConfig = field(default_factory=GrpoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    task: TaskConfig = field(default_factory=TaskConfig)
+    task: TaskSettings = field(default_factory=TaskConfig)
     align: AlignSection = field(default_factory=AlignSection)
     run: RunSection = field(default_factory=RunSection)
 
@@ -150,6 +152,13 @@ class RunConfig:
             raise ValueError(
                 "align.trainer_activations='bf16' has no FP4 activations to guide: set "
                 "align.rounding='nearest'"
+            )
+        if isinstance(self.task, JsonlConfig) and (
+            self.task.max_prompt_tokens >= self.engine.max_model_len
+        ):
+            raise ValueError(
+                f"task.max_prompt_tokens={self.task.max_prompt_tokens} leaves no room to generate "
+                f"within engine.max_model_len={self.engine.max_model_len}"
             )
         if guided and not replay:
             # The expert intermediate's records belong to the rollout's experts; the trainer's
@@ -178,8 +187,9 @@ def _section(cls, name: str, table: Any):
     known = {f.name: f for f in fields(cls)}
     unknown = sorted(set(table) - set(known))
     if unknown:
+        kind = f" with kind = {known['kind'].default!r}" if "kind" in known else ""
         raise ValueError(
-            f"{name}.{unknown[0]} is not a setting; [{name}] takes {', '.join(sorted(known))}"
+            f"{name}.{unknown[0]} is not a setting; [{name}]{kind} takes {', '.join(sorted(known))}"
         )
     values = {}
     for key, value in table.items():
@@ -191,6 +201,13 @@ def _section(cls, name: str, table: Any):
             value = None
         values[key] = value
     return cls(**values)
+
+
+def _task_class(table: Any):
+    """The settings class of ``[task]``'s ``kind`` (each kind takes its own keys)."""
+    kind = table.get("kind", "arith") if isinstance(table, dict) else "arith"
+    checks.choice("task.kind", kind, tuple(TASK_CONFIGS))
+    return TASK_CONFIGS[kind]
 
 
 def _wants_tuple(f) -> bool:
@@ -205,8 +222,9 @@ def from_dict(data: dict[str, Any]) -> RunConfig:
         raise ValueError(f"[{unknown[0]}] is not a config section; sections: {', '.join(sections)}")
     built = {}
     for name, f in sections.items():
-        cls = f.default_factory().__class__
-        built[name] = _section(cls, name, data.get(name, {}))
+        table = data.get(name, {})
+        cls = _task_class(table) if name == "task" else f.default_factory().__class__
+        built[name] = _section(cls, name, table)
     return RunConfig(**built)
 
 

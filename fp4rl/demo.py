@@ -31,7 +31,7 @@ from fp4rl.model.checkpoint import save_checkpoint
 from fp4rl.model.presets import demo_qwen3_moe
 from fp4rl.model.transformer import build_model, init_weights
 from fp4rl.records import Completion, TrainBatch, collate
-from fp4rl.tasks.arith import train_problems
+from fp4rl.tasks.arith import TaskConfig, train_problems
 from fp4rl.train.optim import MasterAdamW, OptimConfig
 from fp4rl.train.step import supervised_update
 
@@ -67,6 +67,11 @@ def base_policy(
     log=print,
 ) -> Path:
     """The warmed-up base policy's checkpoint directory, built once per settings and seed."""
+    if not isinstance(config.task, TaskConfig):
+        raise ValueError(
+            f"the demo's base policy learns the built-in addition task: task.kind must be "
+            f"'arith', got {config.task.kind!r}"
+        )
     settings = {
         "fp4rl": fp4rl.__version__,
         "model": dataclasses.asdict(demo_qwen3_moe()),

@@ -27,8 +27,7 @@ from fp4rl.records import collate
 from fp4rl.refit import RefitReceiver, refit_records
 from fp4rl.report import TensorBoardLog
 from fp4rl.rollout import Engine, SamplingParams
-from fp4rl.tasks.arith import Problem, held_out_problems, reward, train_problems
-from fp4rl.tasks.tokenizer import EOS, VOCAB
+from fp4rl.tasks import Task, build_task, step_seed
 from fp4rl.train.grpo import group_advantages
 from fp4rl.train.observe import observe
 from fp4rl.train.optim import MasterAdamW
@@ -62,15 +61,16 @@ def train(config: RunConfig, *, log=print) -> list[dict]:
     (run_dir / "config.toml").write_text(to_toml(config))
 
     path, precision = config.model.path, config.precision
+    task = build_task(config.task, model_dir=path, log=log)  # bad data fails before the model loads
     experts = "qat" if config.align.trainer_activations == "nvfp4" else "qat_weights"
     policy = load_pretrained(path, precision, fp4_experts=experts, dtype=dtype, device=device)
     engine = Engine.from_pretrained(
         path, config.engine, precision=precision, dtype=dtype, device=device
     )
-    _check_vocab(policy.config.vocab_size)
+    _check_vocab(policy.config.vocab_size, task)
     optimizer = MasterAdamW(policy.parameters(), config.optim)
     receiver = RefitReceiver(engine)
-    held_out = held_out_problems(config.task)
+    held_out = task.held_out()
     replay, guided = config.align.resolve(config.engine)
     log(
         f"precision plan:\n{policy.plan}\nreplay={replay} guided={guided} "
@@ -86,13 +86,12 @@ def train(config: RunConfig, *, log=print) -> list[dict]:
         for step in range(config.run.steps):
             m: dict = {"step": step, "policy_version": engine.policy_version}
             if step % config.run.eval_every == 0:
-                m.update(evaluate(engine, held_out, config))
-            problems = train_problems(
-                config.task, num=config.rollout.prompts_per_step, seed=_seed(config, step)
-            )
+                m.update(evaluate(engine, task, held_out, config))
+            num = config.rollout.prompts_per_step
+            problems = task.train_examples(seed=config.run.seed, step=step, num=num)
             with phase(m, "rollout", device):
-                completions = rollout(engine, problems, config, step)
-            keep, advantages = score(problems, completions, config, m)
+                completions = rollout(engine, task, problems, config, step)
+            keep, advantages = score(task, problems, completions, config, m)
             every = config.align.observe_every
             if every and step % every == 0:
                 batch = collate(completions[: config.run.micro_batch_seqs])
@@ -127,7 +126,7 @@ def train(config: RunConfig, *, log=print) -> list[dict]:
                 tensorboard.write(m)
             log(summary_line(m))
         final = {"step": config.run.steps, "policy_version": engine.policy_version}
-        final.update(evaluate(engine, held_out, config))
+        final.update(evaluate(engine, task, held_out, config))
         history.append(final)
         metrics_file.write(json.dumps(final) + "\n")
         if tensorboard:
@@ -137,14 +136,17 @@ def train(config: RunConfig, *, log=print) -> list[dict]:
     return history
 
 
-def rollout(engine: Engine, problems: list[Problem], config: RunConfig, step: int):
+def rollout(engine: Engine, task: Task, problems: list, config: RunConfig, step: int):
     total = len(problems) * config.rollout.samples_per_prompt
     with Progress(total, f"step {step} rollout") as bar:
         prompts = [list(p.prompt_ids) for p in problems]
-        return engine.generate(prompts, sampling(config, step), on_finish=bar.update)
+        params = sampling(config, step, task.stop_token_ids)
+        return engine.generate(prompts, params, on_finish=bar.update)
 
 
-def score(problems, completions, config: RunConfig, m: dict) -> tuple[list[int], list[float]]:
+def score(
+    task: Task, problems, completions, config: RunConfig, m: dict
+) -> tuple[list[int], list[float]]:
     """Rewards and group advantages; returns the samples to train on and every advantage.
 
     Samples that teach nothing are left out of the update, and counted: those of groups whose
@@ -153,7 +155,7 @@ def score(problems, completions, config: RunConfig, m: dict) -> tuple[list[int],
     n = config.rollout.samples_per_prompt
     rewards_GS = torch.tensor(
         [
-            [reward(p, c.completion_ids, config.task) for c in completions[g * n : (g + 1) * n]]
+            [task.reward(p, c.completion_ids) for c in completions[g * n : (g + 1) * n]]
             for g, p in enumerate(problems)
         ]
     )
@@ -197,21 +199,22 @@ def phase(m: dict, name: str, device: torch.device):
     m[f"{name}_s"] = time.perf_counter() - start
 
 
-def sampling(config: RunConfig, step: int) -> SamplingParams:
+def sampling(config: RunConfig, step: int, stop_token_ids: tuple[int, ...]) -> SamplingParams:
     r = config.rollout
     return SamplingParams(
         n=r.samples_per_prompt,
         temperature=r.temperature,
         max_tokens=r.max_tokens,
-        stop_token_ids=(EOS,),
-        seed=_seed(config, step),
+        stop_token_ids=stop_token_ids,
+        seed=step_seed(config.run.seed, step),
     )
 
 
-def evaluate(engine: Engine, problems: list[Problem], config: RunConfig) -> dict[str, float]:
+def evaluate(engine: Engine, task: Task, problems: list, config: RunConfig) -> dict[str, float]:
     """Held-out accuracy of the policy as the engine holds it: ``held_out_accuracy``, the share
-    of exact answers sampled as the rollout samples (its temperature, ``run.eval_samples`` per
-    problem, the same seed at every evaluation), and ``held_out_greedy``, greedy decoding."""
+    of completions with the full reward 1.0 sampled as the rollout samples (its temperature,
+    ``run.eval_samples`` per problem, the same seed at every evaluation), and
+    ``held_out_greedy``, greedy decoding."""
     prompts = [list(p.prompt_ids) for p in problems]
     r = config.rollout
     params = {
@@ -219,21 +222,18 @@ def evaluate(engine: Engine, problems: list[Problem], config: RunConfig) -> dict
             n=config.run.eval_samples,
             temperature=r.temperature,
             max_tokens=r.max_tokens,
-            stop_token_ids=(EOS,),
+            stop_token_ids=task.stop_token_ids,
             seed=config.run.seed,
         ),
         "held_out_greedy": SamplingParams(
-            temperature=0, max_tokens=r.max_tokens, stop_token_ids=(EOS,)
+            temperature=0, max_tokens=r.max_tokens, stop_token_ids=task.stop_token_ids
         ),
     }
     out = {}
     for key, sampling_params in params.items():
         done = engine.generate(prompts, sampling_params)
         n = sampling_params.n
-        exact = [
-            reward(problems[i // n], c.completion_ids, config.task) == 1.0
-            for i, c in enumerate(done)
-        ]
+        exact = [task.reward(problems[i // n], c.completion_ids) == 1.0 for i, c in enumerate(done)]
         out[key] = sum(exact) / len(exact)
     return out
 
@@ -257,12 +257,9 @@ def summary_line(m: dict) -> str:
     return " | ".join(parts)
 
 
-def _seed(config: RunConfig, step: int) -> int:
-    return config.run.seed * 1_000_003 + step
-
-
-def _check_vocab(vocab_size: int) -> None:
-    if vocab_size < len(VOCAB):
+def _check_vocab(vocab_size: int, task: Task) -> None:
+    if vocab_size < task.vocab_size:
         raise ValueError(
-            f"the model's vocab_size={vocab_size} is smaller than the task's {len(VOCAB)} tokens"
+            f"the model's vocab_size={vocab_size} does not cover the task's {task.vocab_size} "
+            "token ids (its tokenizer's)"
         )

@@ -11,7 +11,7 @@ from fp4rl import demo
 from fp4rl.loop import sampling, setup
 from fp4rl.model.weights import load_pretrained
 from fp4rl.rollout import Engine
-from fp4rl.tasks.arith import reward, train_problems
+from fp4rl.tasks.arith import ArithTask, reward, train_problems
 from fp4rl.train.grpo import group_advantages
 from fp4rl.train.optim import MasterAdamW, OptimConfig
 from fp4rl.train.step import grpo_update
@@ -69,7 +69,8 @@ def test_short_demo_runs_end_to_end_and_writes_its_run_directory(tmp_path, base)
 
 def rollout_and_advantages(config, engine, step):
     problems = train_problems(config.task, num=8, seed=step)
-    completions = engine.generate([list(p.prompt_ids) for p in problems], sampling(config, step))
+    params = sampling(config, step, ArithTask.stop_token_ids)
+    completions = engine.generate([list(p.prompt_ids) for p in problems], params)
     n = config.rollout.samples_per_prompt
     rewards = torch.tensor(
         [

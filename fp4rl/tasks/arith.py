@@ -5,8 +5,9 @@ significant digit first with ``reverse_answer``, the order in which the carries 
 The operands' digit counts are the difficulty knob: each operand gets a digit count drawn
 uniformly from ``[min_digits, max_digits]``, then a value with exactly that many digits.
 
-Owns problem generation, the train / held-out split and the reward. Does not own the
-vocabulary (`fp4rl.tasks.tokenizer`), sampling, or the evaluation loop.
+Owns problem generation, the train / held-out split, the reward and `ArithTask`, this task
+behind the interface of `fp4rl.tasks.task`. Does not own the vocabulary
+(`fp4rl.tasks.tokenizer`), sampling, or the evaluation loop.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from fp4rl import checks
-from fp4rl.tasks.tokenizer import BOS, EOS, encode
+from fp4rl.tasks.task import step_seed
+from fp4rl.tasks.tokenizer import BOS, EOS, VOCAB, decode, encode
 
 Split = Literal["train", "held_out"]
 _DIGIT_IDS = frozenset(encode("0123456789"))
@@ -26,6 +28,7 @@ _DIGIT_IDS = frozenset(encode("0123456789"))
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TaskConfig:
+    kind: Literal["arith"] = "arith"  # ``[task]`` without a kind is this task
     min_digits: int = 1  # digits of each operand, drawn uniformly in [min_digits, max_digits]
     max_digits: int = 3
     reverse_answer: bool = False  # answer least significant digit first
@@ -35,6 +38,7 @@ class TaskConfig:
     format_reward: float = 0.0  # reward for a wrong answer that is digits followed by EOS
 
     def __post_init__(self) -> None:
+        checks.choice("task.kind", self.kind, ("arith",))
         checks.integer("task.min_digits", self.min_digits, 1)
         checks.integer("task.max_digits", self.max_digits, self.min_digits)
         checks.boolean("task.reverse_answer", self.reverse_answer)
@@ -131,3 +135,26 @@ def reward(problem: Problem, completion_ids: Sequence[int], config: TaskConfig) 
         return 1.0
     well_formed = len(ids) >= 2 and ids[-1] == EOS and all(i in _DIGIT_IDS for i in ids[:-1])
     return config.format_reward if well_formed else 0.0
+
+
+class ArithTask:
+    """The addition task behind the loop's task interface: the character vocabulary, stop at
+    EOS, problems of step ``s`` drawn with the seed ``step_seed(seed, s)``."""
+
+    stop_token_ids = (EOS,)
+    vocab_size = len(VOCAB)
+
+    def __init__(self, config: TaskConfig) -> None:
+        self.config = config
+
+    def train_examples(self, *, seed: int, step: int, num: int) -> list[Problem]:
+        return train_problems(self.config, num=num, seed=step_seed(seed, step))
+
+    def held_out(self) -> list[Problem]:
+        return held_out_problems(self.config)
+
+    def reward(self, example: Problem, completion_ids: Sequence[int]) -> float:
+        return reward(example, completion_ids, self.config)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return decode(ids)
