@@ -6,8 +6,12 @@ and routing, and compares them with the rollout's records in the batch:
 
 - code agreement at the captured sites (overall, per layer, per site kind) against the
   rollout's full records, and the share of disagreements that are adjacent codewords on the
-  signed E2M1 grid (+0 and -0 count as one codeword); against compact records, agreement of
-  the mantissa bit in the layers compact guidance keeps;
+  signed E2M1 grid (+0 and -0 count as one codeword), and the share of block scales that are
+  bitwise equal (below 1 only when the trainer rounds with its own scales); against compact
+  records, agreement of the mantissa bit in the layers compact guidance keeps; against sparse
+  records, agreement of the mantissa bit at the recorded values and the share of values
+  recorded (overall agreement needs the rollout's full codes: `benchmarks/guidance.py`
+  measures it for sparse records by generating the same completions twice);
 - the logprob gap on the sampled tokens: ``token_mult_prob_error`` = mean exp(|d|), the KL of
   the rollout's token distribution to the trainer's estimated on the sampled tokens (the k3
   estimator, exp(d) - d - 1 with d = logp_train - logp_rollout), and max |d|;
@@ -21,11 +25,11 @@ from __future__ import annotations
 
 import torch
 
-from fp4rl.fp4 import CompactCodes, NVFP4Tensor, compact
+from fp4rl.fp4 import CompactCodes, NVFP4Tensor, SparseCodes, compact
 from fp4rl.fp4.reference import unpack_e2m1
 from fp4rl.fp4.rounding import unpack_bits
 from fp4rl.model.sites import SiteRecords
-from fp4rl.records import TrainBatch
+from fp4rl.records import TrainBatch, record_to
 from fp4rl.train.policy import policy_logprobs
 
 
@@ -41,7 +45,8 @@ def observe(
 ) -> dict[str, float]:
     """Mismatch metrics of ``batch`` (see the module docstring); keys are flat for JSONL:
     ``code_agreement``, ``code_agreement/<site>``, ``code_agreement/layer<i>``,
-    ``adjacent_share``, ``mantissa_agreement``, ``token_mult_prob_error``, ``kl``,
+    ``adjacent_share``, ``block_scale_agreement``, ``mantissa_agreement``,
+    ``sparse_bit_agreement``, ``sparse_recorded_share``, ``token_mult_prob_error``, ``kl``,
     ``max_abs_dlogp``, ``router_agreement/layer<i>``."""
     rec = SiteRecords()
     logp_N = policy_logprobs(
@@ -64,7 +69,7 @@ def observe(
 
 def _codes(rec: SiteRecords, batch: TrainBatch) -> dict[str, float]:
     counts: dict[str, list[int]] = {}  # key -> [agree, total, adjacent disagreements]
-    bits = [0, 0]
+    bits, sparse_bits, scales = [0, 0], [0, 0, 0], [0, 0]
     for (layer, site), rollout in (batch.guidance or {}).items():
         mine = rec.sites.get((layer, site))
         if rollout is None or mine is None:
@@ -75,7 +80,17 @@ def _codes(rec: SiteRecords, batch: TrainBatch) -> dict[str, float]:
             bits[0] += int((a == b).sum())
             bits[1] += a.numel()
             continue
+        if isinstance(rollout, SparseCodes):
+            recorded, bit = record_to(rollout, "cpu").expand()
+            mine_bit = unpack_e2m1(mine.codes.cpu()) & 1
+            sparse_bits[0] += int((mine_bit[recorded] == bit[recorded]).sum())
+            sparse_bits[1] += int(recorded.sum())
+            sparse_bits[2] += recorded.numel()
+            continue
         assert isinstance(rollout, NVFP4Tensor)
+        theirs = rollout.block_scale.cpu().view(torch.uint8)
+        scales[0] += int((mine.block_scale.cpu().view(torch.uint8) == theirs).sum())
+        scales[1] += theirs.numel()
         a = signed_index(unpack_e2m1(mine.codes.cpu()))
         b = signed_index(unpack_e2m1(rollout.codes.cpu()))
         agree, total = int((a == b).sum()), a.numel()
@@ -87,6 +102,12 @@ def _codes(rec: SiteRecords, batch: TrainBatch) -> dict[str, float]:
     if "" in counts:
         agree, total, adjacent = counts[""]
         out["adjacent_share"] = adjacent / (total - agree) if total > agree else 1.0
+    if scales[1]:
+        out["block_scale_agreement"] = scales[0] / scales[1]
     if bits[1]:
         out["mantissa_agreement"] = bits[0] / bits[1]
+    if sparse_bits[2]:
+        agree, recorded, total = sparse_bits
+        out["sparse_bit_agreement"] = agree / recorded if recorded else 1.0
+        out["sparse_recorded_share"] = recorded / total
     return out
