@@ -1,9 +1,10 @@
 """Writing an fp4rl state dict as a Hugging Face safetensors checkpoint.
 
 Owns ``save_checkpoint``: the hub per-expert layout (whatever layout was read), sharding with an
-index, config.json, the atomic write through a temporary sibling directory, and the safetensors
-file format itself (``_write_safetensors``: safetensors' own writer makes every file 0600).
-Does not own the name table (``names``) or reading (``reader``).
+index, config.json, the atomic write through a temporary sibling directory (``write_checkpoint``,
+also used for checkpoints that hold more than weights: `fp4rl.export`'s packed NVFP4), and the
+safetensors file format itself (``_write_safetensors``: safetensors' own writer makes every file
+0600). Does not own the name table (``names``) or reading (``reader``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from fp4rl.model.config import ModelConfig
 # .NAME.partial-HOST-PIDNS-PID-RANDOM: a save in progress, or the leftover of a killed one.
 _PARTIAL = re.compile(r"\..+\.partial-(?P<host>.+)-(?P<pidns>\d+)-(?P<pid>\d+)-[0-9a-f]{12}")
 _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+# What a file may hold besides weights: packed E2M1 codes and E4M3 block scales (fp4rl.export).
+_STORED = {**_DTYPES, torch.uint8: "U8", torch.float8_e4m3fn: "F8_E4M3"}
 
 
 def save_checkpoint(
@@ -34,6 +37,7 @@ def save_checkpoint(
     path: str | Path,
     *,
     max_shard_bytes: int = 5 * 2**30,
+    files: Mapping[str, bytes] | None = None,
 ) -> None:
     """Write config.json and the hub per-expert safetensors layout (sharded with an index when
     larger than ``max_shard_bytes``) to the new directory ``path``.
@@ -43,6 +47,7 @@ def save_checkpoint(
     non-empty ``path`` is never overwritten. A state dict that does not match ``config``, holds
     a NaN or infinity, or a dtype other than F64, F32, F16 or BF16 raises ValueError naming
     every such tensor; nothing is written. Every file and the directory take the process umask.
+    ``files`` (name -> content: a tokenizer, generation_config.json) are written beside them.
 
     The temporary directory is ``.NAME.partial-HOST-PIDNS-PID-RANDOM``: the writer's host name,
     PID namespace and process id. A save killed before its rename leaves it behind; each save
@@ -52,11 +57,7 @@ def save_checkpoint(
     directory of a live process (a save still running), of another host or PID namespace (a
     shared file system, another container), or of another naming.
     """
-    if type(max_shard_bytes) is not int or max_shard_bytes <= 0:
-        raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
-    path = Path(path)
-    if path.exists() and not (path.is_dir() and not any(path.iterdir())):
-        raise FileExistsError(f"{path} exists and is not an empty directory; not overwriting it")
+    _check_target(path, max_shard_bytes)
     tensors = fp4rl_to_hf(state_dict, config)
     bad = [
         f"{name}: dtype {t.dtype}; fp4rl writes (as it loads) F64, F32, F16 or BF16"
@@ -66,19 +67,48 @@ def save_checkpoint(
     bad += non_finite(state_dict)
     if bad:
         raise ValueError(f"refusing to save {path}; nothing was written:\n  " + "\n  ".join(bad))
+    dtype = str(tensors["model.embed_tokens.weight"].dtype).removeprefix("torch.")
+    config_json = config.to_hf_dict(dtype=dtype)
+    write_checkpoint(path, tensors, config_json, files=files, max_shard_bytes=max_shard_bytes)
+
+
+def write_checkpoint(
+    path: str | Path,
+    tensors: Mapping[str, torch.Tensor],
+    config_json: dict,
+    *,
+    files: Mapping[str, bytes] | None = None,
+    max_shard_bytes: int = 5 * 2**30,
+) -> None:
+    """Write hub-named ``tensors`` (F64, F32, F16, BF16, U8 or F8_E4M3), ``config_json`` as
+    config.json and ``files`` to the new directory ``path``, sharded and atomically as
+    `save_checkpoint` says. Checks the target only: `save_checkpoint` checks a state dict
+    first, a caller with other tensors checks its own."""
+    _check_target(path, max_shard_bytes)
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_dead_partials(path.parent)
     # mkdir rather than tempfile.mkdtemp: that makes the directory 0700, unreadable by others.
     tmp = path.parent / f".{path.name}.partial-{_writer()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
     tmp.mkdir()
     try:
-        _write(tmp, tensors, config, max_shard_bytes)
+        _write(tmp, tensors, config_json, max_shard_bytes)
+        for name, content in (files or {}).items():
+            _write_bytes(tmp / name, content)
         _fsync(tmp)  # the file names inside it, before they become visible under `path`
         os.rename(tmp, path)
         _fsync(path.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _check_target(path: str | Path, max_shard_bytes: int) -> None:
+    if type(max_shard_bytes) is not int or max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
+    path = Path(path)
+    if path.exists() and not (path.is_dir() and not any(path.iterdir())):
+        raise FileExistsError(f"{path} exists and is not an empty directory; not overwriting it")
 
 
 def _writer() -> str:
@@ -106,7 +136,7 @@ def _remove_dead_partials(parent: Path) -> None:
 
 
 def _write(
-    directory: Path, tensors: dict[str, torch.Tensor], config: ModelConfig, max_shard_bytes: int
+    directory: Path, tensors: Mapping[str, torch.Tensor], config_json: dict, max_shard_bytes: int
 ) -> None:
     shards: list[list[str]] = [[]]
     size = 0
@@ -133,8 +163,7 @@ def _write(
         _write_json(
             directory / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map}
         )
-    dtype = str(tensors["model.embed_tokens.weight"].dtype).removeprefix("torch.")
-    _write_json(directory / "config.json", config.to_hf_dict(dtype=dtype))
+    _write_json(directory / "config.json", config_json)
 
 
 def _write_safetensors(file: Path, tensors: dict[str, torch.Tensor]) -> None:
@@ -154,7 +183,7 @@ def _write_safetensors(file: Path, tensors: dict[str, torch.Tensor]) -> None:
         t = tensors[name]
         end = offset + t.numel() * t.element_size()
         header[name] = {
-            "dtype": _DTYPES[t.dtype],
+            "dtype": _STORED[t.dtype],
             "shape": list(t.shape),
             "data_offsets": [offset, end],
         }
@@ -171,7 +200,11 @@ def _write_safetensors(file: Path, tensors: dict[str, torch.Tensor]) -> None:
 
 
 def _write_json(file: Path, obj: object) -> None:
-    file.write_text(json.dumps(obj, indent=2) + "\n")
+    _write_bytes(file, (json.dumps(obj, indent=2) + "\n").encode())
+
+
+def _write_bytes(file: Path, content: bytes) -> None:
+    file.write_bytes(content)
     _fsync(file)
 
 
