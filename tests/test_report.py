@@ -1,0 +1,229 @@
+"""Looking at a run: a short GRPO run of the loop with the mismatch observed at every step and
+TensorBoard on; its report's plots read back as images, its summary's numbers equal to those
+recomputed from metrics.jsonl, its TensorBoard scalars equal to metrics.jsonl's values; and
+``fp4rl report`` refusing a run directory without a readable metrics file, naming the line."""
+
+import json
+import re
+import shutil
+import sys
+
+import numpy as np
+import pytest
+
+from fp4rl import config as run_config
+from fp4rl import demo
+from fp4rl.cli import main
+from fp4rl.report import FIGURES, TensorBoardLog, read_metrics, write_report
+from fp4rl.train.optim import OptimConfig
+
+matplotlib_image = pytest.importorskip("matplotlib.image")
+event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """Three GRPO steps of the demo's setup, small: BF16 with nearest rounding, so the trainer's
+    codes differ from the rollout's somewhere and the agreement is not trivially 1; a format
+    reward, so groups differ and every step trains."""
+    from fp4rl.loop import train
+
+    cache, out = tmp_path_factory.mktemp("cache"), tmp_path_factory.mktemp("run")
+    overrides = ["model.dtype=bfloat16", "model.device=cpu"]
+    base_config = run_config.load(demo.CONFIG_FILE, overrides)
+    warmup = demo.Warmup(steps=20, check_every=20, optim=OptimConfig(lr=3e-3, warmup_steps=5))
+    base = demo.base_policy(base_config, cache, seed=0, warmup=warmup, log=lambda _: None)
+    config = run_config.load(
+        demo.CONFIG_FILE,
+        [
+            *overrides,
+            f"model.path={base}",
+            f"run.out_dir={out}",
+            f"run.steps={STEPS}",
+            "run.eval_every=2",
+            "run.tensorboard=true",
+            "align.observe_every=1",
+            "align.rounding=nearest",
+            "rollout.prompts_per_step=16",
+            "task.num_held_out=32",
+            "task.format_reward=0.5",
+        ],
+    )
+    train(config, log=lambda _: None)
+    return out
+
+
+def jsonl(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def tables(md: str) -> dict[str, list[str]]:
+    """Every table row of ``md``: its first cell (backticks dropped) -> the other cells."""
+    rows = {}
+    for line in md.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and cells[0] not in ("metric", "setting", "phase"):
+            rows[cells[0].replace("`", "")] = cells[1:]
+    return rows
+
+
+def at(value, step):
+    return f"{value:.6g} (step {step})"
+
+
+def test_the_run_records_what_the_report_draws(run_dir):
+    entries = jsonl(run_dir)
+    assert [m["step"] for m in entries] == list(range(STEPS + 1))
+    for m in entries[:STEPS]:
+        assert m["trained_samples"] > 0 and "loss" in m
+        assert "code_agreement/layer1" in m and "code_agreement/expert_input" in m
+    # BF16, nearest rounding: the two sides' codes differ at some step and site.
+    assert min(m["code_agreement"] for m in entries[:STEPS]) < 1.0
+
+
+def test_report_plots_are_images_and_its_numbers_are_the_metrics(run_dir, tmp_path):
+    written = write_report(run_dir, tmp_path / "report")
+    assert [p.name for p in written] == [*FIGURES, "report.md"]
+    for png in written[:-1]:
+        pixels = matplotlib_image.imread(png)
+        assert pixels.ndim == 3 and min(pixels.shape[:2]) >= 200, png.name
+        assert pixels[..., :3].std() > 0.05, f"{png.name} is blank"
+    md = written[-1].read_text()
+    for link in re.findall(r"!\[[^]]*\]\(([^)]+)\)", md):
+        assert (written[-1].parent / link).is_file(), link
+    assert set(re.findall(r"\(([a-z]+\.png)\)", md)) == set(FIGURES)
+
+    entries, rows = jsonl(run_dir), tables(md)
+    assert f"{STEPS} GRPO steps recorded (steps 0 to {STEPS - 1})" in md
+    assert f"final evaluation at step {STEPS}" in md
+    assert rows["run.steps"] == [f"`{STEPS}`"] and rows["align.rounding"] == ['`"nearest"`']
+    for key in ("held_out_accuracy", "held_out_greedy", "reward"):
+        got = [(m[key], m["step"]) for m in entries if key in m]
+        best = max(got, key=lambda p: p[0])  # the first step that reached it
+        assert rows[key] == [at(*got[0]), at(*got[-1]), at(*best)], key
+    assert [m["step"] for m in entries if "held_out_accuracy" in m] == [0, 2, 3]
+    for key in (
+        "kl",
+        "max_abs_dlogp",
+        "code_agreement",
+        "code_agreement/layer2",
+        "code_agreement/k",
+    ):
+        got = [(m[key], m["step"]) for m in entries if key in m]
+        low, high = min(got, key=lambda p: p[0]), max(got, key=lambda p: p[0])
+        assert rows[key] == [at(*low), at(*high), f"{got[-1][0]:.6g}", str(STEPS)], key
+    gap = [(m["token_mult_prob_error"] - 1, m["step"]) for m in entries[:STEPS]]
+    assert rows["token_mult_prob_error - 1"][:2] == [
+        at(*min(gap, key=lambda p: p[0])),
+        at(*max(gap, key=lambda p: p[0])),
+    ]
+    for phase in ("rollout", "train", "refit"):
+        seconds = [m[f"{phase}_s"] for m in entries[:STEPS]]
+        assert rows[phase][:2] == [f"{sum(seconds):.6g}", f"{sum(seconds) / STEPS:.6g}"]
+    tokens = sum(m["generated_tokens"] for m in entries[:STEPS])
+    rate = tokens / sum(m["rollout_s"] for m in entries[:STEPS])
+    assert f"{tokens} tokens generated" in md and f"{rate:.6g} tokens/s" in md
+
+
+def test_a_run_without_mismatch_metrics_gets_no_agreement_plot(run_dir, tmp_path):
+    gap = re.compile(r"(code|router|mantissa)_agreement.*|adjacent_share|kl|max_abs_dlogp")
+    plain = tmp_path / "run"
+    plain.mkdir()
+    lines = [
+        json.dumps({k: v for k, v in m.items() if not gap.fullmatch(k)}) for m in jsonl(run_dir)
+    ]
+    (plain / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    (plain / "report").mkdir()
+    (plain / "report" / "agreement.png").write_bytes(b"left by an earlier report")
+    written = write_report(plain)
+    assert [p.name for p in written] == ["reward.png", "gap.png", "time.png", "report.md"]
+    assert not (plain / "report" / "agreement.png").exists()
+    md = written[-1].read_text()
+    assert "so there is no agreement plot" in md and "agreement.png" not in md
+    assert "has no `config.toml`" in md
+
+
+def test_tensorboard_scalars_are_the_metrics(run_dir):
+    board = event_accumulator.EventAccumulator(
+        str(run_dir / "tensorboard"), size_guidance={event_accumulator.SCALARS: 0}
+    )
+    board.Reload()
+    entries = jsonl(run_dir)
+    want: dict[str, dict[int, float]] = {}
+    for m in entries:
+        for key, value in m.items():
+            if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
+                want.setdefault(key, {})[m["step"]] = value
+    assert set(board.Tags()["scalars"]) == set(want)
+    assert {"code_agreement/layer1", "held_out_accuracy", "loss", "rollout_s"} <= set(want)
+    for key, by_step in want.items():
+        got = {e.step: e.value for e in board.Scalars(key)}
+        # TensorBoard stores scalars as float32.
+        assert got == {s: float(np.float32(v)) for s, v in by_step.items()}, key
+
+
+def test_tensorboard_purge_step_replaces_the_steps_run_again(tmp_path):
+    with TensorBoardLog(tmp_path) as board:
+        for step in range(5):
+            board.write({"step": step, "reward": float(step)})
+    with TensorBoardLog(tmp_path, purge_step=2) as board:  # resumed at step 2
+        for step in (2, 3):
+            board.write({"step": step, "reward": 10.0 + step})
+    events = event_accumulator.EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("reward")] == [
+        (0, 0.0), (1, 1.0), (2, 12.0), (3, 13.0)
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="purge_step must be an int >= 0 or None, got -1"):
+        TensorBoardLog(tmp_path, purge_step=-1)
+
+
+def test_missing_extras_name_the_install_command(monkeypatch, run_dir, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(ModuleNotFoundError, match=re.escape("pip install 'fp4rl[tensorboard]'")):
+        TensorBoardLog(tmp_path)
+    monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)
+    assert main(["report", str(run_dir), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fp4rl report: error:") and "pip install 'fp4rl[report]'" in err
+    assert err.count("\n") == 1
+
+
+def test_run_tensorboard_must_be_a_bool():
+    with pytest.raises(ValueError, match="run.tensorboard must be a bool, got 'yes'"):
+        run_config.load(None, ["run.tensorboard=yes"])
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "has no metrics.jsonl"),
+        ("", "holds no entries"),
+        ('{"step": 0}\n{"step": 1\n', r"metrics.jsonl:2: not a JSON object"),
+        ('{"step": 0}\n[1, 2]\n', r"metrics.jsonl:2: not a JSON object"),
+        (
+            '{"step": 0}\n{"reward": 1.0}\n',
+            r"metrics.jsonl:2: 'step' must be an int >= 0, got None",
+        ),
+        ('{"step": 0}\n{"step": 1}\n{"step": 0}\n', r"metrics.jsonl:3: step 0 follows step 1"),
+    ],
+)
+def test_cli_refuses_a_run_without_readable_metrics(tmp_path, capsys, content, message):
+    if content is not None:
+        (tmp_path / "metrics.jsonl").write_text(content)
+    assert main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fp4rl report: error:") and err.count("\n") == 1
+    assert re.search(message, err), err
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        read_metrics(tmp_path)
+
+
+def test_cli_writes_the_report_and_lists_it(run_dir, tmp_path, capsys):
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("tensorboard", "checkpoints"))
+    assert main(["report", str(copy)]) == 0
+    listed = capsys.readouterr().out.split()
+    assert listed == [str(copy / "report" / name) for name in [*FIGURES, "report.md"]]
