@@ -159,23 +159,22 @@ def round_guided_compact(x: torch.Tensor, guidance: CompactCodes) -> NVFP4Tensor
 
 
 def boundary_distance(y: torch.Tensor) -> torch.Tensor:
-    """Distance of each scaled value ``y`` from the rounding boundary of its bracket, in grid units.
+    """Distance of each scaled value ``y`` from the nearest rounding boundary, in grid units.
 
-    ``|y|`` lies between two adjacent codewords ``v_lo <= |y| <= v_hi``; their midpoint is the
-    only rounding boundary in between, and the grid unit there is ``v_hi - v_lo`` (0.5 below 2,
-    1 from 2 to 4, 2 from 4 to 6). The distance is ``| |y| - (v_lo + v_hi) / 2 | / (v_hi - v_lo)``,
-    in [0, 0.5]: 0 on a boundary, 0.5 on a codeword. Near a boundary both operations are exact
-    in FP32 (a difference of close numbers, a division by a power of two), so every device
-    computes the same distance there. Beyond the last codeword (``|y| >= 6``) there is no
-    boundary: the distance is +inf.
+    Between two adjacent codewords ``v_lo < |y| < v_hi`` the only rounding boundary is their
+    midpoint, and the grid unit there is ``v_hi - v_lo`` (0.5 below 2, 1 from 2 to 4, 2 from 4
+    to 6): the distance is ``| |y| - (v_lo + v_hi) / 2 | / (v_hi - v_lo)``, in [0, 0.5), 0 on a
+    boundary. On a codeword it is 0.5; at and beyond 6 it is ``(|y| - 5) / 2``. Near a boundary
+    both operations are exact in FP32 (a difference of close numbers, a division by a power of
+    two), so every device computes the same distance there.
     """
     lo, hi = e2m1_bracket(y)
     table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=y.device)
     v_lo, v_hi = table[lo.long()], table[hi.long()]
-    width = v_hi - v_lo
-    dist = (y.abs() - (v_lo + v_hi) * 0.5).abs() / torch.where(width > 0, width, 1.0)
-    on_codeword = torch.where(lo < 7, 0.5, math.inf)
-    return torch.where(width > 0, dist, on_codeword)
+    a, width = y.abs(), v_hi - v_lo
+    between = (a - (v_lo + v_hi) * 0.5).abs() / torch.where(width > 0, width, 1.0)
+    on_codeword = torch.where(lo < 7, 0.5, (a - 5.0) * 0.5)
+    return torch.where(width > 0, between, on_codeword)
 
 
 def _index_dtype(limit: int) -> torch.dtype:
