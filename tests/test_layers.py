@@ -40,6 +40,8 @@ ALLOWED = {
         "report",
     },  # fmt: skip
     "demo": {"fp4", "ops", "records", "model", "train", "tasks", "config", "loop"},
+    # a run's checkpoint to a servable one: the precision plan, the engine's packing, the writer
+    "export": {"fp4", "ops", "model", "config", "checks", "checkpoints"},
     # every layer's user; the commands import their work lazily, inside ``run``
     "commands": {
         "fp4",
@@ -55,6 +57,7 @@ ALLOWED = {
         "report",
         "loop",
         "demo",
+        "export",
         "commands",
         "checks",
     },  # fmt: skip
