@@ -241,6 +241,20 @@ class SparseCodes:
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.counts, self.entries, self.block_scale, self.global_scale
 
+    def check(self) -> None:
+        """Raise ValueError unless the counts and entries describe the record's rows: as many
+        entries as the counts say, each column inside the row (reads the values: one sync)."""
+        total = int(self.counts.sum(dtype=torch.int64))
+        if total != self.entries.shape[0]:
+            raise ValueError(
+                f"sparse guidance counts sum to {total} but it holds {self.entries.shape[0]} "
+                "entries"
+            )
+        K = self.shape[-1]
+        column = self.entries.long() >> 1
+        if total and not bool(((column >= 0) & (column < K)).all()):
+            raise ValueError(f"sparse guidance has a column outside [0, {K})")
+
     def rows(self, start: int, end: int) -> SparseCodes:
         """Rows ``[start, end)`` along the first dim (each with its recorded values)."""
         per_row = self.counts[start:end]
@@ -255,6 +269,7 @@ class SparseCodes:
 
     def select_rows(self, index: torch.Tensor) -> SparseCodes:
         """Rows ``index`` (long ``[R]``) of the record with its leading dims flattened."""
+        self.check()
         counts = self.counts.flatten().long()
         starts = counts.cumsum(0) - counts
         picked = counts[index]
@@ -269,21 +284,12 @@ class SparseCodes:
         )
 
     def expand(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(recorded, bit)``: bool and uint8 ``[..., K]``, the bit 0 where nothing is recorded.
-
-        Raises ValueError when the counts and entries do not describe the record's rows."""
+        """``(recorded, bit)``: bool and uint8 ``[..., K]``, the bit 0 where nothing is recorded."""
+        self.check()
         K = self.shape[-1]
         counts = self.counts.flatten().long()
-        total = int(counts.sum())
-        if total != self.entries.shape[0]:
-            raise ValueError(
-                f"sparse guidance counts sum to {total} but it holds {self.entries.shape[0]} "
-                "entries"
-            )
         entries = self.entries.long()
         column = entries >> 1
-        if total and not bool(((column >= 0) & (column < K)).all()):
-            raise ValueError(f"sparse guidance has a column outside [0, {K})")
         row = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts)
         recorded = torch.zeros(len(counts), K, dtype=torch.bool, device=counts.device)
         bit = torch.zeros(len(counts), K, dtype=torch.uint8, device=counts.device)

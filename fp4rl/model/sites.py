@@ -92,7 +92,8 @@ class Fp4Site:
         """
         g = self._guidance(guidance, x, row_order)
         if g is not None and row_order is not None:
-            g = _rows(g, torch.argsort(row_order.flatten()))
+            with self._named():
+                g = _rows(g, torch.argsort(row_order.flatten()))
         if capture is None:  # the trainer's path: values only, one fused kernel on the GPU
             with self._named():
                 return fake_quantize(x, scaling="row", guidance=g)
