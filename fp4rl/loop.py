@@ -6,19 +6,22 @@ trainer after every update through `fp4rl.refit`. The engine records routing and
 its config says; ``[align]`` says whether the trainer replays and follows them, and how often
 the mismatch between the two is measured (`fp4rl.train.observe`). Metrics go to
 ``metrics.jsonl`` in the run directory, one JSON object per step, and a summary line per step
-to ``log``.
+to ``log``. Every ``run.checkpoint_every`` steps and after the last, the state goes to a
+checkpoint (`fp4rl.checkpoints`); ``resume`` continues a run from its latest one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import random
 import time
 from pathlib import Path
 
 import torch
 
+from fp4rl import checkpoints
 from fp4rl.config import RunConfig, to_toml
 from fp4rl.model.weights import load_pretrained
 from fp4rl.progress import Progress
@@ -52,24 +55,36 @@ def setup(config: RunConfig) -> tuple[torch.device, torch.dtype]:
     return resolve_device(config.model.device), DTYPES[config.model.dtype]
 
 
-def train(config: RunConfig, *, log=print) -> list[dict]:
+def train(config: RunConfig, *, log=print, resume: bool = False) -> list[dict]:
     """Run ``config.run.steps`` GRPO steps; returns the per-step metrics (also written to
-    ``<out_dir>/metrics.jsonl``), the last entry holding the final held-out accuracy."""
+    ``<out_dir>/metrics.jsonl``), the last entry holding the final held-out accuracy.
+
+    A new run refuses a run directory that holds checkpoints. With ``resume``, the run in
+    ``run.out_dir`` continues from its latest complete checkpoint (from step 0 if it has none):
+    the trainer, the engine's weights and policy version, the random states and the metrics
+    are those of the checkpoint's step, and on the CPU the steps that follow are bit for bit
+    those of a run never stopped."""
     device, dtype = setup(config)
     run_dir = Path(config.run.out_dir)
+    resume_from = _resume_point(run_dir, resume, log)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(to_toml(config))
+    checkpoints.write_atomic(run_dir / "config.toml", to_toml(config))
 
     path, precision = config.model.path, config.precision
     task = build_task(config.task, model_dir=path, log=log)  # bad data fails before the model loads
     experts = "qat" if config.align.trainer_activations == "nvfp4" else "qat_weights"
-    policy = load_pretrained(path, precision, fp4_experts=experts, dtype=dtype, device=device)
+    weights = path if resume_from is None else resume_from / "model"
+    policy = load_pretrained(weights, precision, fp4_experts=experts, dtype=dtype, device=device)
     engine = Engine.from_pretrained(
         path, config.engine, precision=precision, dtype=dtype, device=device
     )
     _check_vocab(policy.config.vocab_size, task)
     optimizer = MasterAdamW(policy.parameters(), config.optim)
     receiver = RefitReceiver(engine)
+    start, rng = 0, None
+    if resume_from is not None:
+        start, rng = _restore(resume_from, policy, optimizer, receiver, config)
+    history = checkpoints.cut_metrics(run_dir, start)  # the steps before `start`, kept
     held_out = task.held_out()
     replay, guided = config.align.resolve(config.engine)
     log(
@@ -77,13 +92,15 @@ def train(config: RunConfig, *, log=print) -> list[dict]:
         f"(the engine records guidance={config.engine.guidance})"
     )
 
-    history = []
-    tensorboard = TensorBoardLog(run_dir) if config.run.tensorboard else None
+    purge_step = start if resume else None  # TensorBoard hides what a killed attempt wrote
+    tensorboard = TensorBoardLog(run_dir, purge_step=purge_step) if config.run.tensorboard else None
+    if rng is not None:
+        rng.restore()  # last: loading the models above may draw random numbers
     with (
         open(run_dir / "metrics.jsonl", "a") as metrics_file,
         tensorboard or contextlib.nullcontext(),
     ):
-        for step in range(config.run.steps):
+        for step in range(start, config.run.steps):
             m: dict = {"step": step, "policy_version": engine.policy_version}
             if step % config.run.eval_every == 0:
                 m.update(evaluate(engine, task, held_out, config))
@@ -125,6 +142,26 @@ def train(config: RunConfig, *, log=print) -> list[dict]:
             if tensorboard:
                 tensorboard.write(m)
             log(summary_line(m))
+            done = step + 1
+            every = config.run.checkpoint_every
+            if done == config.run.steps or (every and done % every == 0):
+                metrics_file.flush()
+                os.fsync(metrics_file.fileno())  # the metrics a resume keeps are on disk first
+                position = checkpoints.Position(
+                    step=done,
+                    policy_version=engine.policy_version,
+                    seed=config.run.seed,
+                    sampling_seed=step_seed(config.run.seed, done),
+                )
+                saved = checkpoints.save(
+                    run_dir,
+                    position,
+                    policy,
+                    optimizer,
+                    keep=config.run.keep_checkpoints,
+                    base_model=path,
+                )
+                log(f"checkpoint {saved}")
         final = {"step": config.run.steps, "policy_version": engine.policy_version}
         final.update(evaluate(engine, task, held_out, config))
         history.append(final)
@@ -255,6 +292,40 @@ def summary_line(m: dict) -> str:
     parts.append(f"trained {m['trained_samples']}")
     parts.append(f"{m['rollout_s']:.2f}+{m['train_s']:.2f}+{m['refit_s']:.2f}s")
     return " | ".join(parts)
+
+
+def _resume_point(run_dir: Path, resume: bool, log) -> Path | None:
+    """The checkpoint to resume from (None: from step 0); a new run may not overwrite one."""
+    latest = checkpoints.latest_checkpoint(run_dir)
+    if not resume:
+        if latest is not None:
+            raise ValueError(
+                f"{run_dir} holds checkpoints of an earlier run ({latest.name}): continue it "
+                f"with `fp4rl train --resume {run_dir}`, or choose another run.out_dir"
+            )
+        return None
+    for stale in checkpoints.remove_stale(run_dir):
+        log(f"removed {stale}, the leftover of a save that did not finish")
+    log(f"resuming {run_dir} from " + (str(latest) if latest else "step 0: it has no checkpoint"))
+    return latest
+
+
+def _restore(checkpoint: Path, policy, optimizer, receiver, config: RunConfig):
+    """Trainer state, then the engine refit from it: ``(start step, random states)``."""
+    position, rng = checkpoints.load(checkpoint, optimizer)
+    expected = step_seed(config.run.seed, position.step)
+    if position.seed != config.run.seed or position.sampling_seed != expected:
+        raise ValueError(
+            f"{checkpoint}: saved by a run with seed {position.seed} (next sampling seed "
+            f"{position.sampling_seed}), but run.seed={config.run.seed} gives {expected}"
+        )
+    if position.step > config.run.steps:
+        raise ValueError(
+            f"{checkpoint} is at step {position.step}, past run.steps={config.run.steps}"
+        )
+    version = position.policy_version
+    receiver.receive(refit_records(policy, policy_version=version))
+    return position.step, rng
 
 
 def _check_vocab(vocab_size: int, task: Task) -> None:

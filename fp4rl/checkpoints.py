@@ -1,0 +1,335 @@
+"""A run's checkpoints: written whole or not at all, and what a resume reads back.
+
+``<run_dir>/checkpoints/step-<8-digit step>/`` is the state after that many completed GRPO
+steps:
+
+- ``model/``: the policy as a Hugging Face checkpoint (config.json + safetensors, written by
+  `fp4rl.model.checkpoint.save_checkpoint`; loadable by `fp4rl.model.weights.load_pretrained`
+  and by transformers), with the tokenizer and generation files of the run's base model;
+- ``trainer.pt``: the optimizer's state (`MasterAdamW.state_dict`: FP32 masters, AdamW moments,
+  update count) and torch's CPU and CUDA random states;
+- ``state.json``: the `Position` (step, policy version, run seed and the next step's sampling
+  seed, which with the step is the data position) and Python's random state.
+
+A checkpoint is complete iff its directory has that final name: it is written and fsynced
+under a hidden temporary name in the same ``checkpoints/`` folder, then renamed. A crash at any
+moment leaves the earlier checkpoints intact and at most a temporary directory, which a later
+save or resume removes once its writer is dead. Old checkpoints are taken out of the final
+name space by a rename before they are deleted, so no torn one ever carries a final name.
+
+Also owns the run directory's other rewrites on resume: ``metrics.jsonl`` cut back to the
+checkpoint's step, and `resume_config`. Does not own the order of the loop (`fp4rl.loop`),
+the safetensors layout (`fp4rl.model.checkpoint`) or the optimizer (`fp4rl.train.optim`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import socket
+import uuid
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+
+from fp4rl import config as run_config
+from fp4rl.model.checkpoint import save_checkpoint
+from fp4rl.train.optim import MasterAdamW
+
+FORMAT = 1  # of trainer.pt and state.json; a resume refuses any other
+FOLDER = "checkpoints"
+_FINAL = re.compile(r"step-(\d{8})")
+# .step-NNNNNNNN.partial-HOST-PIDNS-PID-RANDOM: a save in progress, an old checkpoint being
+# deleted, or what a killed process left of either.
+_TEMPORARY = re.compile(r"\.step-\d{8}\.partial-(?P<owner>.+-\d+)-(?P<pid>\d+)-[0-9a-f]{12}")
+# Files of the base model that make a checkpoint directory a whole model (tokenizer, chat
+# template, EOS ids), copied into every checkpoint's model/ when present.
+MODEL_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+# What `fp4rl train --resume` may change: how long the run goes on and what it keeps or
+# mirrors. Everything else would make the steps after the resume those of another run.
+RESUME_OVERRIDES = ("run.steps", "run.checkpoint_every", "run.keep_checkpoints", "run.tensorboard")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Position:
+    """Where a run stands after ``step`` completed GRPO steps."""
+
+    step: int  # completed steps: the next step's index, the data position
+    policy_version: int  # the engine's weights version after the last refit
+    seed: int  # run.seed: each step's prompts and sampling seed derive from (seed, step)
+    sampling_seed: int  # SamplingParams.seed of the next step's rollout
+
+
+@dataclass(frozen=True, slots=True)
+class RandomStates:
+    """Python's, torch's CPU and (when present) every CUDA device's random state."""
+
+    python: tuple
+    torch_cpu: torch.Tensor
+    cuda: tuple[torch.Tensor, ...]
+
+    @classmethod
+    def capture(cls) -> RandomStates:
+        cuda = tuple(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() else ()
+        return cls(random.getstate(), torch.get_rng_state(), cuda)
+
+    def restore(self) -> None:
+        """Set them all; CUDA states only on a machine with CUDA devices (fp4rl draws none)."""
+        random.setstate(self.python)
+        torch.set_rng_state(self.torch_cpu)
+        if self.cuda and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(self.cuda[: torch.cuda.device_count()])
+
+
+def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
+    return Path(run_dir) / FOLDER / f"step-{step:08d}"
+
+
+def complete_checkpoints(run_dir: str | Path) -> list[Path]:
+    """The run's complete checkpoints, oldest first."""
+    folder = Path(run_dir) / FOLDER
+    if not folder.is_dir():
+        return []
+    found = [p for p in folder.iterdir() if _FINAL.fullmatch(p.name) and p.is_dir()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint of ``run_dir``, or None."""
+    found = complete_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def save(
+    run_dir: str | Path,
+    position: Position,
+    policy: torch.nn.Module,
+    optimizer: MasterAdamW,
+    *,
+    keep: int,
+    base_model: str | Path | None = None,
+) -> Path:
+    """Write the checkpoint of ``position.step``, then delete all but the ``keep`` newest.
+
+    ``policy`` is the trainer's model (its parameters go to ``model/`` in their own dtype),
+    ``base_model`` the directory whose `MODEL_FILES` are copied beside them. Raises
+    FileExistsError if that step's checkpoint exists; on any error nothing is left under a
+    final name.
+    """
+    folder = Path(run_dir) / FOLDER
+    final = checkpoint_dir(run_dir, position.step)
+    if final.exists():
+        raise FileExistsError(f"{final} exists; not overwriting a checkpoint")
+    files = {} if base_model is None else _model_files(Path(base_model))
+    folder.mkdir(parents=True, exist_ok=True)
+    remove_stale(run_dir)
+    tmp = _temporary(final)
+    tmp.mkdir()
+    try:
+        save_checkpoint(policy.state_dict(), policy.config, tmp / "model", files=files)
+        rng = RandomStates.capture()
+        trainer = {
+            "format": FORMAT,
+            "optimizer": optimizer.state_dict(),
+            "torch_cpu_rng": rng.torch_cpu,
+            "cuda_rng": list(rng.cuda),
+        }
+        torch.save(trainer, tmp / "trainer.pt")
+        _fsync(tmp / "trainer.pt")
+        state = {"format": FORMAT, **asdict(position), "python_rng": _json_rng(rng.python)}
+        _write_fsynced(tmp / "state.json", json.dumps(state) + "\n")
+        _fsync(tmp)  # the names inside it, before they become visible under the final name
+        os.rename(tmp, final)
+        _fsync(folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for old in complete_checkpoints(run_dir)[:-keep]:
+        _delete(old)
+    return final
+
+
+def load(checkpoint: str | Path, optimizer: MasterAdamW) -> tuple[Position, RandomStates]:
+    """Restore ``optimizer`` (masters, moments, update count; the masters rounded into its
+    parameters) from ``checkpoint``; returns the position and the random states to restore
+    once everything that draws random numbers at start-up has run.
+
+    ``optimizer``'s parameters must hold the checkpoint's ``model/`` weights (the policy is
+    loaded from there): each must equal its saved master rounded to the parameter's dtype, or
+    the model and trainer state are not of one checkpoint and nothing is restored.
+    """
+    checkpoint = Path(checkpoint)
+    state = json.loads((checkpoint / "state.json").read_text())
+    trainer = torch.load(checkpoint / "trainer.pt", map_location="cpu", weights_only=True)
+    for name, found in (("state.json", state.get("format")), ("trainer.pt", trainer["format"])):
+        if found != FORMAT:
+            raise ValueError(f"{checkpoint / name}: format {found!r}, this fp4rl reads {FORMAT}")
+    masters = trainer["optimizer"]["masters"]
+    if len(masters) != len(optimizer.params):
+        raise ValueError(
+            f"{checkpoint}: {len(masters)} saved masters for {len(optimizer.params)} parameters"
+        )
+    for i, (p, master) in enumerate(zip(optimizer.params, masters, strict=True)):
+        if p.shape != master.shape or not torch.equal(p, master.to(p.device, p.dtype)):
+            raise ValueError(
+                f"{checkpoint}: parameter {i} {tuple(p.shape)} of model/ is not its saved "
+                f"master {tuple(master.shape)} rounded to {p.dtype}; model/ and trainer.pt "
+                "are not of one checkpoint"
+            )
+    optimizer.load_state_dict(trainer["optimizer"])
+    position = Position(**{f.name: state[f.name] for f in fields(Position)})
+    python_rng = _python_rng(state["python_rng"])
+    return position, RandomStates(python_rng, trainer["torch_cpu_rng"], tuple(trainer["cuda_rng"]))
+
+
+def remove_stale(run_dir: str | Path) -> list[Path]:
+    """Remove the temporary directories in ``checkpoints/`` whose writer is dead (this host
+    and PID namespace, a process id that no longer exists); returns them. Those of a live
+    process or of another host are left alone."""
+    folder, here, removed = Path(run_dir) / FOLDER, _owner(), []
+    if not folder.is_dir():
+        return removed
+    for entry in folder.iterdir():
+        m = _TEMPORARY.fullmatch(entry.name)
+        if m is None or m["owner"] != here or not entry.is_dir():
+            continue
+        try:
+            os.kill(int(m["pid"]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+        except (OSError, OverflowError):  # EPERM: a live process of another user
+            pass
+    return removed
+
+
+def cut_metrics(run_dir: str | Path, step: int) -> list[dict]:
+    """Rewrite ``metrics.jsonl`` to hold only the entries of steps before ``step`` (those a
+    resume from the checkpoint of ``step`` keeps) and return them. Atomic: the file is
+    replaced by a rename. The entries must be those of steps 0 .. step - 1 in order; a last
+    line cut short by a kill is dropped, any other unreadable line is an error naming it."""
+    file = Path(run_dir) / "metrics.jsonl"
+    text = file.read_text() if file.exists() else ""
+    lines = text.split("\n")
+    kept, entries = [], []
+    for number, line in enumerate(lines, start=1):
+        if not line:
+            continue
+        try:
+            entry = json.loads(line)
+            entry_step = entry["step"]
+            if not isinstance(entry_step, int):
+                raise TypeError(f"step {entry_step!r} is not an int")
+        except (ValueError, TypeError, KeyError) as err:
+            if number == len(lines):  # no newline after it: a write cut short by a kill
+                break
+            raise ValueError(
+                f"{file}:{number}: not a metrics entry ({err}): {line[:80]!r}"
+            ) from None
+        if entry_step < step:
+            kept.append(line)
+            entries.append(entry)
+    steps = [e["step"] for e in entries]
+    if steps != list(range(step)):
+        raise ValueError(
+            f"{file}: has entries for steps {steps[:10]}{'...' if len(steps) > 10 else ''} "
+            f"before step {step}; resuming there needs exactly steps 0 .. {step - 1}"
+        )
+    write_atomic(file, "".join(line + "\n" for line in kept))
+    return entries
+
+
+def resume_config(run_dir: str | Path, overrides: list[str] = ()) -> run_config.RunConfig:
+    """The config of the run in ``run_dir`` (its ``config.toml``), with ``run.out_dir`` set to
+    ``run_dir`` and ``overrides`` applied, each of which must be one of `RESUME_OVERRIDES`."""
+    run_dir = Path(run_dir)
+    file = run_dir / "config.toml"
+    if not file.is_file():
+        raise FileNotFoundError(f"{run_dir} is not a run directory: it has no config.toml")
+    for text in overrides:
+        section, key, _ = run_config.parse_override(text)
+        if f"{section}.{key}" not in RESUME_OVERRIDES:
+            raise ValueError(
+                f"--set {text!r}: a resumed run may change only {', '.join(RESUME_OVERRIDES)}; "
+                f"{section}.{key} would make it another run"
+            )
+    return run_config.load(file, [*overrides, f"run.out_dir={json.dumps(str(run_dir))}"])
+
+
+def write_atomic(file: Path, text: str) -> None:
+    """Replace ``file`` with ``text`` through a fsynced temporary sibling and a rename."""
+    tmp = file.with_name(f".{file.name}.{os.getpid()}-{uuid.uuid4().hex[:12]}.tmp")
+    try:
+        _write_fsynced(tmp, text)
+        os.replace(tmp, file)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync(file.parent)
+
+
+def _temporary(final: Path) -> Path:
+    return final.with_name(
+        f".{final.name}.partial-{_owner()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    )
+
+
+def _owner() -> str:
+    """HOST-PIDNS: where a process id names one process (0 when /proc does not say)."""
+    try:
+        pidns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        pidns = 0
+    return f"{socket.gethostname()}-{pidns}"
+
+
+def _delete(checkpoint: Path) -> None:
+    """Rename out of the final name space first: a crash mid-delete leaves a temporary."""
+    doomed = _temporary(checkpoint)
+    os.rename(checkpoint, doomed)
+    _fsync(checkpoint.parent)
+    shutil.rmtree(doomed)
+
+
+def _model_files(base_model: Path) -> dict[str, bytes]:
+    return {n: (base_model / n).read_bytes() for n in MODEL_FILES if (base_model / n).is_file()}
+
+
+def _json_rng(state: tuple) -> list:
+    version, internal, gauss = state
+    return [version, list(internal), gauss]
+
+
+def _python_rng(saved: list) -> tuple:
+    version, internal, gauss = saved
+    return (version, tuple(internal), gauss)
+
+
+def _write_fsynced(file: Path, text: str) -> None:
+    with open(file, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

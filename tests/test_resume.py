@@ -1,0 +1,223 @@
+"""Checkpoints and resume: runs killed (SIGKILL) inside a checkpoint write, right after one and
+while an old one is deleted leave only complete checkpoints, and resuming them gives the steps
+of a run never stopped, metrics and every tensor bit for bit on the CPU.
+
+The killed runs are child interpreters that stop for good at a known point (a wrapped function
+prints where it is and sleeps), so the test kills them there rather than racing a write.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tiny_models import qat_model, tiny_config, tiny_precision
+
+from fp4rl import checkpoints, cli, demo
+from fp4rl import config as run_config
+from fp4rl.loop import train
+from fp4rl.model.checkpoint import save_checkpoint
+from fp4rl.model.weights import load_pretrained
+from fp4rl.train.optim import MasterAdamW, OptimConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS, EVERY, KEEP = 5, 2, 2  # checkpoints after steps 2, 4 and 5; the two newest kept
+OPTIM = OptimConfig(lr=1e-3)  # any: loading replaces the state
+
+# Wraps one function of the run so that the child stops for good at a known point of the
+# checkpoint of step 4 (or of the deletion of step 2's), then runs `fp4rl.loop.train`.
+CHILD = """
+import json, shutil, sys, time
+from fp4rl import checkpoints, demo
+from fp4rl import config as run_config
+from fp4rl.loop import train
+from fp4rl.model.checkpoint import writer
+
+run_dir, stop_at, overrides = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+
+def stop(where):
+    print(where, flush=True)
+    time.sleep(600)
+
+if stop_at == "model-write":  # step 4's weights on disk, its config.json not yet
+    write = writer._write_safetensors
+    def write_then_stop(file, tensors):
+        write(file, tensors)
+        if ".step-00000004.partial-" in str(file):
+            stop(file)
+    writer._write_safetensors = write_then_stop
+elif stop_at == "after-save":  # step 4's checkpoint complete, step 4 not begun
+    save = checkpoints.save
+    def save_then_stop(*args, **kwargs):
+        path = save(*args, **kwargs)
+        if path.name == "step-00000004":
+            stop(path)
+        return path
+    checkpoints.save = save_then_stop
+elif stop_at == "delete":  # step 2's checkpoint renamed away, not yet deleted
+    rmtree = shutil.rmtree
+    def stop_then_rmtree(path, *args, **kwargs):
+        if ".step-00000002.partial-" in str(path):
+            stop(path)
+        return rmtree(path, *args, **kwargs)
+    shutil.rmtree = stop_then_rmtree
+if overrides is None:
+    train(checkpoints.resume_config(run_dir), log=lambda _: None, resume=True)
+else:
+    train(run_config.load(demo.CONFIG_FILE, overrides), log=lambda _: None)
+"""
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    """A random tiny model with the task's vocabulary: a few samples per group earn the format
+    reward, so every step trains."""
+    path = tmp_path_factory.mktemp("base") / "model"
+    config = tiny_config(vocab_size=16)
+    model = qat_model(tiny_precision("nvfp4"), config=config, seed=0)
+    save_checkpoint(model.state_dict(), config, path)
+    return path
+
+
+def overrides(base: Path, run_dir: Path) -> list[str]:
+    return [
+        f"model.path={base}",
+        f"run.out_dir={run_dir}",
+        "model.device=cpu",  # bit for bit is the CPU's promise
+        "model.dtype=bfloat16",  # BF16 parameters beside FP32 masters
+        f"run.steps={STEPS}",
+        f"run.checkpoint_every={EVERY}",
+        f"run.keep_checkpoints={KEEP}",
+        "run.eval_every=2",
+        "run.eval_samples=1",
+        "rollout.prompts_per_step=8",
+        "rollout.samples_per_prompt=8",
+        "rollout.max_tokens=3",
+        "task.format_reward=0.5",
+        "task.num_held_out=16",
+        "align.observe_every=2",
+        "optim.lr=1e-3",
+        "optim.warmup_steps=0",
+    ]
+
+
+def run_until_stopped(tmp_path: Path, run_dir: Path, stop_at: str, args) -> Path:
+    """Start a child run, wait until it stops at ``stop_at``, SIGKILL it; where it stopped."""
+    with open(tmp_path / f"{stop_at}.stderr", "w+") as err:
+        child = subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(run_dir), stop_at, json.dumps(args)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
+        where = child.stdout.readline().strip()
+        child.send_signal(signal.SIGKILL)
+        child.wait()  # reaped: a zombie still answers os.kill(pid, 0)
+        child.stdout.close()
+        err.seek(0)
+        assert where, f"the child run did not reach {stop_at}:\n{err.read()}"
+    return Path(where)
+
+
+def inspect(run_dir: Path, base: Path) -> tuple[list[str], list[str]]:
+    """(complete checkpoints, temporaries) of ``run_dir``; every complete one must load."""
+    entries = sorted(p.name for p in (run_dir / checkpoints.FOLDER).iterdir())
+    complete = [p.name for p in checkpoints.complete_checkpoints(run_dir)]
+    temporary = [name for name in entries if name.startswith(".step-") and ".partial-" in name]
+    assert sorted(complete + temporary) == entries, entries
+    for name in complete:
+        policy = load_pretrained(
+            run_dir / checkpoints.FOLDER / name / "model",
+            tiny_precision("nvfp4"),
+            dtype=torch.bfloat16,
+        )
+        position, _ = checkpoints.load(
+            run_dir / checkpoints.FOLDER / name, MasterAdamW(policy.parameters(), OPTIM)
+        )
+        assert position.step == int(name.removeprefix("step-"))
+    return complete, temporary
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def without_timings(entries: list[dict]) -> list[dict]:
+    """Everything a step computed; its wall-clock times are the only entries that may differ."""
+    timing = ("_s", "_tokens_per_s")
+    return [{k: v for k, v in m.items() if not k.endswith(timing)} for m in entries]
+
+
+def assert_same_checkpoint(a: Path, b: Path) -> None:
+    """Weights, masters, moments, counts, random states and position: equal, bit for bit."""
+    assert json.loads((a / "state.json").read_text()) == json.loads((b / "state.json").read_text())
+    assert (a / "model/config.json").read_text() == (b / "model/config.json").read_text()
+    weights_a, weights_b = (
+        load_file(a / "model/model.safetensors"),
+        load_file(b / "model/model.safetensors"),
+    )
+    assert weights_a.keys() == weights_b.keys()
+    for name in weights_a:
+        assert torch.equal(weights_a[name], weights_b[name]), name
+    ta, tb = (torch.load(p / "trainer.pt", weights_only=True) for p in (a, b))
+    assert torch.equal(ta["torch_cpu_rng"], tb["torch_cpu_rng"])
+    oa, ob = ta["optimizer"], tb["optimizer"]
+    assert oa["num_updates"] == ob["num_updates"]
+    for i, (ma, mb) in enumerate(zip(oa["masters"], ob["masters"], strict=True)):
+        assert torch.equal(ma, mb), f"master {i}"
+    sa, sb = oa["optimizer"]["state"], ob["optimizer"]["state"]
+    assert sa.keys() == sb.keys() and len(sa) == len(oa["masters"])
+    for i in sa:
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(sa[i][key], sb[i][key]), f"{key} of master {i}"
+    assert oa["optimizer"]["param_groups"] == ob["optimizer"]["param_groups"]
+
+
+def test_killed_runs_resume_to_the_uninterrupted_run(tmp_path, base):
+    reference_dir, run_dir = tmp_path / "reference", tmp_path / "run"
+    reference = train(
+        run_config.load(demo.CONFIG_FILE, overrides(base, reference_dir)), log=lambda _: None
+    )
+    # Every step that follows a resume updates the weights (the random model earns its first
+    # rewards in step 1).
+    assert all(m["trained_samples"] > 0 for m in reference[1:STEPS])
+
+    # Killed inside the safetensors writer, while step 4's checkpoint is being written.
+    where = run_until_stopped(tmp_path, run_dir, "model-write", overrides(base, run_dir))
+    assert where.exists() and ".model.partial-" in where.parent.name  # the torn write is there
+    complete, temporary = inspect(run_dir, base)
+    assert complete == ["step-00000002"] and len(temporary) == 1
+    assert temporary[0].startswith(".step-00000004.partial-")
+    assert checkpoints.latest_checkpoint(run_dir).name == "step-00000002"
+    assert [m["step"] for m in metrics(run_dir)] == [0, 1, 2, 3]
+
+    # Resumed from step 2 (the torn temporary removed, steps 2 and 3 run again), killed right
+    # after step 4's checkpoint.
+    run_until_stopped(tmp_path, run_dir, "after-save", None)
+    assert inspect(run_dir, base) == (["step-00000002", "step-00000004"], [])
+    assert [m["step"] for m in metrics(run_dir)] == [0, 1, 2, 3]
+
+    # Resumed from step 4, killed while the last save deletes the oldest checkpoint: step 2's
+    # is already out of the final name space.
+    run_until_stopped(tmp_path, run_dir, "delete", None)
+    complete, temporary = inspect(run_dir, base)
+    assert complete == ["step-00000004", "step-00000005"] and len(temporary) == 1
+    assert temporary[0].startswith(".step-00000002.partial-")
+
+    # Resumed at the last step through the command line: only the final evaluation is left.
+    assert cli.main(["train", "--resume", str(run_dir)]) == 0
+    assert inspect(run_dir, base) == (["step-00000004", "step-00000005"], [])
+    assert without_timings(metrics(run_dir)) == without_timings(reference)
+    assert without_timings(metrics(reference_dir)) == without_timings(reference)
+    for step in (4, 5):  # written by the runs resumed from steps 2 and 4
+        assert_same_checkpoint(
+            checkpoints.checkpoint_dir(reference_dir, step),
+            checkpoints.checkpoint_dir(run_dir, step),
+        )
