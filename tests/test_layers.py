@@ -26,6 +26,8 @@ ALLOWED = {
     "config": {"fp4", "ops", "records", "model", "rollout", "train", "tasks", "config", "checks"},
     "progress": set(),
     "report": set(),  # metrics read back, TensorBoard, plots; its extras imported lazily
+    # a run's saved state: the HF writer, the optimizer's state, the run's config
+    "checkpoints": {"model", "train", "config"},
     "loop": {
         "fp4",
         "ops",
@@ -38,6 +40,7 @@ ALLOWED = {
         "config",
         "progress",
         "report",
+        "checkpoints",
     },  # fmt: skip
     "demo": {"fp4", "ops", "records", "model", "train", "tasks", "config", "loop"},
     # a run's checkpoint to a servable one: the precision plan, the engine's packing, the writer
@@ -55,6 +58,7 @@ ALLOWED = {
         "config",
         "progress",
         "report",
+        "checkpoints",
         "loop",
         "demo",
         "export",
