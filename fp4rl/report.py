@@ -26,13 +26,13 @@ REPORT_EXTRA = "pip install 'fp4rl[report]'"
 TENSORBOARD_EXTRA = "pip install 'fp4rl[tensorboard]'"
 
 
+def _number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def scalars(m: dict) -> dict[str, float]:
     """The numeric metrics of one entry (ints and floats, not bools), ``step`` left out."""
-    return {
-        k: float(v)
-        for k, v in m.items()
-        if k != "step" and isinstance(v, int | float) and not isinstance(v, bool)
-    }
+    return {k: float(v) for k, v in m.items() if k != "step" and _number(v)}
 
 
 class TensorBoardLog:
@@ -105,14 +105,21 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 
 def series(entries: list[dict], key: str) -> tuple[list[int], list[float]]:
     """``(steps, values)`` of the entries that recorded ``key`` as a number."""
-    pairs = [(m["step"], float(m[key])) for m in entries if key in scalars(m)]
+    pairs = [(m["step"], float(m[key])) for m in entries if key != "step" and _number(m.get(key))]
     return [s for s, _ in pairs], [v for _, v in pairs]
 
 
-def _recorded(entries: list[dict], pattern: str) -> list[str]:
-    """The recorded keys that match ``pattern`` (a regex), layers in numeric order."""
-    keys = {k for m in entries for k in scalars(m) if re.fullmatch(pattern, k)}
-    return sorted(keys, key=lambda k: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", k)])
+def _recorded(entries: list[dict], *patterns: str) -> list[str]:
+    """The numeric keys recorded by any entry that match ``patterns`` (regexes), in the
+    patterns' order, each pattern's keys sorted with layers in numeric order."""
+    recorded = {k for m in entries for k, v in m.items() if k != "step" and _number(v)}
+    out = []
+    for pattern in patterns:
+        keys = [k for k in recorded - set(out) if re.fullmatch(pattern, k)]
+        out += sorted(
+            keys, key=lambda k: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", k)]
+        )
+    return out
 
 
 # A figure: its file, title and panels; a panel: its y label and the patterns of the keys it
@@ -164,9 +171,7 @@ def plot(entries: list[dict], out_dir: Path) -> list[Path]:
     written = []
     for name, (title, panels) in FIGURES.items():
         drawn = [
-            (label, keys)
-            for label, patterns in panels
-            if (keys := [k for p in patterns for k in _recorded(entries, p)])
+            (label, keys) for label, patterns in panels if (keys := _recorded(entries, *patterns))
         ]
         path = out_dir / name
         if not drawn:
@@ -286,8 +291,7 @@ def _outcome_section(entries: list[dict], pngs: set[str]) -> list[str]:
 
 
 def _mismatch_section(entries: list[dict], pngs: set[str]) -> list[str]:
-    keys = [k for k in GAP if series(entries, k)[0]]
-    keys += [k for p in AGREEMENT for k in _recorded(entries, p)]
+    keys = _recorded(entries, *GAP, *AGREEMENT)
     if not keys:
         return [
             "No trainer-vs-rollout metrics were recorded (no update ran and "
