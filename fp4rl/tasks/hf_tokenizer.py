@@ -54,14 +54,22 @@ class HfTokenizer:
                 f"{self.path} has no chat template (no chat_template.jinja, no chat_template in "
                 "tokenizer_config.json)"
             )
-        template = _compile(self.chat_template)
-        return template.render(
-            messages=list(messages),
-            add_generation_prompt=add_generation_prompt,
-            tools=None,
-            documents=None,
-            **self.special_tokens,
-        )
+        import jinja2
+
+        try:
+            return _compile(self.chat_template).render(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                tools=None,
+                documents=None,
+                **self.special_tokens,
+            )
+        except jinja2.TemplateSyntaxError as err:
+            raise ValueError(
+                f"the chat template of {self.path} is not valid Jinja: {err}"
+            ) from None
+        except jinja2.TemplateError as err:
+            raise ValueError(f"the chat template of {self.path} failed: {err}") from None
 
     def _stop_token_ids(self) -> tuple[int, ...]:
         ids: list[int] = []
@@ -188,7 +196,4 @@ def _compile(template: str):
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    try:
-        return env.from_string(template)
-    except jinja2.exceptions.TemplateSyntaxError as err:
-        raise ValueError(f"the chat template is not valid Jinja: {err}") from None
+    return env.from_string(template)

@@ -105,13 +105,13 @@ class JsonlTask:
             )
         self.reward_fn, reward_name = rewards.load_reward(config.reward)
         records = read_records(config, self.encode_prompt, self._reference_problem, log=log)
-        self._train, self._held_out = split(records, config)
+        self.train_records, self._held_out = split(records, config)
         self.vocab_size = self.tokenizer.vocab_size
         self.stop_token_ids = self.tokenizer.stop_token_ids
         self._orders: dict[tuple[int, int], list[int]] = {}  # a cache of epoch_order
         log(
-            f"task: {config.path}: {len(self._train)} train / {len(self._held_out)} held-out "
-            f"records, reward {reward_name}, stop tokens {list(self.stop_token_ids)}"
+            f"task: {config.path}: {len(self.train_records)} train / {len(self._held_out)} "
+            f"held-out records, reward {reward_name}, stop tokens {list(self.stop_token_ids)}"
         )
 
     def encode_prompt(self, prompt: str) -> list[int]:
@@ -123,12 +123,12 @@ class JsonlTask:
     def train_examples(self, *, seed: int, step: int, num: int) -> list[Record]:
         out = []
         for position in range(step * num, (step + 1) * num):
-            epoch, i = divmod(position, len(self._train))
+            epoch, i = divmod(position, len(self.train_records))
             if (seed, epoch) not in self._orders:
                 self._orders = {
-                    (seed, epoch): epoch_order(len(self._train), seed=seed, epoch=epoch)
+                    (seed, epoch): epoch_order(len(self.train_records), seed=seed, epoch=epoch)
                 }
-            out.append(self._train[self._orders[seed, epoch][i]])
+            out.append(self.train_records[self._orders[seed, epoch][i]])
         return out
 
     def held_out(self) -> list[Record]:

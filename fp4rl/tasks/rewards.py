@@ -20,6 +20,7 @@ which records exist (`fp4rl.tasks.jsonl`).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import numbers
@@ -65,19 +66,24 @@ def checked(fn: Reward, spec: str, completion: str, answer: str, record: dict, w
 def math_verify_reward(completion: str, answer: str, record: dict) -> float:
     """1.0 when math-verify finds the completion's answer equal to the reference, else 0.0.
 
-    The reference is parsed as written, and inside ``$...$`` when that alone finds nothing
-    (a bare ``\\frac{1}{2}``); math-verify extracts the completion's last boxed or final
-    answer and compares symbolically (numbers to 6 decimals, sets, intervals, equations)."""
+    The reference is read by `parse_reference`; math-verify extracts the completion's last
+    boxed or final answer and compares symbolically (numbers to 6 decimals, fractions,
+    expressions, sets, intervals, equations)."""
     from math_verify import parse, verify
 
     return 1.0 if verify(parse_reference(answer), parse(completion)) else 0.0
 
 
+@functools.lru_cache(maxsize=1 << 16)  # a reference is read once, not once per sample
 def parse_reference(answer: str) -> list:
-    """math-verify's reading of a reference answer; empty when it can read none."""
+    """math-verify's reading of a reference answer; empty when it can read none. A reference
+    without ``$`` or ``\\boxed`` is read as one LaTeX formula (``$answer$``), so ``x + 1`` is
+    the expression, not its last number; as written when that reads nothing."""
     from math_verify import parse
 
-    return parse(answer) or parse(f"${answer}$")
+    if "$" in answer or "\\boxed" in answer:
+        return parse(answer)
+    return parse(f"${answer}$") or parse(answer)
 
 
 def boxed_answer_reward(completion: str, answer: str, record: dict) -> float:
