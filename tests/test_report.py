@@ -17,10 +17,11 @@ from fp4rl.cli import main
 from fp4rl.report import FIGURES, TensorBoardLog, read_metrics, write_report
 from fp4rl.train.optim import OptimConfig
 
-matplotlib_image = pytest.importorskip("matplotlib.image")
-event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
-
 STEPS = 3
+
+
+def event_accumulator():
+    return pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +31,7 @@ def run_dir(tmp_path_factory):
     reward, so groups differ and every step trains."""
     from fp4rl.loop import train
 
+    event_accumulator()  # run.tensorboard needs it
     cache, out = tmp_path_factory.mktemp("cache"), tmp_path_factory.mktemp("run")
     overrides = ["model.dtype=bfloat16", "model.device=cpu"]
     base_config = run_config.load(demo.CONFIG_FILE, overrides)
@@ -84,6 +86,7 @@ def test_the_run_records_what_the_report_draws(run_dir):
 
 
 def test_report_plots_are_images_and_its_numbers_are_the_metrics(run_dir, tmp_path):
+    matplotlib_image = pytest.importorskip("matplotlib.image")
     written = write_report(run_dir, tmp_path / "report")
     assert [p.name for p in written] == [*FIGURES, "report.md"]
     for png in written[:-1]:
@@ -128,6 +131,7 @@ def test_report_plots_are_images_and_its_numbers_are_the_metrics(run_dir, tmp_pa
 
 
 def test_a_run_without_mismatch_metrics_gets_no_agreement_plot(run_dir, tmp_path):
+    pytest.importorskip("matplotlib")
     gap = re.compile(r"(code|router|mantissa)_agreement.*|adjacent_share|kl|max_abs_dlogp")
     plain = tmp_path / "run"
     plain.mkdir()
@@ -146,9 +150,8 @@ def test_a_run_without_mismatch_metrics_gets_no_agreement_plot(run_dir, tmp_path
 
 
 def test_tensorboard_scalars_are_the_metrics(run_dir):
-    board = event_accumulator.EventAccumulator(
-        str(run_dir / "tensorboard"), size_guidance={event_accumulator.SCALARS: 0}
-    )
+    ea = event_accumulator()
+    board = ea.EventAccumulator(str(run_dir / "tensorboard"), size_guidance={ea.SCALARS: 0})
     board.Reload()
     entries = jsonl(run_dir)
     want: dict[str, dict[int, float]] = {}
@@ -165,13 +168,14 @@ def test_tensorboard_scalars_are_the_metrics(run_dir):
 
 
 def test_tensorboard_purge_step_replaces_the_steps_run_again(tmp_path):
+    ea = event_accumulator()
     with TensorBoardLog(tmp_path) as board:
         for step in range(5):
             board.write({"step": step, "reward": float(step)})
     with TensorBoardLog(tmp_path, purge_step=2) as board:  # resumed at step 2
         for step in (2, 3):
             board.write({"step": step, "reward": 10.0 + step})
-    events = event_accumulator.EventAccumulator(str(tmp_path / "tensorboard"))
+    events = ea.EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("reward")] == [
         (0, 0.0), (1, 1.0), (2, 12.0), (3, 13.0)
@@ -222,6 +226,7 @@ def test_cli_refuses_a_run_without_readable_metrics(tmp_path, capsys, content, m
 
 
 def test_cli_writes_the_report_and_lists_it(run_dir, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
     copy = tmp_path / "run"
     shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("tensorboard", "checkpoints"))
     assert main(["report", str(copy)]) == 0
