@@ -2,6 +2,7 @@
 transformers gives them, stop tokens from the directory's files, errors naming the file."""
 
 import json
+import sys
 
 import pytest
 from tiny_hf import BOS, EOS, IM_END, VOCAB_SIZE, save_tokenizer
@@ -110,3 +111,34 @@ def test_template_errors_name_the_directory(tmp_path):
     save_tokenizer(tmp_path, chat_template="{% if %}")
     with pytest.raises(ValueError, match=r"chat template of .* is not valid Jinja"):
         HfTokenizer(tmp_path).apply_chat_template(MESSAGES)
+
+
+def byte_level_bpe_files(path):
+    """A GPT-2 style tokenizer saved the older way: vocab.json and merges.txt, no
+    tokenizer.json."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    bpe = ByteLevelBPETokenizer()
+    text = ["what is 2+3? the answer is 5"] * 10
+    bpe.train_from_iterator(text, vocab_size=300, min_frequency=1, special_tokens=["<|eot|>"])
+    bpe.save_model(str(path))
+    config = {"tokenizer_class": "GPT2Tokenizer", "eos_token": "<|eot|>"}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return bpe
+
+
+def test_without_tokenizer_json_transformers_converts_the_files(tmp_path):
+    pytest.importorskip("transformers")
+    bpe = byte_level_bpe_files(tmp_path)
+    tokenizer = HfTokenizer(tmp_path)
+    text = "what is 2+3?"
+    assert tokenizer.encode(text) == bpe.encode(text).ids
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+    assert tokenizer.stop_token_ids == (bpe.token_to_id("<|eot|>"),)
+
+
+def test_without_tokenizer_json_or_transformers_the_cause_is_named(tmp_path, monkeypatch):
+    byte_level_bpe_files(tmp_path)
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers now fails
+    with pytest.raises(FileNotFoundError, match="has no tokenizer.json; install transformers"):
+        HfTokenizer(tmp_path)
