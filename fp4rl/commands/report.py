@@ -27,7 +27,10 @@ def run(args: argparse.Namespace) -> int | None:
 
     try:
         written = write_report(args.run_dir, args.out)
-    except ModuleNotFoundError as err:  # the optional extra is not installed: one line, too
+    except ModuleNotFoundError as err:
+        if err.name != "matplotlib":
+            raise
+        # The optional extra is not installed: said in one line, like bad input.
         print(f"fp4rl report: error: {err}", file=sys.stderr)
         return 2
     for path in written:
