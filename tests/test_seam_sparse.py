@@ -103,8 +103,9 @@ def test_sparse_records_follow_rows_and_the_trainer_follows_them(bf16_models):
         agree, total = agree + int((mine == theirs).sum()), total + mine.numel()
     nearest = observe(qat, full, replay=True, guided=False)["code_agreement"]
     assert nearest < 0.995  # BF16: the two sides round differently somewhere
-    # Observed: nearest ~0.96, sparse (delta 0.1) ~0.999 on this batch.
-    assert agree / total > 1 - (1 - nearest) / 4
+    # Observed on this batch: nearest 0.892 (its own block scales differ in 12 % of blocks),
+    # sparse (delta 0.1) 1.0 of 53,760 values.
+    assert agree / total >= 0.999
     metrics = observe(qat, batch, replay=True, guided=True)
     assert metrics["sparse_bit_agreement"] == 1.0
     assert 0.05 < metrics["sparse_recorded_share"] < 0.5
@@ -153,3 +154,27 @@ def test_missing_misshapen_or_malformed_records_name_the_site(fp32_models):
     truncated = SparseCodes(h.counts, h.entries[:-1], h.block_scale, h.global_scale)
     with pytest.raises(ValueError, match="layers.2 site 'expert_hidden': sparse guidance counts"):
         policy_logprobs(qat, with_record((2, "expert_hidden"), truncated))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@torch.no_grad()
+def test_sparse_guidance_on_gpu():
+    """BF16 on CUDA: the rollout's kernels quantize, sparse records are built and followed by
+    the PyTorch reference on the device; the same claims as on the CPU."""
+    packed, qat = rollout_model("nvfp4", "nvfp4", seed=3, dtype=torch.bfloat16, device="cuda")
+    full_out, sparse_out = twice(packed)
+    full, batch = collate(full_out), collate(sparse_out)
+    rec = SiteRecords()
+    got = policy_logprobs(qat, batch, capture=rec)
+    torch.testing.assert_close(got.cpu(), batch.rollout_logprobs_N, rtol=0, atol=0.03)
+    agree = total = 0
+    for key, r in batch.guidance.items():
+        f = full.guidance[key]
+        assert torch.equal(r.block_scale.view(torch.uint8), f.block_scale.view(torch.uint8)), key
+        recorded, bit = (t.cpu() for t in r.expand())
+        assert torch.equal(bit[recorded], unpack_e2m1(f.codes.cpu())[recorded] & 1), key
+        mine, theirs = signed(rec.sites[key].codes), signed(f.codes)
+        assert torch.equal(mine[recorded], theirs[recorded]), key
+        agree, total = agree + int((mine == theirs).sum()), total + mine.numel()
+    assert agree / total >= 0.999

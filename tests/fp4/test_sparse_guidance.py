@@ -188,3 +188,28 @@ def test_step_capture_needs_the_sites_values_for_sparse_guidance():
         cap.record(1, "k", t)
     with pytest.raises(ValueError, match="needs sparse_delta"):
         StepCapture(routing=False, guidance="sparse", keep=set())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_gives_the_cpu_references_bits():
+    from fp4rl import ops
+
+    g = torch.Generator().manual_seed(4)
+    rollout_x = (torch.randn(64, 2, 128, generator=g) * 2).bfloat16()
+    local_x = (
+        rollout_x.float() * (1 + 2e-3 * torch.randn(rollout_x.shape, generator=g))
+    ).bfloat16()
+    rollout = R.quantize(rollout_x, scaling="row")
+    record = G.sparse(rollout_x, rollout, 0.05)
+    on_gpu = G.sparse(rollout_x.cuda(), ops.quantize(rollout_x.cuda(), scaling="row"), 0.05)
+    assert same_record(on_gpu.__class__(*(t.cpu() for t in on_gpu.tensors())), record)
+    want = G.round_guided_sparse(local_x, record)
+    assert ops.quantize_site(local_x.cuda(), guidance=on_gpu).map(lambda m: m.cpu()).equal(want)
+    fake = ops.fake_quantize(local_x.cuda(), guidance=on_gpu)
+    assert torch.equal(fake.cpu(), R.dequantize(want, torch.bfloat16))
+    rows = torch.randperm(128, generator=g).cuda()
+    picked = on_gpu.select_rows(rows)
+    assert same_record(
+        picked.__class__(*(t.cpu() for t in picked.tensors())), record.select_rows(rows.cpu())
+    )

@@ -1,0 +1,162 @@
+"""Code agreement and record bytes of each guidance mode, measured on the same completions.
+
+    BASE=~/.cache/fp4rl/base-...   # the demo's cached base policy (`fp4rl demo` builds it)
+    python benchmarks/guidance.py --config fp4rl/configs/demo.toml --set model.path=$BASE \\
+        --set model.dtype=bfloat16 --deltas 0.01 0.03 0.1 --steps 0 5 10 15 20 25 30 35
+
+For each listed step's prompt batch (the loop's batches, drawn by `Task.train_examples`, at the
+base policy), the engine generates the same completions once per guidance mode: the same seed
+and batch give the same tokens (checked), so the records differ and nothing else does. The
+trainer's forward of the first ``run.micro_batch_seqs`` completions, with router replay, rounds
+every FP4 site to nearest (its own scales), to nearest under the rollout's scales, and guided by
+full codes, compact bits, and sparse guidance for each delta; each result is compared with the
+rollout's full codes: agreement over all values (signed codewords, +0 and -0 as one), over the
+values nearest rounding gets wrong, and guidance bytes per generated token over the whole batch
+(prompt rows included, as `capture_bytes_per_generated_token` counts them), split for sparse
+guidance into scales and positions. ``token_mult_prob_error`` is mean exp|logp_train -
+logp_sampled| over the scored tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections import defaultdict
+
+import torch
+
+from fp4rl.config import load
+from fp4rl.fp4 import NVFP4Tensor, SparseCodes
+from fp4rl.fp4.reference import unpack_e2m1
+from fp4rl.loop import DTYPES, sampling
+from fp4rl.model.sites import SiteRecords
+from fp4rl.model.weights import load_pretrained
+from fp4rl.records import TrainBatch, capture_bytes_per_generated_token, collate
+from fp4rl.rollout import Engine
+from fp4rl.rollout.generation_config import eos_token_ids
+from fp4rl.tasks import build_task
+from fp4rl.train.observe import signed_index
+from fp4rl.train.policy import policy_logprobs
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--set", action="append", default=[], dest="overrides")
+    parser.add_argument("--deltas", type=float, nargs="+", default=[0.01, 0.03, 0.1])
+    parser.add_argument("--steps", type=int, nargs="+", default=[0])
+    return parser.parse_args()
+
+
+def signed(t: NVFP4Tensor) -> torch.Tensor:
+    return signed_index(unpack_e2m1(t.codes.cpu()))
+
+
+def scales_only(batch: TrainBatch) -> TrainBatch:
+    """Sparse records with nothing recorded: nearest rounding under the rollout's scales."""
+    guidance = {
+        key: SparseCodes(
+            counts=torch.zeros_like(r.counts),
+            entries=r.entries[:0],
+            block_scale=r.block_scale,
+            global_scale=r.global_scale,
+        )
+        for key, r in batch.guidance.items()
+    }
+    return dataclasses.replace(batch, guidance=guidance)
+
+
+def trainer_codes(policy, batch: TrainBatch, guided: bool):
+    rec = SiteRecords()
+    with torch.no_grad():
+        logp_N = policy_logprobs(policy, batch, replay=True, guided=guided, capture=rec)
+    d_N = logp_N.cpu() - batch.sampling_logprobs_N
+    return {key: signed(t) for key, t in rec.sites.items()}, float(d_N.abs().exp().mean())
+
+
+def sparse_bytes(completions) -> tuple[int, int]:
+    """(scale bytes, position bytes) of the sparse records of a batch."""
+    scales = positions = 0
+    for c in completions:
+        for r in c.guidance.values():
+            scales += r.block_scale.nbytes + r.global_scale.nbytes
+            positions += r.counts.nbytes + r.entries.nbytes
+    return scales, positions
+
+
+def main() -> None:
+    args = parse_args()
+    config = load(args.config, args.overrides)
+    torch.set_num_threads(config.run.threads or torch.get_num_threads())
+    path, precision, dtype = config.model.path, config.precision, DTYPES[config.model.dtype]
+    task = build_task(config.task, model_dir=path)
+    policy = load_pretrained(path, precision, fp4_experts="qat", dtype=dtype)
+    packed = load_pretrained(path, precision, fp4_experts="packed", dtype=dtype)
+    modes = {"full": ("full", None), "compact": ("compact", None)}
+    modes |= {f"sparse {d:g}": ("sparse", d) for d in args.deltas}
+    totals = defaultdict(lambda: defaultdict(float))
+    for step in args.steps:
+        num = config.rollout.prompts_per_step
+        problems = task.train_examples(seed=config.run.seed, step=step, num=num)
+        prompts = [list(p.prompt_ids) for p in problems]
+        params = sampling(config, step, task.stop_token_ids)
+        runs = {}
+        for name, (mode, delta) in modes.items():
+            engine_config = dataclasses.replace(
+                config.engine, guidance=mode, sparse_delta=delta or config.engine.sparse_delta
+            )
+            engine = Engine(packed, engine_config, eos_token_ids=eos_token_ids(path))
+            runs[name] = engine.generate(prompts, params)
+            engine.release_kv()
+            same = [c.completion_ids for c in runs[name]] == [
+                c.completion_ids for c in runs["full"]
+            ]
+            assert same, f"step {step}: {name} generated other tokens than full"
+        num = config.run.micro_batch_seqs
+        full = collate(runs["full"][:num])
+        want = {key: signed(t) for key, t in full.guidance.items()}
+        nearest, tmpe = trainer_codes(policy, full, guided=False)
+        wrong = {key: nearest[key] != want[key] for key in want}
+        variants = {"nearest": (nearest, tmpe)}
+        first_sparse = collate(runs[f"sparse {args.deltas[0]:g}"][:num])
+        variants["nearest, rollout scales"] = trainer_codes(policy, scales_only(first_sparse), True)
+        for name in modes:
+            variants[name] = trainer_codes(policy, collate(runs[name][:num]), guided=True)
+        for name, (codes, tmpe) in variants.items():
+            t = totals[name]
+            for key, w in want.items():
+                t["agree"] += int((codes[key] == w).sum())
+                t["total"] += w.numel()
+                t["fixed"] += int((codes[key] == w)[wrong[key]].sum())
+                t["wrong"] += int(wrong[key].sum())
+            t["tmpe"] += tmpe / len(args.steps)
+            if name in runs:
+                bytes_ = capture_bytes_per_generated_token(runs[name])["guidance"]
+                t["bytes"] += bytes_ / len(args.steps)
+                if name.startswith("sparse"):
+                    generated = sum(len(c.completion_ids) for c in runs[name])
+                    scales, positions = sparse_bytes(runs[name])
+                    t["scale_bytes"] += scales / generated / len(args.steps)
+                    t["position_bytes"] += positions / generated / len(args.steps)
+        print(f"step {step} done", flush=True)
+    compact = totals["compact"]["bytes"]
+    print(
+        "| trainer rounding | agreement | of nearest's misses | token_mult_prob_error "
+        "| guidance B / generated token | vs compact |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, t in totals.items():
+        bytes_ = t.get("bytes")
+        split = ""
+        if "scale_bytes" in t:
+            split = f" ({t['scale_bytes']:.0f} scales + {t['position_bytes']:.0f} positions)"
+        print(
+            f"| {name} | {100 * t['agree'] / t['total']:.3f} % "
+            f"| {100 * t['fixed'] / max(t['wrong'], 1):.1f} % | {t['tmpe']:.5f} "
+            f"| {'—' if bytes_ is None else f'{bytes_:.0f}{split}'} "
+            f"| {'—' if bytes_ is None else f'{bytes_ / compact:.2f}'} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
