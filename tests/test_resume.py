@@ -221,3 +221,70 @@ def test_killed_runs_resume_to_the_uninterrupted_run(tmp_path, base):
             checkpoints.checkpoint_dir(reference_dir, step),
             checkpoints.checkpoint_dir(run_dir, step),
         )
+    # A model and a trainer state of different checkpoints are refused, nothing restored.
+    step5 = checkpoints.checkpoint_dir(run_dir, 5)
+    policy = load_pretrained(step5 / "model", tiny_precision("nvfp4"), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="are not of one checkpoint"):
+        checkpoints.load(
+            checkpoints.checkpoint_dir(run_dir, 4), MasterAdamW(policy.parameters(), OPTIM)
+        )
+
+
+def write_metrics(run_dir: Path, text: str) -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").write_text(text)
+    return run_dir / "metrics.jsonl"
+
+
+def test_metrics_are_cut_back_to_the_checkpoint(tmp_path):
+    entries = "".join(json.dumps({"step": s, "reward": s / 10}) + "\n" for s in range(4))
+    file = write_metrics(tmp_path, entries + '{"step": 4, "rew')  # the last write cut short
+    assert checkpoints.cut_metrics(tmp_path, 2) == [
+        {"step": 0, "reward": 0.0},
+        {"step": 1, "reward": 0.1},
+    ]
+    assert file.read_text() == entries[: entries.index('{"step": 2')]
+    assert checkpoints.cut_metrics(tmp_path, 0) == [] and file.read_text() == ""
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]  # no temporary left
+
+    write_metrics(tmp_path, entries.replace('{"step": 1', '{"step": x', 1))
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a metrics entry"):
+        checkpoints.cut_metrics(tmp_path, 3)
+    write_metrics(tmp_path, entries.replace('{"step": 1', '{"step": 5', 1))
+    with pytest.raises(ValueError, match=r"steps \[0, 2\] before step 3; .* steps 0 .. 2"):
+        checkpoints.cut_metrics(tmp_path, 3)
+
+
+def test_resume_takes_the_runs_config_and_changes_only_what_keeps_the_run(tmp_path, base):
+    moved = tmp_path / "moved"  # the run directory is where it is now, not where it was made
+    config = run_config.load(demo.CONFIG_FILE, overrides(base, tmp_path / "elsewhere"))
+    moved.mkdir()
+    (moved / "config.toml").write_text(run_config.to_toml(config))
+    resumed = checkpoints.resume_config(moved, ["run.steps=9", "run.keep_checkpoints=1"])
+    assert resumed.run.out_dir == str(moved) and resumed.run.steps == 9
+    assert resumed.run.keep_checkpoints == 1 and resumed.optim == config.optim
+    with pytest.raises(ValueError, match=r"optim.lr would make it another run"):
+        checkpoints.resume_config(moved, ["optim.lr=1e-2"])
+    with pytest.raises(FileNotFoundError, match="has no config.toml"):
+        checkpoints.resume_config(tmp_path / "nothing")
+
+
+def test_a_new_run_refuses_a_directory_with_checkpoints(tmp_path, base):
+    run_dir = tmp_path / "run"
+    checkpoints.checkpoint_dir(run_dir, 3).mkdir(parents=True)
+    config = run_config.load(demo.CONFIG_FILE, overrides(base, run_dir))
+    with pytest.raises(ValueError, match=r"holds checkpoints .*step-00000003.*--resume"):
+        train(config, log=lambda _: None)
+
+
+def test_a_failed_save_leaves_no_checkpoint(tmp_path):
+    policy = qat_model(
+        tiny_precision("nvfp4"), config=tiny_config(vocab_size=16), dtype=torch.bfloat16
+    )
+    optimizer = MasterAdamW(policy.parameters(), OPTIM)
+    with torch.no_grad():
+        policy.norm.weight[0] = float("nan")
+    position = checkpoints.Position(step=1, policy_version=1, seed=0, sampling_seed=1)
+    with pytest.raises(ValueError, match="norm.weight: 1 non-finite"):
+        checkpoints.save(tmp_path, position, policy, optimizer, keep=1)
+    assert list((tmp_path / checkpoints.FOLDER).iterdir()) == []
