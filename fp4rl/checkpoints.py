@@ -8,8 +8,8 @@ steps:
   and by transformers), with the tokenizer and generation files of the run's base model;
 - ``trainer.pt``: the optimizer's state (`MasterAdamW.state_dict`: FP32 masters, AdamW moments,
   update count) and torch's CPU and CUDA random states;
-- ``state.json``: the `Position` (step, policy version, run seed and the next step's sampling
-  seed, which with the step is the data position) and Python's random state.
+- ``state.json``: the `Position` (step, policy version, run seed, and the next step's sampling
+  seed and prompts' fingerprint: the data position) and Python's random state.
 
 A checkpoint is complete iff its directory has that final name: it is written and fsynced
 under a hidden temporary name in the same ``checkpoints/`` folder, then renamed. A crash at any
@@ -73,6 +73,7 @@ class Position:
     policy_version: int  # the engine's weights version after the last refit
     seed: int  # run.seed: each step's prompts and sampling seed derive from (seed, step)
     sampling_seed: int  # SamplingParams.seed of the next step's rollout
+    prompts_sha256: str  # of the next step's prompt token ids: the data a resume must see
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ checkpoint (`fp4rl.checkpoints`); ``resume`` continues a run from its latest one
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import random
@@ -67,8 +68,6 @@ def train(config: RunConfig, *, log=print, resume: bool = False) -> list[dict]:
     device, dtype = setup(config)
     run_dir = Path(config.run.out_dir)
     resume_from = _resume_point(run_dir, resume, log)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    checkpoints.write_atomic(run_dir / "config.toml", to_toml(config))
 
     path, precision = config.model.path, config.precision
     task = build_task(config.task, model_dir=path, log=log)  # bad data fails before the model loads
@@ -83,7 +82,9 @@ def train(config: RunConfig, *, log=print, resume: bool = False) -> list[dict]:
     receiver = RefitReceiver(engine)
     start, rng = 0, None
     if resume_from is not None:
-        start, rng = _restore(resume_from, policy, optimizer, receiver, config)
+        start, rng = _restore(resume_from, policy, optimizer, receiver, config, task)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    checkpoints.write_atomic(run_dir / "config.toml", to_toml(config))
     history = checkpoints.cut_metrics(run_dir, start)  # the steps before `start`, kept
     held_out = task.held_out()
     replay, guided = config.align.resolve(config.engine)
@@ -147,15 +148,9 @@ def train(config: RunConfig, *, log=print, resume: bool = False) -> list[dict]:
             if done == config.run.steps or (every and done % every == 0):
                 metrics_file.flush()
                 os.fsync(metrics_file.fileno())  # the metrics a resume keeps are on disk first
-                position = checkpoints.Position(
-                    step=done,
-                    policy_version=engine.policy_version,
-                    seed=config.run.seed,
-                    sampling_seed=step_seed(config.run.seed, done),
-                )
                 saved = checkpoints.save(
                     run_dir,
-                    position,
+                    _position(config, task, done, engine.policy_version),
                     policy,
                     optimizer,
                     keep=config.run.keep_checkpoints,
@@ -310,22 +305,42 @@ def _resume_point(run_dir: Path, resume: bool, log) -> Path | None:
     return latest
 
 
-def _restore(checkpoint: Path, policy, optimizer, receiver, config: RunConfig):
+def _restore(checkpoint: Path, policy, optimizer, receiver, config: RunConfig, task: Task):
     """Trainer state, then the engine refit from it: ``(start step, random states)``."""
-    position, rng = checkpoints.load(checkpoint, optimizer)
-    expected = step_seed(config.run.seed, position.step)
-    if position.seed != config.run.seed or position.sampling_seed != expected:
+    saved, rng = checkpoints.load(checkpoint, optimizer)
+    if saved.step > config.run.steps:
+        raise ValueError(f"{checkpoint} is at step {saved.step}, past run.steps={config.run.steps}")
+    expected = _position(config, task, saved.step, saved.policy_version)
+    differ = [
+        k
+        for k in ("seed", "sampling_seed", "prompts_sha256")
+        if getattr(saved, k) != getattr(expected, k)
+    ]
+    if differ:
         raise ValueError(
-            f"{checkpoint}: saved by a run with seed {position.seed} (next sampling seed "
-            f"{position.sampling_seed}), but run.seed={config.run.seed} gives {expected}"
+            f"{checkpoint}: its data position is not this config's: "
+            + ", ".join(
+                f"{k} saved {getattr(saved, k)!r}, now {getattr(expected, k)!r}" for k in differ
+            )
+            + " (another run.seed, rollout.prompts_per_step, task or data file?)"
         )
-    if position.step > config.run.steps:
-        raise ValueError(
-            f"{checkpoint} is at step {position.step}, past run.steps={config.run.steps}"
-        )
-    version = position.policy_version
-    receiver.receive(refit_records(policy, policy_version=version))
-    return position.step, rng
+    receiver.receive(refit_records(policy, policy_version=saved.policy_version))
+    return saved.step, rng
+
+
+def _position(config: RunConfig, task: Task, step: int, policy_version: int):
+    """Where the run stands after ``step`` steps, with the fingerprint of the prompts it sees
+    next (a pure function of the run seed and the step)."""
+    num = config.rollout.prompts_per_step
+    prompts = task.train_examples(seed=config.run.seed, step=step, num=num)
+    digest = hashlib.sha256(json.dumps([list(p.prompt_ids) for p in prompts]).encode())
+    return checkpoints.Position(
+        step=step,
+        policy_version=policy_version,
+        seed=config.run.seed,
+        sampling_seed=step_seed(config.run.seed, step),
+        prompts_sha256=digest.hexdigest(),
+    )
 
 
 def _check_vocab(vocab_size: int, task: Task) -> None:

@@ -221,6 +221,13 @@ def test_killed_runs_resume_to_the_uninterrupted_run(tmp_path, base):
             checkpoints.checkpoint_dir(reference_dir, step),
             checkpoints.checkpoint_dir(run_dir, step),
         )
+    # A resume whose prompts would not be the run's is refused before anything is rewritten.
+    other_data = run_config.load(demo.CONFIG_FILE, [*overrides(base, run_dir), "task.max_digits=3"])
+    files = {p: p.read_bytes() for p in (run_dir / "config.toml", run_dir / "metrics.jsonl")}
+    with pytest.raises(ValueError, match="prompts_sha256 saved '[0-9a-f]{64}', now"):
+        train(other_data, log=lambda _: None, resume=True)
+    assert all(p.read_bytes() == content for p, content in files.items())
+
     # A model and a trainer state of different checkpoints are refused, nothing restored.
     step5 = checkpoints.checkpoint_dir(run_dir, 5)
     policy = load_pretrained(step5 / "model", tiny_precision("nvfp4"), dtype=torch.bfloat16)
@@ -284,7 +291,9 @@ def test_a_failed_save_leaves_no_checkpoint(tmp_path):
     optimizer = MasterAdamW(policy.parameters(), OPTIM)
     with torch.no_grad():
         policy.norm.weight[0] = float("nan")
-    position = checkpoints.Position(step=1, policy_version=1, seed=0, sampling_seed=1)
+    position = checkpoints.Position(
+        step=1, policy_version=1, seed=0, sampling_seed=1, prompts_sha256="0" * 64
+    )
     with pytest.raises(ValueError, match="norm.weight: 1 non-finite"):
         checkpoints.save(tmp_path, position, policy, optimizer, keep=1)
     assert list((tmp_path / checkpoints.FOLDER).iterdir()) == []
