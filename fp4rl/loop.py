@@ -242,11 +242,13 @@ def sampling(config: RunConfig, step: int, stop_token_ids: tuple[int, ...]) -> S
     )
 
 
-def evaluate(engine: Engine, task: Task, problems: list, config: RunConfig) -> dict[str, float]:
+def evaluate(
+    engine: Engine, task: Task, problems: list, config: RunConfig, *, on_finish=None
+) -> dict[str, float]:
     """Held-out accuracy of the policy as the engine holds it: ``held_out_accuracy``, the share
     of completions with the full reward 1.0 sampled as the rollout samples (its temperature,
     ``run.eval_samples`` per problem, the same seed at every evaluation), and
-    ``held_out_greedy``, greedy decoding."""
+    ``held_out_greedy``, greedy decoding. ``on_finish(n)`` is told of finished samples."""
     prompts = [list(p.prompt_ids) for p in problems]
     r = config.rollout
     params = {
@@ -263,7 +265,7 @@ def evaluate(engine: Engine, task: Task, problems: list, config: RunConfig) -> d
     }
     out = {}
     for key, sampling_params in params.items():
-        done = engine.generate(prompts, sampling_params)
+        done = engine.generate(prompts, sampling_params, on_finish=on_finish)
         n = sampling_params.n
         exact = [task.reward(problems[i // n], c.completion_ids) == 1.0 for i, c in enumerate(done)]
         out[key] = sum(exact) / len(exact)

@@ -158,3 +158,7 @@ class ArithTask:
 
     def decode(self, ids: Sequence[int]) -> str:
         return decode(ids)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """``"12+34="`` -> ``<bos>12+34=``, the layout of `make_problem`'s prompts."""
+        return [BOS, *encode(text)]

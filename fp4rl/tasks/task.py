@@ -3,7 +3,8 @@
 A task hands out examples: records with at least ``prompt_ids`` (the tokens the engine is
 prompted with) and whatever the task needs to score a completion of them. The loop asks for a
 step's training examples, the held-out set, the reward of a completion, the stop tokens and
-the vocabulary the model must cover; it never looks inside an example.
+the vocabulary the model must cover; it never looks inside an example. Generation outside
+training (`fp4rl.inference`) also turns prompt text into ids and completions back into text.
 
 The training examples of a step are a pure function of ``(seed, step, num)``: the step is the
 data position, so a run resumed at step ``s`` with the same seed and ``prompts_per_step`` sees
@@ -44,6 +45,10 @@ class Task(Protocol):
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of token ids, for logs and generated output."""
+        ...
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """The prompt ids of a prompt written as text, as the task builds its own prompts."""
         ...
 
 
