@@ -185,7 +185,7 @@ def test_a_reader_from_the_format_description_gets_the_engines_weights(exported)
             else:
                 assert ulps_apart(s_back, s).item() == 1, module
                 off_by_one_groups += 1
-    # FP32 division has no exact inverse for every scale: ~16 % of FP32 values are the
+    # FP32 division has no exact inverse for every scale: 17 % of FP32 values are the FP32
     # reciprocal of no FP32 value. Both cases occur here (NO_INVERSE_AMAX makes sure of one).
     assert exact_groups > 0 and off_by_one_groups > 0, (exact_groups, off_by_one_groups)
 
