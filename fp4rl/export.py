@@ -2,13 +2,13 @@
 ``nvfp4-pack-quantized`` layout (what vLLM loads), or the plain BF16 checkpoint.
 
 Owns `export` (a checkpoint directory, or a run directory's latest complete checkpoint, to a new
-directory), where a run keeps its checkpoints (`latest_checkpoint`), the hub names and the scale
-convention of the NVFP4 layout, and the ``quantization_config`` that declares it. The experts are
+directory), the hub names and the scale convention of the NVFP4 layout, and the
+``quantization_config`` that declares it. The experts are
 quantized by the rollout engine's own call (`PackedExperts.quantized`), from the weights in the
 dtype the engine holds them in (the run's ``model.dtype``) and in the layers its precision plan
 makes FP4, so codes and block scales are the engine's bytes. Files go through
-`fp4rl.model.checkpoint`'s atomic writer. Does not own the recipe (`fp4rl.fp4`) or how a run
-saves its checkpoints.
+`fp4rl.model.checkpoint`'s atomic writer. Does not own the recipe (`fp4rl.fp4`) or a run's
+checkpoints (`fp4rl.checkpoints`: which one is the latest complete one, the files of a model).
 
 The NVFP4 layout, for routed expert ``j`` of an FP4 layer ``L`` and each projection ``P`` of
 ``gate_proj`` (W1: rows [0, I) of fp4rl's ``w13``), ``up_proj`` (W3: rows [I, 2I)) and
@@ -28,14 +28,13 @@ under its usual name, and its module is listed in ``ignore``. The scheme declare
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from fp4rl import checks
+from fp4rl import checkpoints, checks
 from fp4rl.config import RunConfig, load, parse_override
 from fp4rl.fp4 import BLOCK_SIZE, NVFP4Tensor
 from fp4rl.model.checkpoint import (
@@ -53,22 +52,6 @@ from fp4rl.model.precision import PrecisionPlan, resolve_plan
 FORMATS = ("nvfp4", "bf16")
 DEVICES = ("cpu", "cuda")
 COMPRESSION_FORMAT = "nvfp4-pack-quantized"
-# A complete checkpoint of a run: checkpoints/step-NNNNNNNN/model/ (one being written is named
-# otherwise until its final rename).
-_STEP = re.compile(r"step-\d{8}")
-# What a servable checkpoint needs beside its weights, copied from the source when present.
-AUX_FILES = (
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "chat_template.jinja",
-    "chat_template.json",
-)
 # The NVFP4 weight scheme (compressed-tensors' NVFP4A16 preset), in the fields every version of
 # its QuantizationArgs reads (it refuses fields it does not know).
 WEIGHT_SCHEME = {
@@ -128,7 +111,9 @@ def export(
         raise ValueError(f"{out} exists and is not an empty directory; export writes a new one")
     checkpoint, run_dir = resolve_source(source)
     config = ModelConfig.from_pretrained_dir(checkpoint)
-    files = {n: (checkpoint / n).read_bytes() for n in AUX_FILES if (checkpoint / n).is_file()}
+    # What a servable checkpoint needs beside its weights: tokenizer, chat template, EOS ids.
+    names = checkpoints.MODEL_FILES
+    files = {n: (checkpoint / n).read_bytes() for n in names if (checkpoint / n).is_file()}
     if format == "bf16":
         if overrides:
             raise ValueError(
@@ -162,26 +147,19 @@ def resolve_source(source: Path) -> tuple[Path, Path | None]:
         raise FileNotFoundError(f"{source} is not a directory (a checkpoint or a run directory)")
     if (source / "config.json").is_file():
         return source, None
-    if (source / "checkpoints").is_dir():
-        return latest_checkpoint(source), source
-    raise ValueError(
-        f"{source} is neither a checkpoint directory (no config.json) nor a run directory "
-        "(no checkpoints/)"
-    )
-
-
-def latest_checkpoint(run_dir: Path) -> Path:
-    """The model directory of the run's latest complete checkpoint,
-    ``checkpoints/step-NNNNNNNN/model``; a checkpoint still being written has another name."""
-    steps = sorted(
-        p for p in (run_dir / "checkpoints").iterdir() if p.is_dir() and _STEP.fullmatch(p.name)
-    )
-    if not steps:
-        raise ValueError(f"{run_dir / 'checkpoints'} holds no complete checkpoint step-NNNNNNNN")
-    model = steps[-1] / "model"
-    if not (model / "config.json").is_file():
-        raise ValueError(f"{steps[-1]} is complete but has no model/config.json")
-    return model
+    if not (source / checkpoints.FOLDER).is_dir():
+        raise ValueError(
+            f"{source} is neither a checkpoint directory (no config.json) nor a run directory "
+            f"(no {checkpoints.FOLDER}/)"
+        )
+    # The latest complete checkpoint: one still being written has another name until its
+    # rename, and is never read.
+    latest = checkpoints.latest_checkpoint(source)
+    if latest is None:
+        raise ValueError(f"{source / checkpoints.FOLDER} holds no complete checkpoint")
+    if not (latest / "model" / "config.json").is_file():
+        raise ValueError(f"{latest} is complete but has no model/config.json")
+    return latest / "model", source
 
 
 def run_config(run_dir: Path | None, overrides: Sequence[str]) -> RunConfig:
