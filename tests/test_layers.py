@@ -45,6 +45,8 @@ ALLOWED = {
     "demo": {"fp4", "ops", "records", "model", "train", "tasks", "config", "loop"},
     # a run's checkpoint to a servable one: the precision plan, the engine's packing, the writer
     "export": {"fp4", "ops", "model", "config", "checks", "checkpoints"},
+    # generation and evaluation outside training: the loop's engine set-up and metric
+    "inference": {"model", "rollout", "tasks", "config", "progress", "loop", "export"},
     # every layer's user; the commands import their work lazily, inside ``run``
     "commands": {
         "fp4",
@@ -62,6 +64,7 @@ ALLOWED = {
         "loop",
         "demo",
         "export",
+        "inference",
         "commands",
         "checks",
     },  # fmt: skip
