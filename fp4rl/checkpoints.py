@@ -132,6 +132,8 @@ def save(
     FileExistsError if that step's checkpoint exists; on any error nothing is left under a
     final name.
     """
+    if not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"keep must be an int >= 1, got {keep!r}")
     folder = Path(run_dir) / FOLDER
     final = checkpoint_dir(run_dir, position.step)
     if final.exists():
