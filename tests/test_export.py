@@ -260,6 +260,28 @@ def test_quantization_config_lists_everything_left_bf16(exported):
     assert (out / "generation_config.json").read_bytes() == GENERATION_CONFIG
 
 
+def test_qwen2_moe_shared_experts_and_biases_stay_bf16(tmp_path):
+    config = tiny_config(
+        architecture="qwen2_moe", qk_norm=False, attention_bias=True,
+        shared_expert_intermediate_size=48,
+    )  # fmt: skip
+    model = qat_model(tiny_precision(), config=config, dtype=torch.bfloat16)
+    save_checkpoint(model.state_dict(), config, tmp_path / "policy")
+    export(tmp_path / "policy", tmp_path / "out", overrides=PRECISION)
+    tensors = read_tensors(tmp_path / "out")
+    ignore = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"][
+        "ignore"
+    ]
+    for module in ("shared_expert.gate_proj", "shared_expert.down_proj", "shared_expert_gate"):
+        assert f"model.layers.1.mlp.{module}" in ignore, module
+        assert tensors[f"model.layers.1.mlp.{module}.weight"].dtype == torch.bfloat16
+    assert tensors["model.layers.1.self_attn.q_proj.bias"].dtype == torch.bfloat16
+    assert ignore.count("model.layers.1.self_attn.q_proj") == 1
+    for experts in engine_experts(tmp_path / "policy").values():
+        for module, w, j, rows in projections(experts):
+            assert_bitwise(tensors[module + ".weight_packed"], w.codes[j, rows], module)
+
+
 # ---- the BF16 export, run directories, the command ----------------------------------------
 
 
@@ -363,3 +385,15 @@ def test_help_names_every_option(capsys):
     out = capsys.readouterr().out
     for option in ("RUN_DIR|CHECKPOINT", "OUT", "--format", "--set", "--device", "nvfp4", "bf16"):
         assert option in out, option
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_quantizing_on_the_gpu_writes_the_same_files(tmp_path):
+    # On CUDA the engine's quantize call runs the Triton kernels, bitwise twins of the
+    # reference: the export's files are the same, byte for byte.
+    save_policy(tmp_path / "policy", seed=3)
+    for device in ("cpu", "cuda"):
+        export(tmp_path / "policy", tmp_path / device, overrides=PRECISION, device=device)
+    for name in ("model.safetensors", "config.json", "generation_config.json"):
+        assert (tmp_path / "cpu" / name).read_bytes() == (tmp_path / "cuda" / name).read_bytes()
