@@ -53,9 +53,14 @@ def load_reward(spec: str) -> tuple[Reward, str]:
 
 
 def checked(fn: Reward, spec: str, completion: str, answer: str, record: dict, where: str):
-    """``fn``'s reward as a float; a non-number or non-finite result is an error naming the
-    reward and the record (``where``)."""
-    value = fn(completion, answer, record)
+    """``fn``'s reward as a float. An exception inside ``fn``, or a non-number or non-finite
+    result, is a ValueError naming the reward and the record (``where``)."""
+    try:
+        value = fn(completion, answer, record)
+    except Exception as err:
+        raise ValueError(
+            f"task.reward={spec!r} raised {type(err).__name__}: {err} for {where}"
+        ) from err
     if not isinstance(value, numbers.Real) or not math.isfinite(value):
         raise ValueError(
             f"task.reward={spec!r} returned {value!r} for {where}: a reward must be a finite number"

@@ -118,3 +118,13 @@ def test_a_reward_that_is_not_a_finite_number_is_an_error_naming_it_and_the_reco
         "a reward must be a finite number"
     )
     assert rewards.checked(fn, spec, "", "", {"value": True}, "x") == 1.0  # a bool is 0 or 1
+
+
+def test_an_exception_in_a_user_reward_names_the_reward_and_the_record(user_rewards):
+    fn, spec = load_reward("my_task_rewards:broken")
+    with pytest.raises(ValueError) as err:
+        rewards.checked(fn, spec, "text", "answer", {}, "data.jsonl:9")
+    assert str(err.value) == (
+        "task.reward='my_task_rewards:broken' raised KeyError: 'value' for data.jsonl:9"
+    )
+    assert isinstance(err.value.__cause__, KeyError)  # the reward's own traceback is kept
