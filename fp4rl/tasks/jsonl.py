@@ -108,7 +108,7 @@ class JsonlTask:
         self.train_records, self._held_out = split(records, config)
         self.vocab_size = self.tokenizer.vocab_size
         self.stop_token_ids = self.tokenizer.stop_token_ids
-        self._orders: dict[tuple[int, int], list[int]] = {}  # a cache of epoch_order
+        self._orders: dict[tuple[int, int], list[int]] = {}  # the last epoch_order, kept
         log(
             f"task: {config.path}: {len(self.train_records)} train / {len(self._held_out)} "
             f"held-out records, reward {reward_name}, stop tokens {list(self.stop_token_ids)}"
