@@ -108,10 +108,11 @@ def paged_decode_attention(
     if kernels is None:
         return None
     if isinstance(k, NVFP4Tensor) and q_BHD.dtype == torch.bfloat16:
-        # Compiled for the H200 (Triton 3.6), BF16 queries over NVFP4 pages fail the kernel's
-        # own tests (tests/kernels/test_kernel_paged_attention.py, marked xfail there) while
-        # the interpreter passes them: until that is found, those take the gather path.
-        return None
+        # The kernel refuses head dims below 32 here (`paged_attention.bf16_nvfp4_supported`,
+        # a miscompile on sm_90); those few tiny models take the gather path.
+        tile = kernels.paged_attention.CONFIGS["nvfp4"]
+        if not kernels.paged_attention.bf16_nvfp4_supported(q_BHD.shape[-1], tile.block_n):
+            return None
     return kernels.paged_decode_attention(q_BHD, k, v, block_table_BN, context_B)
 
 

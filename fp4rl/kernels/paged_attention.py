@@ -257,6 +257,20 @@ CONFIGS = {
 PROGRAMS_PER_SM = 8
 
 
+# Compiled by Triton 3.6 for the H200, BF16 queries over NVFP4 pages give wrong outputs (most
+# of them outside the bound, some NaN) whenever a dot's reduction over decoded K or V values is
+# only 16 long: head dim 16 (q . k) or 16-token steps (p . v). Swept on one H200 over head dims
+# 16-128, steps of 16-128 tokens and 1-8 warps: every other case is within the bound, BF16
+# pages and FP32 queries at every size, and the interpreter at every size. The launcher refuses
+# the failing sizes on every device rather than trust them anywhere.
+MIN_BF16_NVFP4_REDUCTION = 32
+
+
+def bf16_nvfp4_supported(head_dim: int, block_n: int) -> bool:
+    """Whether BF16 queries over NVFP4 pages may run with this head dim and step length."""
+    return min(head_dim, block_n) >= MIN_BF16_NVFP4_REDUCTION
+
+
 @functools.cache
 def _multiprocessors(device: torch.device) -> int:
     if device.type != "cuda":
@@ -379,6 +393,12 @@ def launch(
         return out_BHD
     N = block_table_BN.shape[1]
     tile = config or CONFIGS["nvfp4" if nvfp4 else "bf16"]
+    if nvfp4 and q_BHD.dtype == torch.bfloat16 and not bf16_nvfp4_supported(D, tile.block_n):
+        raise ValueError(
+            f"BF16 queries over NVFP4 pages need head dim and block_n >= "
+            f"{MIN_BF16_NVFP4_REDUCTION} (shorter reductions miscompile on sm_90, see "
+            f"MIN_BF16_NVFP4_REDUCTION); got D={D}, block_n={tile.block_n}"
+        )
     split_tokens = split_tokens_for(B * K, N * page, tile, q_BHD.device, num_splits)
     splits = max(1, -(-N * page // split_tokens))
     G = Hq // K

@@ -148,18 +148,21 @@ SHAPES = {  # name -> (Hq, K), D, page, contexts
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("fmt", list(PAGE_FORMATS))
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_matches_spec_and_float64(device, shape, fmt, q_dtype, request):
-    if device == "cuda" and fmt == "nvfp4" and q_dtype == torch.bfloat16:
-        # Seen on one H200 (Triton 3.6): almost every output outside the bound, NaN among
-        # them, for both shapes; the interpreter passes. fp4rl.ops keeps the engine off this
-        # path until it is fixed; strict, so the marker goes when the kernel is.
-        request.applymarker(pytest.mark.xfail(strict=True, reason="BF16 q x NVFP4 pages on GPU"))
+def test_matches_spec_and_float64(device, shape, fmt, q_dtype):
     heads, dim, page, contexts = SHAPES[shape]
     scene = Scene(fmt, contexts, heads=heads, dim=dim, page=page, seed=len(fmt) + dim,
                   device=device, q_dtype=q_dtype)  # fmt: skip
     assert_within(scene.spec(), scene, "attend_fp32 over KVCache.read (the spec)")
-    runs = [("one stretch", dict(config=TINY, num_splits=1)),
-            ("three stretches", dict(config=TINY, num_splits=3))]  # fmt: skip
+    tile = TINY
+    if fmt == "nvfp4" and q_dtype == torch.bfloat16:
+        # Reductions of 16 over decoded values miscompile on sm_90: refused everywhere.
+        with pytest.raises(ValueError, match="need head dim and block_n >= 32"):
+            scene.launch(config=TINY, num_splits=1)
+        if dim < 32:
+            return
+        tile = DecodeTile(block_n=32, num_warps=4, num_stages=2, min_split_tokens=16)
+    runs = [("one stretch", dict(config=tile, num_splits=1)),
+            ("three stretches", dict(config=tile, num_splits=3))]  # fmt: skip
     if dim == 32:  # the default tile: one step covers every context here
         runs.append(("launcher's choice", {}))
     for label, kw in runs:
