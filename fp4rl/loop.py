@@ -143,14 +143,12 @@ def train(config: RunConfig, *, log=print, resume: bool = False) -> list[dict]:
             if tensorboard:
                 tensorboard.write(m)
             log(summary_line(m))
-            done = step + 1
-            every = config.run.checkpoint_every
-            if done == config.run.steps or (every and done % every == 0):
-                metrics_file.flush()
+            if _checkpoint_due(step + 1, config):
                 os.fsync(metrics_file.fileno())  # the metrics a resume keeps are on disk first
+                position = _position(config, task, step + 1, engine.policy_version)
                 saved = checkpoints.save(
                     run_dir,
-                    _position(config, task, done, engine.policy_version),
+                    position,
                     policy,
                     optimizer,
                     keep=config.run.keep_checkpoints,
@@ -328,6 +326,13 @@ def _restore(checkpoint: Path, policy, optimizer, receiver, config: RunConfig, t
         )
     receiver.receive(refit_records(policy, policy_version=saved.policy_version))
     return saved.step, rng
+
+
+def _checkpoint_due(done: int, config: RunConfig) -> bool:
+    """Whether the state after ``done`` steps is saved: every ``run.checkpoint_every`` steps
+    and after the last."""
+    every = config.run.checkpoint_every
+    return done == config.run.steps or (every > 0 and done % every == 0)
 
 
 def _position(config: RunConfig, task: Task, step: int, policy_version: int):
