@@ -157,7 +157,9 @@ class ArithTask:
         return reward(example, completion_ids, self.config)
 
     def decode(self, ids: Sequence[int]) -> str:
-        return decode(ids)
+        """Text of ``ids``; an id past the vocabulary (the model's may be larger: the demo's
+        has 16 rows for 15 tokens) is written ``<unk:ID>``."""
+        return "".join(decode([i]) if 0 <= i < len(VOCAB) else f"<unk:{i}>" for i in ids)
 
     def encode_prompt(self, text: str) -> list[int]:
         """``"12+34="`` -> ``<bos>12+34=``, the layout of `make_problem`'s prompts."""

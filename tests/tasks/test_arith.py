@@ -132,3 +132,22 @@ def test_config_refuses_more_held_out_problems_than_the_split_holds():
     with pytest.raises(ValueError, match=r"task\.num_held_out=3 exceeds half of the ~5"):
         TaskConfig(max_digits=1, num_held_out=3)
     assert len(held_out_problems(TaskConfig(max_digits=1, num_held_out=2))) == 2
+
+
+def test_arith_task_interface_is_the_module_functions():
+    """`ArithTask` (what the loop uses) draws, holds out and scores exactly as the functions
+    above, with the loop's per-step seed."""
+    from fp4rl.tasks import ArithTask, step_seed
+
+    config = TaskConfig(reverse_answer=True)
+    task = ArithTask(config)
+    assert task.train_examples(seed=3, step=5, num=7) == train_problems(
+        config, num=7, seed=step_seed(3, 5)
+    )
+    assert step_seed(3, 5) == 3 * 1_000_003 + 5  # the loop's seed of step 5 of run seed 3
+    assert task.held_out() == held_out_problems(config)
+    p = make_problem(58, 67, config)
+    assert task.reward(p, p.answer_ids) == 1.0 == reward(p, p.answer_ids, config)
+    assert tuple(task.encode_prompt("58+67=")) == p.prompt_ids
+    assert (task.stop_token_ids, task.vocab_size) == ((EOS,), len(VOCAB))
+    assert task.decode([*p.answer_ids, 15]) == "521<eos><unk:15>"
