@@ -8,6 +8,7 @@ prints where it is and sleeps), so the test kills them there rather than racing 
 
 from __future__ import annotations
 
+import argparse
 import json
 import signal
 import subprocess
@@ -21,6 +22,7 @@ from tiny_models import qat_model, tiny_config, tiny_precision
 
 from fp4rl import checkpoints, cli, demo
 from fp4rl import config as run_config
+from fp4rl.commands import train as train_command
 from fp4rl.loop import train
 from fp4rl.model.checkpoint import save_checkpoint
 from fp4rl.model.weights import load_pretrained
@@ -36,6 +38,7 @@ CHILD = """
 import json, shutil, sys, time
 from fp4rl import checkpoints, demo
 from fp4rl import config as run_config
+from fp4rl.commands import train as train_command
 from fp4rl.loop import train
 from fp4rl.model.checkpoint import writer
 
@@ -236,6 +239,19 @@ def test_killed_runs_resume_to_the_uninterrupted_run(tmp_path, base):
             checkpoints.checkpoint_dir(run_dir, 4), MasterAdamW(policy.parameters(), OPTIM)
         )
 
+    # A finished run extended: the steps of a run that long from the start.
+    longer_dir = tmp_path / "longer"
+    longer = run_config.load(
+        demo.CONFIG_FILE, [*overrides(base, longer_dir), f"run.steps={STEPS + 1}"]
+    )
+    longer_history = train(longer, log=lambda _: None)
+    assert cli.main(["train", "--resume", str(run_dir), "--set", f"run.steps={STEPS + 1}"]) == 0
+    assert without_timings(metrics(run_dir)) == without_timings(longer_history)
+    assert_same_checkpoint(
+        checkpoints.checkpoint_dir(longer_dir, STEPS + 1),
+        checkpoints.checkpoint_dir(run_dir, STEPS + 1),
+    )
+
 
 def write_metrics(run_dir: Path, text: str) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -274,6 +290,9 @@ def test_resume_takes_the_runs_config_and_changes_only_what_keeps_the_run(tmp_pa
         checkpoints.resume_config(moved, ["optim.lr=1e-2"])
     with pytest.raises(FileNotFoundError, match="has no config.toml"):
         checkpoints.resume_config(tmp_path / "nothing")
+    parser = argparse.ArgumentParser()
+    train_command.add_arguments(parser)
+    assert all(key in parser.format_help() for key in checkpoints.RESUME_OVERRIDES)
 
 
 def test_a_new_run_refuses_a_directory_with_checkpoints(tmp_path, base):
