@@ -129,7 +129,7 @@ def run_until_stopped(tmp_path: Path, run_dir: Path, stop_at: str, args) -> Path
     return Path(where)
 
 
-def inspect(run_dir: Path, base: Path) -> tuple[list[str], list[str]]:
+def on_disk(run_dir: Path) -> tuple[list[str], list[str]]:
     """(complete checkpoints, temporaries) of ``run_dir``; every complete one must load."""
     entries = sorted(p.name for p in (run_dir / checkpoints.FOLDER).iterdir())
     complete = [p.name for p in checkpoints.complete_checkpoints(run_dir)]
@@ -195,7 +195,7 @@ def test_killed_runs_resume_to_the_uninterrupted_run(tmp_path, base):
     # Killed inside the safetensors writer, while step 4's checkpoint is being written.
     where = run_until_stopped(tmp_path, run_dir, "model-write", overrides(base, run_dir))
     assert where.exists() and ".model.partial-" in where.parent.name  # the torn write is there
-    complete, temporary = inspect(run_dir, base)
+    complete, temporary = on_disk(run_dir)
     assert complete == ["step-00000002"] and len(temporary) == 1
     assert temporary[0].startswith(".step-00000004.partial-")
     assert checkpoints.latest_checkpoint(run_dir).name == "step-00000002"
@@ -204,19 +204,19 @@ def test_killed_runs_resume_to_the_uninterrupted_run(tmp_path, base):
     # Resumed from step 2 (the torn temporary removed, steps 2 and 3 run again), killed right
     # after step 4's checkpoint.
     run_until_stopped(tmp_path, run_dir, "after-save", None)
-    assert inspect(run_dir, base) == (["step-00000002", "step-00000004"], [])
+    assert on_disk(run_dir) == (["step-00000002", "step-00000004"], [])
     assert [m["step"] for m in metrics(run_dir)] == [0, 1, 2, 3]
 
     # Resumed from step 4, killed while the last save deletes the oldest checkpoint: step 2's
     # is already out of the final name space.
     run_until_stopped(tmp_path, run_dir, "delete", None)
-    complete, temporary = inspect(run_dir, base)
+    complete, temporary = on_disk(run_dir)
     assert complete == ["step-00000004", "step-00000005"] and len(temporary) == 1
     assert temporary[0].startswith(".step-00000002.partial-")
 
     # Resumed at the last step through the command line: only the final evaluation is left.
     assert cli.main(["train", "--resume", str(run_dir)]) == 0
-    assert inspect(run_dir, base) == (["step-00000004", "step-00000005"], [])
+    assert on_disk(run_dir) == (["step-00000004", "step-00000005"], [])
     assert without_timings(metrics(run_dir)) == without_timings(reference)
     assert without_timings(metrics(reference_dir)) == without_timings(reference)
     for step in (4, 5):  # written by the runs resumed from steps 2 and 4
