@@ -142,7 +142,11 @@ FIGURES = {
         [
             ("codes, per layer", [r"code_agreement", r"code_agreement/layer\d+"]),
             ("codes, per site kind", [r"code_agreement/(?!layer\d+$).+"]),
-            ("mantissa bit (compact)", [r"mantissa_agreement"]),
+            (
+                "block scales, bits",
+                [r"block_scale_agreement", r"mantissa_agreement", r"sparse_bit_agreement"],
+            ),
+            ("sparse: values recorded", [r"sparse_recorded_share"]),
             ("top-k experts, per layer", [r"router_agreement/layer\d+"]),
         ],
     ),
@@ -224,7 +228,10 @@ GAP = ("token_mult_prob_error", "kl", "max_abs_dlogp")
 AGREEMENT = (
     r"code_agreement(/.+)?",
     r"adjacent_share",
+    r"block_scale_agreement",
     r"mantissa_agreement",
+    r"sparse_bit_agreement",
+    r"sparse_recorded_share",
     r"router_agreement/.+",
 )
 PHASES = ("rollout", "train", "refit")
@@ -362,6 +369,15 @@ def _time_section(entries: list[dict], pngs: set[str]) -> list[str]:
     return lines
 
 
+def _rest_section(entries: list[dict]) -> list[str]:
+    patterns = [p for _, panels in FIGURES.values() for _, keys in panels for p in keys]
+    plotted = set(_recorded(entries, *patterns))
+    rest = [k for k in _recorded(entries, r".+") if k not in plotted]
+    if not rest:
+        return ["Every numeric metric the run recorded is plotted above."]
+    return ["Also recorded in `metrics.jsonl`: " + ", ".join(f"`{k}`" for k in rest) + "."]
+
+
 def summary(run_dir: Path, entries: list[dict], pngs: set[str]) -> str:
     """``report.md``'s text: what the run was, how it went, where its time went."""
     trained = [m["step"] for m in entries if "reward" in m]
@@ -379,6 +395,7 @@ def summary(run_dir: Path, entries: list[dict], pngs: set[str]) -> str:
         ("Reward and held-out accuracy", _outcome_section(entries, pngs)),
         ("Trainer vs rollout", _mismatch_section(entries, pngs)),
         ("Time", _time_section(entries, pngs)),
+        ("Not plotted", _rest_section(entries)),
     ]
     lines = [f"# Run report: `{run_dir}`", "", head]
     for title, body in sections:

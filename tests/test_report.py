@@ -232,3 +232,34 @@ def test_cli_writes_the_report_and_lists_it(run_dir, tmp_path, capsys):
     assert main(["report", str(copy)]) == 0
     listed = capsys.readouterr().out.split()
     assert listed == [str(copy / "report" / name) for name in [*FIGURES, "report.md"]]
+
+
+def test_agreement_of_compact_sparse_and_live_routing_runs_is_drawn_and_listed(tmp_path):
+    """Keys the loop's own run above does not record (compact and sparse guidance, live
+    routing) are plotted and summarized too; a key the report does not know is listed."""
+    pytest.importorskip("matplotlib")
+    entries = [
+        {
+            "step": s,
+            "reward": 0.5,
+            "block_scale_agreement": 1.0 - s / 100,
+            "mantissa_agreement": 0.99,
+            "sparse_bit_agreement": 0.98 + s / 1000,
+            "sparse_recorded_share": 0.03,
+            "router_agreement/layer10": 0.7,
+            "router_agreement/layer2": 0.8,
+            "new_metric": 7,
+        }
+        for s in range(3)
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in entries))
+    written = write_report(tmp_path)
+    assert [p.name for p in written] == ["reward.png", "agreement.png", "report.md"]
+    md = written[-1].read_text()
+    rows = tables(md)
+    assert rows["block_scale_agreement"][:3] == [at(0.98, 2), at(1.0, 0), "0.98"]
+    assert rows["sparse_bit_agreement"][:2] == [at(0.98, 0), at(0.982, 2)]
+    keys = [k for k in rows if k.startswith("router_agreement")]
+    assert keys == ["router_agreement/layer2", "router_agreement/layer10"]  # layers in order
+    assert "Also recorded in `metrics.jsonl`: `new_metric`." in md
+    assert "no final evaluation" in md
