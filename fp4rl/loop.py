@@ -85,7 +85,7 @@ def train(config: RunConfig, *, log=print, resume: bool = False) -> list[dict]:
         start, rng = _restore(resume_from, policy, optimizer, receiver, config, task)
     run_dir.mkdir(parents=True, exist_ok=True)
     checkpoints.write_atomic(run_dir / "config.toml", to_toml(config))
-    history = checkpoints.cut_metrics(run_dir, start)  # the steps before `start`, kept
+    history = checkpoints.cut_metrics(run_dir, start) if resume else []  # steps before `start`
     held_out = task.held_out()
     replay, guided = config.align.resolve(config.engine)
     log(
@@ -98,7 +98,7 @@ def train(config: RunConfig, *, log=print, resume: bool = False) -> list[dict]:
     if rng is not None:
         rng.restore()  # last: loading the models above may draw random numbers
     with (
-        open(run_dir / "metrics.jsonl", "a") as metrics_file,
+        open(run_dir / "metrics.jsonl", "a" if resume else "w") as metrics_file,
         tensorboard or contextlib.nullcontext(),
     ):
         for step in range(start, config.run.steps):
@@ -298,6 +298,9 @@ def _resume_point(run_dir: Path, resume: bool, log) -> Path | None:
                 f"{run_dir} holds checkpoints of an earlier run ({latest.name}): continue it "
                 f"with `fp4rl train --resume {run_dir}`, or choose another run.out_dir"
             )
+        metrics = run_dir / "metrics.jsonl"
+        if metrics.is_file() and metrics.stat().st_size:
+            log(f"replacing {metrics}, left by an earlier run that saved no checkpoint")
         return None
     for stale in checkpoints.remove_stale(run_dir):
         log(f"removed {stale}, the leftover of a save that did not finish")

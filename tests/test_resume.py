@@ -301,6 +301,13 @@ def test_a_new_run_refuses_a_directory_with_checkpoints(tmp_path, base):
     config = run_config.load(demo.CONFIG_FILE, overrides(base, run_dir))
     with pytest.raises(ValueError, match=r"holds checkpoints .*step-00000003.*--resume"):
         train(config, log=lambda _: None)
+    # Metrics of a run that saved no checkpoint are replaced, and said so.
+    earlier = write_metrics(tmp_path / "earlier", '{"step": 0}\nnot json\n')
+    config = run_config.load(demo.CONFIG_FILE, [*overrides(base, earlier.parent), "run.steps=1"])
+    lines = []
+    train(config, log=lines.append)
+    assert f"replacing {earlier}, left by an earlier run that saved no checkpoint" in lines
+    assert [m["step"] for m in metrics(earlier.parent)] == [0, 1]
 
 
 def test_a_failed_save_leaves_no_checkpoint(tmp_path):
