@@ -132,7 +132,7 @@ def test_report_plots_are_images_and_its_numbers_are_the_metrics(run_dir, tmp_pa
 
 def test_a_run_without_mismatch_metrics_gets_no_agreement_plot(run_dir, tmp_path):
     pytest.importorskip("matplotlib")
-    gap = re.compile(r"(code|router|mantissa)_agreement.*|adjacent_share|kl|max_abs_dlogp")
+    gap = re.compile(r".+_agreement(/.+)?|adjacent_share|sparse_recorded_share|kl|max_abs_dlogp")
     plain = tmp_path / "run"
     plain.mkdir()
     lines = [
