@@ -62,7 +62,7 @@ class RoutedExperts(nn.Module):
         x_TH = self.input_site(x_TH, guidance, capture)
         # Sort the T*k assignments by expert so each expert's rows are contiguous.
         order_A = torch.argsort(topk_ids_Tk.flatten(), stable=True)
-        counts_E = torch.bincount(topk_ids_Tk.flatten(), minlength=self.num_experts)
+        counts_E = expert_counts(topk_ids_Tk, self.num_experts)
         x_AH = x_TH[order_A // k]
         gate_up_A2I = grouped_mm(x_AH, w13, counts_E)
         h_AI = F.silu(gate_up_A2I[:, : self.intermediate]) * gate_up_A2I[:, self.intermediate :]
@@ -77,6 +77,15 @@ class RoutedExperts(nn.Module):
         # Weighted sum over each token's k experts, back in token order.
         y_TkH = y_AH[row_order_Tk.flatten()].view(T, k, -1)
         return (y_TkH * topk_weights_Tk.unsqueeze(-1).to(y_TkH.dtype)).sum(1)
+
+
+def expert_counts(topk_ids_Tk: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Assignments per expert, int64 ``[E]``, without a device sync (`torch.bincount` on CUDA
+    reads the ids' min and max on the host: two syncs per MoE layer and step, which kept the
+    host from running ahead of the GPU)."""
+    ids = topk_ids_Tk.flatten()
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    return counts_E.index_add_(0, ids, torch.ones_like(ids, dtype=torch.int64))
 
 
 class Experts(RoutedExperts):

@@ -6,14 +6,24 @@ seam test of the kernels, not of the reference. The trainer takes the whole batc
 `collate` + `policy_logprobs`, as the training loop does. Tolerances as in the CPU BF16 test.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from assertions import assert_matches_rollout
-from tiny_models import engine_config, rollout_model
+from tiny_models import (
+    FP4_EVERYWHERE,
+    engine_config,
+    packed_twin,
+    qat_model,
+    rollout_model,
+    tiny_config,
+)
 
 from fp4rl.model.sites import SiteRecords
 from fp4rl.records import collate, record_rows
 from fp4rl.rollout import Engine, SamplingParams
+from fp4rl.rollout.attention import AttentionMetadata, PagedAttention, Segment
 from fp4rl.train.policy import policy_logprobs
 
 pytestmark = pytest.mark.gpu
@@ -42,3 +52,30 @@ def test_guided_trainer_on_gpu_recomputes_the_rollout_codes_and_logprobs():
         for key, t in c.guidance.items():
             assert record_rows(batch.guidance[key], start, start + c.num_fed_tokens).equal(t)
         start += c.num_fed_tokens
+
+
+@pytest.mark.parametrize("kv_cache", ["bf16", "nvfp4"])
+@torch.no_grad()
+def test_a_decode_step_never_waits_for_the_gpu(kv_cache):
+    """A decode step's forward (every layer FP4, packed experts through the fused GEMM, pages
+    read by the paged kernel) enqueues its work without one device sync, so the host can run
+    ahead of the GPU; head dim 32, the paged kernel's smallest for BF16 queries over NVFP4."""
+    precision = dataclasses.replace(FP4_EVERYWHERE, kv_cache=kv_cache)
+    qat = qat_model(precision, config=tiny_config(head_dim=32), dtype=torch.bfloat16, device="cuda")
+    packed = packed_twin(qat, precision)
+    engine = Engine(packed, engine_config(block_size=16))
+    segments = [Segment([0, 1], 20, 1), Segment([2], 5, 1), Segment([3], 0, 1)]
+    meta = AttentionMetadata.build(segments, 16, "cuda")
+    tokens_T = torch.tensor([3, 4, 5], device="cuda")
+
+    def step():
+        return packed.logits(packed.hidden_states(tokens_T, PagedAttention(engine.cache, meta)))
+
+    want = step()  # compiles the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(got, want)
