@@ -66,11 +66,21 @@ def scales_only(batch: TrainBatch) -> TrainBatch:
     return dataclasses.replace(batch, guidance=guidance)
 
 
-def trainer_codes(policy, batch: TrainBatch, guided: bool):
+def trainer_codes(policy, batch: TrainBatch, guided: bool, scales: dict | None = None):
+    """The trainer's signed codes per site and its token_mult_prob_error; with ``scales``, also
+    counts how many of its own block and global scales equal the rollout's full records'."""
     rec = SiteRecords()
     with torch.no_grad():
         logp_N = policy_logprobs(policy, batch, replay=True, guided=guided, capture=rec)
     d_N = logp_N.cpu() - batch.sampling_logprobs_N
+    if scales is not None:
+        for key, t in rec.sites.items():
+            want = batch.guidance[key]
+            for name in ("block_scale", "global_scale"):
+                a, b = getattr(t, name).cpu(), getattr(want, name).cpu()
+                equal = a.view(torch.uint8) == b.view(torch.uint8)
+                scales[name][0] += int(equal.view(*a.shape, -1).all(-1).sum())
+                scales[name][1] += a.numel()
     return {key: signed(t) for key, t in rec.sites.items()}, float(d_N.abs().exp().mean())
 
 
@@ -95,6 +105,7 @@ def main() -> None:
     modes = {"full": ("full", None), "compact": ("compact", None)}
     modes |= {f"sparse {d:g}": ("sparse", d) for d in args.deltas}
     totals = defaultdict(lambda: defaultdict(float))
+    own_scales = {"block_scale": [0, 0], "global_scale": [0, 0]}
     for step in args.steps:
         num = config.rollout.prompts_per_step
         problems = task.train_examples(seed=config.run.seed, step=step, num=num)
@@ -115,7 +126,7 @@ def main() -> None:
         num = config.run.micro_batch_seqs
         full = collate(runs["full"][:num])
         want = {key: signed(t) for key, t in full.guidance.items()}
-        nearest, tmpe = trainer_codes(policy, full, guided=False)
+        nearest, tmpe = trainer_codes(policy, full, guided=False, scales=own_scales)
         wrong = {key: nearest[key] != want[key] for key in want}
         variants = {"nearest": (nearest, tmpe)}
         first_sparse = collate(runs[f"sparse {args.deltas[0]:g}"][:num])
@@ -138,8 +149,16 @@ def main() -> None:
                     scales, positions = sparse_bytes(runs[name])
                     t["scale_bytes"] += scales / generated / len(args.steps)
                     t["position_bytes"] += positions / generated / len(args.steps)
+                    for r in collate(runs[name][:num]).guidance.values():
+                        t["recorded"] += int(r.counts.sum(dtype=torch.int64))
         print(f"step {step} done", flush=True)
     compact = totals["compact"]["bytes"]
+    print(f"values compared per mode: {int(totals['full']['total'])}")
+    for name, t in totals.items():
+        if "recorded" in t:
+            print(f"{name}: {100 * t['recorded'] / t['total']:.2f} % of the values recorded")
+    for name, (equal, total) in own_scales.items():
+        print(f"trainer's own {name}s equal to the rollout's: {100 * equal / total:.2f} %")
     print(
         "| trainer rounding | agreement | of nearest's misses | token_mult_prob_error "
         "| guidance B / generated token | vs compact |"
