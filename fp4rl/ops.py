@@ -4,7 +4,9 @@ This module sits above both of them: CUDA tensors go to the Triton kernels in `f
 everything else runs the plain-PyTorch specification in `fp4rl.fp4.reference` /
 `fp4rl.fp4.rounding`. Neither implementation imports this module. The two are bitwise identical
 (tests/kernels), so the choice changes speed only, never a single bit of the result. If Triton
-is missing on a CUDA machine the call raises instead of silently running the slow path.
+is missing on a CUDA machine the call raises instead of silently running the slow path. Sparse
+guidance (`SparseCodes`) is the one exception: no kernel reads its layout yet, so its rounding
+runs the PyTorch reference on every device.
 """
 
 from __future__ import annotations

@@ -259,7 +259,7 @@ class SparseCodes:
         """Rows ``[start, end)`` along the first dim (each with its recorded values)."""
         per_row = self.counts[start:end]
         before = self.counts[:start].sum(dtype=torch.int64)
-        first, num = (int(v) for v in torch.stack((before, per_row.sum(dtype=torch.int64))))
+        first, num = torch.stack((before, per_row.sum(dtype=torch.int64))).tolist()  # one sync
         return SparseCodes(
             counts=per_row,
             entries=self.entries[first : first + num],
