@@ -14,6 +14,7 @@ Legend: T tokens (flattened over sequences), H hidden, Hq/Hkv query/kv heads, D 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -83,6 +84,30 @@ class AttentionBackend(Protocol):
     def attend(self, layer: int, q_THD: torch.Tensor, kv: NewKV) -> torch.Tensor:
         """Take this step's K/V for ``layer`` and return causal attention ``[T, Hq, D]``."""
         ...
+
+
+def attend_fp32(
+    q_BQHD: torch.Tensor,
+    k_BCKD: torch.Tensor,
+    v_BCKD: torch.Tensor,
+    q_positions_BQ: torch.Tensor,
+    context_B: torch.Tensor,
+) -> torch.Tensor:
+    """Causal GQA over gathered context (slot c holds position c); FP32 ``[B, Q, Hq, D]``.
+
+    The rollout's attention (`fp4rl.rollout.attention`: each prefill, and decode off the GPU)
+    and the paged kernel's spec; the trainer's engine-order backend (`EngineOrderAttention`)
+    calls it on the shapes the engine does. Its FP32 sums, hence its low bits, depend on the
+    shapes: the padded context length ``C`` included."""
+    B, Q, Hq, D = q_BQHD.shape
+    C, K = k_BCKD.shape[1], k_BCKD.shape[2]
+    q = q_BQHD.float().view(B, Q, K, Hq // K, D)
+    scores_BKGQC = torch.einsum("bqkgd,bckd->bkgqc", q, k_BCKD.float()) * (1.0 / math.sqrt(D))
+    c = torch.arange(C, device=q.device)
+    visible_BQC = (c <= q_positions_BQ[:, :, None]) & (c < context_B[:, None, None])
+    scores_BKGQC = scores_BKGQC.masked_fill(~visible_BQC[:, None, None], float("-inf"))
+    p = torch.softmax(scores_BKGQC, dim=-1)
+    return torch.einsum("bkgqc,bckd->bqkgd", p, v_BCKD.float()).reshape(B, Q, Hq, D)
 
 
 class Attention(nn.Module):

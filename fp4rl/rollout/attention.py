@@ -18,13 +18,12 @@ G = Hq/K, D head dim.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from fp4rl import ops
-from fp4rl.model.attention import NewKV
+from fp4rl.model.attention import NewKV, attend_fp32
 from fp4rl.rollout.kv_cache import KVCache
 
 
@@ -100,25 +99,6 @@ class AttentionMetadata:
             decode_table_BN=table_SN[decodes].to(torch.int32).to(device),
             prefills=tuple((r, n, c.to(device)) for r, n, c in prefills),
         )
-
-
-def attend_fp32(
-    q_BQHD: torch.Tensor,
-    k_BCKD: torch.Tensor,
-    v_BCKD: torch.Tensor,
-    q_positions_BQ: torch.Tensor,
-    context_B: torch.Tensor,
-) -> torch.Tensor:
-    """Causal GQA over gathered context (slot c holds position c); FP32 ``[B, Q, Hq, D]``."""
-    B, Q, Hq, D = q_BQHD.shape
-    C, K = k_BCKD.shape[1], k_BCKD.shape[2]
-    q = q_BQHD.float().view(B, Q, K, Hq // K, D)
-    scores_BKGQC = torch.einsum("bqkgd,bckd->bkgqc", q, k_BCKD.float()) * (1.0 / math.sqrt(D))
-    c = torch.arange(C, device=q.device)
-    visible_BQC = (c <= q_positions_BQ[:, :, None]) & (c < context_B[:, None, None])
-    scores_BKGQC = scores_BKGQC.masked_fill(~visible_BQC[:, None, None], float("-inf"))
-    p = torch.softmax(scores_BKGQC, dim=-1)
-    return torch.einsum("bkgqc,bckd->bqkgd", p, v_BCKD.float()).reshape(B, Q, Hq, D)
 
 
 class PagedAttention:
