@@ -95,6 +95,21 @@ def grouped_mm(
     return torch.cat(outs) if outs else x_AK.new_zeros(0, w_ENK.shape[1])
 
 
+def paged_decode_kernel_runs(q: torch.Tensor, nvfp4_pages: bool) -> bool:
+    """Whether `paged_decode_attention` runs the kernel for queries like ``q`` (``[B, Hq, D]``
+    or any tensor of the queries' dtype, device and head dim) over BF16 or NVFP4 pages, rather
+    than returning None: on the GPU with Triton, except BF16 queries over NVFP4 pages of head
+    dim below 32, which the kernel refuses (`paged_attention.bf16_nvfp4_supported`, a
+    miscompile on sm_90); those few tiny models take the gather path."""
+    kernels = _kernels(q)
+    if kernels is None:
+        return False
+    if nvfp4_pages and q.dtype == torch.bfloat16:
+        tile = kernels.paged_attention.CONFIGS["nvfp4"]
+        return kernels.paged_attention.bf16_nvfp4_supported(q.shape[-1], tile.block_n)
+    return True
+
+
 def paged_decode_attention(
     q_BHD: torch.Tensor,
     k: torch.Tensor | NVFP4Tensor,
@@ -103,19 +118,12 @@ def paged_decode_attention(
     context_B: torch.Tensor,
 ) -> torch.Tensor | None:
     """Decode attention of one query token per sequence over its pages (``[num_blocks, P, K,
-    D]`` tensors or NVFP4Tensors, read where they lie), on the GPU; None elsewhere, where the
-    caller gathers and runs the plain-PyTorch attention (`fp4rl.rollout.attention`), the spec
-    the kernel is tested against."""
-    kernels = _kernels(q_BHD)
-    if kernels is None:
+    D]`` tensors or NVFP4Tensors, read where they lie), on the GPU; None where the kernel does
+    not run (`paged_decode_kernel_runs`), where the caller gathers and runs the plain-PyTorch
+    attention (`fp4rl.rollout.attention`), the spec the kernel is tested against."""
+    if not paged_decode_kernel_runs(q_BHD, isinstance(k, NVFP4Tensor)):
         return None
-    if isinstance(k, NVFP4Tensor) and q_BHD.dtype == torch.bfloat16:
-        # The kernel refuses head dims below 32 here (`paged_attention.bf16_nvfp4_supported`,
-        # a miscompile on sm_90); those few tiny models take the gather path.
-        tile = kernels.paged_attention.CONFIGS["nvfp4"]
-        if not kernels.paged_attention.bf16_nvfp4_supported(q_BHD.shape[-1], tile.block_n):
-            return None
-    return kernels.paged_decode_attention(q_BHD, k, v, block_table_BN, context_B)
+    return _kernels(q_BHD).paged_decode_attention(q_BHD, k, v, block_table_BN, context_B)
 
 
 def quantize_site(

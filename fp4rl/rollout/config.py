@@ -37,6 +37,9 @@ class EngineConfig:
     # "sparse" records the values within this many E2M1 grid units of a rounding boundary
     # (`fp4rl.fp4.rounding.boundary_distance`; a value on a codeword is 0.5 from both).
     sparse_delta: float = 0.03
+    # Replay decode-only steps from CUDA graphs (`fp4rl.rollout.graphs`) where the engine runs
+    # on a GPU and every layer's attention reads its pages with the paged kernel.
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         s = "engine"
@@ -51,6 +54,7 @@ class EngineConfig:
         if self.guidance not in GUIDANCE_MODES:
             raise ValueError(f"{s}.guidance must be one of {GUIDANCE_MODES}, got {self.guidance!r}")
         checks.boolean(f"{s}.capture_routing", self.capture_routing)
+        checks.boolean(f"{s}.cuda_graphs", self.cuda_graphs)
         fraction = self.compact_fraction
         if (
             not isinstance(fraction, int | float)

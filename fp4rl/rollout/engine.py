@@ -27,6 +27,7 @@ from fp4rl.rollout.block_manager import BlockManager
 from fp4rl.rollout.capture import SequenceCapture, StepCapture, kept_layers
 from fp4rl.rollout.config import EngineConfig, SamplingParams
 from fp4rl.rollout.generation_config import eos_token_ids
+from fp4rl.rollout.graphs import DecodeGraphs, graphs_unsupported
 from fp4rl.rollout.kv_cache import KVCache, num_blocks_for_budget
 from fp4rl.rollout.model_layout import ModelLayout
 from fp4rl.rollout.sampler import make_generator, sample
@@ -46,6 +47,9 @@ class Engine:
         self.eos_token_ids = tuple(eos_token_ids)
         self.num_blocks = num_blocks_for_budget(config, self.layout.kv)
         self.cache: KVCache | None = None
+        # Why decode steps run eagerly, or None when they replay CUDA graphs.
+        self.graphs_off = graphs_unsupported(self.layout, config)
+        self.graphs: DecodeGraphs | None = None
         self.acquire_kv()
         if config.guidance is not None and not self.layout.guided_keys:
             raise ValueError(
@@ -80,13 +84,24 @@ class Engine:
     def release_kv(self) -> None:
         """Give the KV pages back (a colocated trainer needs the memory while it runs);
         `generate` refuses to run until `acquire_kv`. Nothing else holds them between calls."""
-        self.cache = None
+        self.cache = self.graphs = None  # the graphs hold the pages' addresses
 
     def acquire_kv(self) -> None:
-        """Allocate the KV pages (again): zeroed, the size ``engine.kv_memory_bytes`` bought."""
+        """Allocate the KV pages (again): zeroed, the size ``engine.kv_memory_bytes`` bought,
+        plus one scratch block that the padding rows of graphed decode steps write to."""
         if self.cache is None:
             c = self.config
-            self.cache = KVCache(self.layout.kv, self.num_blocks, c.block_size, self.layout.device)
+            self.cache = KVCache(
+                self.layout.kv, self.num_blocks + 1, c.block_size, self.layout.device
+            )
+            if self.graphs_off is None:
+                self.graphs = DecodeGraphs(
+                    self.model,
+                    self.cache,
+                    device=self.layout.device,
+                    max_batch=c.max_num_seqs,
+                    max_model_len=c.max_model_len,
+                )
 
     def generate(
         self,
@@ -163,7 +178,6 @@ class Engine:
             ranges.append((len(tokens), len(tokens) + len(new)))
             tokens += new
         device = self.layout.device
-        meta = AttentionMetadata.build(segments, self.config.block_size, device)
         capture = None
         if any(seq.capture is not None for seq, _ in fed):
             capture = StepCapture(
@@ -172,10 +186,15 @@ class Engine:
                 keep=self.kept_keys,
                 sparse_delta=self.config.sparse_delta,
             )
-        tokens_T = torch.tensor(tokens, dtype=torch.long, device=device)
-        h_TH = self.model.hidden_states(tokens_T, PagedAttention(self.cache, meta), capture=capture)
-        last_rows = torch.tensor([end - 1 for _, end in ranges], device=device)
-        logits_SV = self.model.logits(h_TH[last_rows])
+        if self.graphs is not None and not step.prefills and self.graphs.handles(len(fed)):
+            logits_SV, capture = self.graphs.run(segments, tokens, capture)
+        else:
+            meta = AttentionMetadata.build(segments, self.config.block_size, device)
+            tokens_T = torch.tensor(tokens, dtype=torch.long, device=device)
+            attn = PagedAttention(self.cache, meta)
+            h_TH = self.model.hidden_states(tokens_T, attn, capture=capture)
+            last_rows = torch.tensor([end - 1 for _, end in ranges], device=device)
+            logits_SV = self.model.logits(h_TH[last_rows])
         self.cache.copy_blocks(step.block_copies)
         scheduler.commit(step)
 

@@ -1,0 +1,186 @@
+"""CUDA graphs of the engine's decode steps, one per batch bucket.
+
+A decode step runs the same kernels in the same order at every step of a given batch size, and
+on the GPU its forward never waits for the device (`tests/rollout/test_engine_gpu.py` holds it
+to that), so it can be captured once and replayed: one launch from the host instead of a few
+hundred, which is what keeps small decode batches from being bound by Python.
+
+What a graph reads lives in one int64 device buffer of ``[max_batch, 4 + N]`` rows, columns
+``token, position, slot, context length, block table (N columns)``, staged from pinned host
+memory by one copy per step; the graph casts the table and lengths to the kernel's int32 itself.
+A step of ``B`` decodes replays the graph of the smallest bucket ``b >= B``; rows ``B..b`` are
+padding: token 0 at position 0, context 1, written to and read from the cache's scratch block
+(one block past the block manager's pool), so they never touch a sequence's pages. Their
+outputs are dropped.
+
+What a graph writes (logits, and the routing and guidance records when the engine captures
+them) lives in the graph's own memory and is overwritten by the next replay: `run` hands out
+the logits for this step only and copies the records out (`StepCapture` of rows ``0..B``).
+
+Graphs hold the addresses of the weights and the KV pages they were captured with: a refit
+copies weights in place (`fp4rl.refit`), and the engine drops its graphs with its KV pages
+(`Engine.release_kv`). Only decode-only steps are graphed; prefills run eagerly, as do steps
+where a layer's attention would gather its context (`fp4rl.ops.paged_decode_kernel_runs`) or
+the engine records sparse guidance (its record's size depends on the values).
+
+Numerics: a graphed step computes what an eager decode step of ``b`` rows with the same table
+width computes, bit for bit (the same kernels on the same shapes). Against an eager step of
+``B`` rows only the paged kernel's choice of context stretches can differ (it depends on the
+batch and the table width), which reorders FP32 sums.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fp4rl import ops
+from fp4rl.records import record_cat, record_rows
+from fp4rl.rollout.attention import AttentionMetadata, PagedAttention, Segment
+from fp4rl.rollout.capture import StepCapture
+from fp4rl.rollout.kv_cache import KVCache
+
+# Batch sizes a graph is captured for: every size up to 8, then multiples of 8 up to 64, then
+# of 32: at most 1/8 of a step's rows is padding once past 8.
+MAX_GRAPH_BATCH = 512
+BUCKETS = (1, 2, 4, 8, *range(16, 65, 8), *range(96, MAX_GRAPH_BATCH + 1, 32))
+TOKEN, POSITION, SLOT, CONTEXT, TABLE = 0, 1, 2, 3, 4  # columns of the input rows
+
+
+def bucket_for(batch: int) -> int | None:
+    """The smallest bucket that holds ``batch`` decodes, or None past the largest."""
+    return next((b for b in BUCKETS if b >= batch), None)
+
+
+def graphs_unsupported(layout, config) -> str | None:
+    """Why an engine of this `ModelLayout` and `EngineConfig` cannot graph its decode steps, or
+    None when it can."""
+    if not config.cuda_graphs:
+        return "engine.cuda_graphs is false"
+    device, spec = torch.device(layout.device), layout.kv
+    if device.type != "cuda":
+        return f"the model is on {device}"
+    if config.guidance == "sparse":
+        return "sparse guidance records a value-dependent number of entries"
+    q = torch.empty(0, spec.head_dim, dtype=spec.dtype, device=device)  # the queries' kind
+    for layer, fmt in enumerate(spec.layer_formats):
+        if not ops.paged_decode_kernel_runs(q, fmt == "nvfp4"):
+            return f"layers.{layer} ({fmt} pages) gathers its context instead of the paged kernel"
+    return None
+
+
+@dataclass(slots=True)
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    logits_bV: torch.Tensor
+    capture: StepCapture | None
+
+
+class DecodeGraphs:
+    """The decode-step graphs of one engine over one `KVCache`; captured on first use."""
+
+    def __init__(
+        self, model, cache: KVCache, *, device: torch.device, max_batch: int, max_model_len: int
+    ) -> None:
+        self.model, self.cache = model, cache
+        self.max_batch = bucket_for(min(max_batch, MAX_GRAPH_BATCH))
+        self.width = math.ceil(max_model_len / cache.block_size)  # block-table columns
+        self.scratch_block = cache.num_blocks - 1
+        self.device = torch.device(device)
+        self.graphs: dict[tuple[int, bool], _Graph] = {}
+        self.pool = None
+        self.inputs = self.staging = None  # created inside the first generate (inference mode)
+
+    def handles(self, num_decodes: int) -> bool:
+        return num_decodes <= self.max_batch
+
+    def run(
+        self, segments: list[Segment], tokens: list[int], capture: StepCapture | None
+    ) -> tuple[torch.Tensor, StepCapture | None]:
+        """Logits ``[B, V]`` of one decode step (one token per segment), valid until the next
+        call, and a copy of the step's records in a fresh `StepCapture` like ``capture``."""
+        B = len(segments)
+        b = bucket_for(B)
+        graph = self._graph(b, capture)
+        self._stage(segments, tokens, b)
+        graph.graph.replay()
+        out = None
+        if capture is not None:
+            out = StepCapture(routing=capture.keep_routing, guidance=capture.guidance,
+                              keep=capture.keep)  # fmt: skip
+            out.routing = {layer: ids[:B].clone() for layer, ids in graph.capture.routing.items()}
+            out.sites = {
+                key: record_cat([record_rows(r, 0, B)]) for key, r in graph.capture.sites.items()
+            }
+        return graph.logits_bV[:B], out
+
+    def _padding_rows(self) -> np.ndarray:
+        """Input rows of padding: token 0 at position 0 in the scratch block, context 1."""
+        row = np.full(TABLE + self.width, self.scratch_block, dtype=np.int64)
+        row[[TOKEN, POSITION, CONTEXT]] = (0, 0, 1)
+        row[SLOT] = self.scratch_block * self.cache.block_size
+        return row
+
+    def _stage(self, segments: list[Segment], tokens: list[int], b: int) -> None:
+        rows = self.staging.numpy()
+        rows[:b] = self._padding
+        size = self.cache.block_size
+        for i, (seg, token) in enumerate(zip(segments, tokens, strict=True)):
+            if seg.num_new != 1:
+                raise ValueError(f"a graphed step decodes one token per segment; got {seg}")
+            table = seg.block_table
+            rows[i, TABLE : TABLE + len(table)] = table
+            rows[i, :TABLE] = (token, seg.start, table[seg.start // size] * size + seg.start % size,
+                               seg.start + 1)  # fmt: skip
+        # The host rows are rewritten only after this step's sampled tokens reached the host,
+        # which waits for this copy too.
+        self.inputs[:b].copy_(self.staging[:b], non_blocking=True)
+
+    def _forward(self, b: int, capture: StepCapture | None) -> torch.Tensor:
+        x = self.inputs[:b]
+        meta = AttentionMetadata(
+            positions_T=x[:, POSITION],
+            slots_T=x[:, SLOT],
+            decode_rows_B=self.rows[:b],
+            decode_slots_BC=self.rows[:b, None][:, :0],  # the gather path's; never read here
+            decode_context_B=x[:, CONTEXT].to(torch.int32),
+            decode_table_BN=x[:, TABLE:].to(torch.int32),
+            prefills=(),
+        )
+        attn = PagedAttention(self.cache, meta)
+        return self.model.logits(self.model.hidden_states(x[:, TOKEN], attn, capture=capture))
+
+    def _graph(self, b: int, capture: StepCapture | None) -> _Graph:
+        key = (b, capture is not None)
+        if key in self.graphs:
+            return self.graphs[key]
+        if self.inputs is None:
+            width = TABLE + self.width
+            self.inputs = torch.zeros(self.max_batch, width, dtype=torch.int64, device=self.device)
+            self.staging = torch.zeros(self.max_batch, width, dtype=torch.int64, pin_memory=True)
+            self.rows = torch.arange(self.max_batch, device=self.device)
+            self._padding = self._padding_rows()
+            self.pool = torch.cuda.graph_pool_handle()
+        # Captured over padding rows: only the scratch block is written.
+        self.inputs.copy_(torch.from_numpy(np.tile(self._padding, (self.max_batch, 1))))
+        mirror = _like(capture)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # compiles kernels, sizes workspaces, outside the graph
+            for _ in range(2):
+                self._forward(b, _like(capture))
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self._forward(b, mirror)
+        self.graphs[key] = _Graph(graph, logits, mirror)
+        return self.graphs[key]
+
+
+def _like(capture: StepCapture | None) -> StepCapture | None:
+    if capture is None:
+        return None
+    return StepCapture(routing=capture.keep_routing, guidance=capture.guidance, keep=capture.keep)

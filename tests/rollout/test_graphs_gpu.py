@@ -1,0 +1,118 @@
+"""Decode steps replayed from CUDA graphs (`fp4rl.rollout.graphs`) against eager steps.
+
+At a batch that is a bucket size every decode step runs the same kernels on the same shapes
+eagerly and graphed, so completions, logprobs and records must agree bit for bit; at other
+batches the padding rows must write only the scratch block. Graphs must follow a refit (weights
+copied in place) and be dropped with the KV pages. Tiny model with head dim 32, the paged
+kernel's smallest for BF16 queries over NVFP4 pages.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+from tiny_models import FP4_EVERYWHERE, engine_config, packed_twin, qat_model, tiny_config
+
+from fp4rl.refit import RefitReceiver, refit_records
+from fp4rl.rollout import Engine, SamplingParams
+from fp4rl.rollout.graphs import bucket_for
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+# Eight prompts of different lengths, prefilled in one step, then decoded together: 8 rows.
+PROMPTS = [[1 + i, 2, 3 + i, 4][: 1 + i % 4] + [5] * i for i in range(8)]
+
+
+def models(experts: str, kv_cache: str, seed: int = 0):
+    precision = dataclasses.replace(FP4_EVERYWHERE, experts=experts, kv_cache=kv_cache)
+    qat = qat_model(
+        precision, seed=seed, config=tiny_config(head_dim=32), dtype=torch.bfloat16, device="cuda"
+    )
+    return qat, packed_twin(qat, precision)
+
+
+def engines(packed, **overrides):
+    config = engine_config(block_size=16, **overrides)
+    graphed = Engine(packed, config)
+    eager = Engine(packed, dataclasses.replace(config, cuda_graphs=False))
+    assert graphed.graphs is not None, graphed.graphs_off
+    assert eager.graphs is None and eager.graphs_off == "engine.cuda_graphs is false"
+    return graphed, eager
+
+
+def assert_same_completions(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert g.completion_ids == w.completion_ids
+        assert torch.equal(g.logprobs, w.logprobs) and torch.equal(g.raw_logprobs, w.raw_logprobs)
+        assert (g.routing is None) == (w.routing is None)
+        if g.routing is not None:
+            assert torch.equal(g.routing, w.routing)
+        assert (g.guidance is None) == (w.guidance is None)
+        for key, record in (g.guidance or {}).items():
+            want_record = w.guidance[key]
+            if record is None:
+                assert want_record is None
+                continue
+            for a, b in zip(record.tensors(), want_record.tensors(), strict=True):
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), key
+
+
+@pytest.mark.parametrize(
+    "experts, kv_cache, guidance",
+    [("nvfp4", "nvfp4", "full"), ("nvfp4", "bf16", "compact"), ("bf16", "bf16", None)],
+)
+@torch.no_grad()
+def test_graphed_steps_equal_eager_steps_bitwise(experts, kv_cache, guidance):
+    _, packed = models(experts, kv_cache)
+    capture = dict(capture_routing=guidance is not None, guidance=guidance)
+    graphed, eager = engines(packed, **capture)
+    for params in (
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        SamplingParams(n=1, temperature=1.0, max_tokens=12, seed=3, ignore_eos=True),
+    ):
+        want = eager.generate(PROMPTS, params)
+        got = graphed.generate(PROMPTS, params)
+        assert_same_completions(got, want)
+    assert (8, guidance is not None) in graphed.graphs.graphs
+
+
+@torch.no_grad()
+def test_padding_rows_write_only_the_scratch_block():
+    _, packed = models("nvfp4", "nvfp4")
+    graphed, _ = engines(packed)
+    prompts = PROMPTS[:5]  # 5 decodes: bucket 8, three rows of padding
+    assert bucket_for(5) == 8
+    out = graphed.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert all(len(c.completion_ids) == 8 for c in out)
+    assert (8, False) in graphed.graphs.graphs
+    used = sum(-(-(len(p) + 8) // 16) for p in prompts)  # blocks the sequences held
+    scratch = graphed.num_blocks
+    for layer in graphed.cache.layers:
+        for pages in layer.tensors():
+            written = pages.flatten(1).view(torch.uint8).ne(0).any(1)
+            assert not written[used:scratch].any(), "a page no sequence held was written"
+            assert written[scratch], "the padding rows wrote nowhere"
+
+
+@torch.no_grad()
+def test_graphs_follow_a_refit_and_are_dropped_with_the_pages():
+    _, packed = models("nvfp4", "nvfp4")
+    new_qat, new_packed = models("nvfp4", "nvfp4", seed=1)
+    graphed, _ = engines(packed)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    before = graphed.generate(PROMPTS, params)
+    graphs = graphed.graphs.graphs[(8, False)]
+    RefitReceiver(graphed).receive(refit_records(new_qat, policy_version=1))
+    assert graphed.graphs.graphs[(8, False)] is graphs  # replayed, not captured again
+    after = graphed.generate(PROMPTS, params)
+    _, fresh = engines(new_packed)
+    assert_same_completions(after, fresh.generate(PROMPTS, params))
+    assert [c.completion_ids for c in after] != [c.completion_ids for c in before]
+    graphed.release_kv()
+    assert graphed.graphs is None
+    graphed.acquire_kv()
+    assert graphed.graphs is not None and not graphed.graphs.graphs
+    assert_same_completions(graphed.generate(PROMPTS, params), after)
