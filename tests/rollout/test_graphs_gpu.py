@@ -13,6 +13,7 @@ import pytest
 import torch
 from tiny_models import FP4_EVERYWHERE, engine_config, packed_twin, qat_model, tiny_config
 
+from fp4rl.fp4 import CompactCodes
 from fp4rl.refit import RefitReceiver, refit_records
 from fp4rl.rollout import Engine, SamplingParams
 from fp4rl.rollout.graphs import bucket_for
@@ -42,6 +43,12 @@ def engines(packed, **overrides):
     return graphed, eager
 
 
+def members(record) -> tuple[torch.Tensor, ...]:
+    if isinstance(record, CompactCodes):
+        return record.mantissa_bits, record.block_scale, record.global_scale
+    return record.tensors()
+
+
 def assert_same_completions(got, want):
     assert len(got) == len(want)
     for g, w in zip(got, want, strict=True):
@@ -56,7 +63,8 @@ def assert_same_completions(got, want):
             if record is None:
                 assert want_record is None
                 continue
-            for a, b in zip(record.tensors(), want_record.tensors(), strict=True):
+            assert type(record) is type(want_record)
+            for a, b in zip(members(record), members(want_record), strict=True):
                 assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), key
 
 
