@@ -78,10 +78,15 @@ class AlignSection:
     # "bf16": the asymmetric baseline, a W4A16 trainer (weights fake-quantized, expert
     # activations and K/V in BF16) against the W4A4 rollout.
     trainer_activations: Literal["nvfp4", "bf16"] = "nvfp4"
+    # The trainer's attention: "packed", one causal attention per whole sequence; "engine", the
+    # rollout engine's arithmetic row by row (each prompt alone, each completion token as one
+    # query over its context; CPU only: `fp4rl.model.attention.EngineOrderAttention`).
+    trainer_forward: Literal["packed", "engine"] = "packed"
     observe_every: int = 10  # mismatch metrics every this many steps; 0: never
 
     def __post_init__(self) -> None:
         checks.choice("align.trainer_activations", self.trainer_activations, ("nvfp4", "bf16"))
+        checks.choice("align.trainer_forward", self.trainer_forward, ("packed", "engine"))
         if self.replay is not None:
             checks.boolean("align.replay", self.replay)
         if self.rounding is not None:

@@ -113,7 +113,8 @@ def train(config: RunConfig, *, log=print, resume: bool = False) -> list[dict]:
             every = config.align.observe_every
             if every and step % every == 0:
                 batch = collate(completions[: config.run.micro_batch_seqs])
-                m.update(observe(policy, batch, replay=replay, guided=guided))
+                forward = config.align.trainer_forward
+                m.update(observe(policy, batch, replay=replay, guided=guided, forward=forward))
                 m.update({f"{k}_bytes_per_token": v for k, v in capture_bytes(completions).items()})
             engine.release_kv()  # the trainer takes the memory of the pages while it runs
             with phase(m, "train", device), Progress(len(keep), f"step {step} train") as bar:
@@ -131,6 +132,7 @@ def train(config: RunConfig, *, log=print, resume: bool = False) -> list[dict]:
                             micro_batch_seqs=config.run.micro_batch_seqs,
                             stats=m,
                             on_micro_batch=bar.update,
+                            forward=config.align.trainer_forward,
                         )
                     )
             with phase(m, "refit", device):

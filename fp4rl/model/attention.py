@@ -168,11 +168,7 @@ class CausalAttention:
     """
 
     def __init__(self, seq_lens: Sequence[int], *, device: torch.device | str = "cpu") -> None:
-        lens = list(seq_lens)
-        if not lens or not all(isinstance(n, int) and not isinstance(n, bool) for n in lens):
-            raise ValueError(f"seq_lens must be a non-empty sequence of ints, got {seq_lens!r}")
-        if min(lens) < 1:
-            raise ValueError(f"seq_lens must be positive lengths, got {lens}")
+        lens = _check_lens("seq_lens", seq_lens, 1)
         self.seq_lens = lens
         self.positions = torch.cat([torch.arange(n, device=device) for n in lens])
         # Right-padded [B, S] layout: padding sits after each sequence's last token, so under
@@ -193,3 +189,94 @@ class CausalAttention:
         out = x_THD.new_zeros(B, S, *x_THD.shape[1:])
         out[self._valid_BS] = x_THD
         return out
+
+
+class EngineOrderAttention:
+    """Trainer backend that attends the way the rollout engine did, row by row (CPU only).
+
+    The engine prefills each prompt as one segment, alone (`attend_fp32` over the prompt), then
+    feeds each completion token in a decode step: one query over its cached context. Here each
+    sequence's prompt rows run `attend_fp32` over that prompt alone -- the engine's call on the
+    engine's shapes, hence its bits -- and each completion row runs it as one query over its
+    own context, the rows of equal context batched (the engine batches its decodes too). K and
+    V are the layer's site values (`NewKV.values`), which are bitwise what the engine's cache
+    returns. Gradients flow through `attend_fp32` like through any PyTorch op.
+
+    What it cannot know: the engine pads a decode step's contexts to the step's longest, and
+    the low bits of `attend_fp32`'s FP32 sums depend on that padded length, so a completion row
+    matches the engine bitwise only where its step's padding falls in the same class as its
+    own context (docs/alignment.md measures how often); and a sequence the engine preempted
+    was prefilled again over more than its prompt.
+
+    ``prompt_lens[b]``: the tokens the engine prefilled for sequence b, from 1 to
+    ``seq_lens[b]``; the rows after them are decode rows.
+    """
+
+    def __init__(
+        self,
+        seq_lens: Sequence[int],
+        prompt_lens: Sequence[int],
+        *,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        lens = _check_lens("seq_lens", seq_lens, 1)
+        prompts = _check_lens("prompt_lens", prompt_lens, 1)
+        if len(prompts) != len(lens) or any(p > n for p, n in zip(prompts, lens, strict=True)):
+            raise ValueError(
+                f"prompt_lens {prompts} must give one length per sequence, each at most its "
+                f"sequence's length (seq_lens {lens})"
+            )
+        self.positions = torch.cat([torch.arange(n, device=device) for n in lens])
+        starts = [sum(lens[:b]) for b in range(len(lens))]
+        # One prefill per sequence: the prompt's rows [1, P].
+        self._prefills = [
+            torch.arange(s, s + p, device=device)[None]
+            for s, p in zip(starts, prompts, strict=True)
+        ]
+        # Decode rows grouped by context length C: query rows [n] and context rows [n, C].
+        by_context: dict[int, list[int]] = {}
+        for s, p, n in zip(starts, prompts, lens, strict=True):
+            for pos in range(p, n):
+                by_context.setdefault(pos + 1, []).append(s)
+        self._decodes = [
+            (
+                torch.tensor(firsts, device=device) + (C - 1),
+                torch.tensor(firsts, device=device)[:, None] + torch.arange(C, device=device),
+            )
+            for C, firsts in sorted(by_context.items())
+        ]
+        done = [rows.flatten() for rows in self._prefills] + [q for q, _ in self._decodes]
+        self._inverse_T = torch.empty_like(self.positions)
+        self._inverse_T[torch.cat(done)] = torch.arange(len(self.positions), device=device)
+
+    def attend(self, layer, q_THD, kv: NewKV):
+        if q_THD.is_cuda:
+            raise ValueError(
+                "EngineOrderAttention reproduces the engine's CPU attention; on CUDA the "
+                "engine decodes through the paged kernel, whose arithmetic it does not follow"
+            )
+        k_TKD, v_TKD = kv.values()
+        pieces = []
+        for rows_1P in self._prefills:
+            P = rows_1P.shape[1]
+            positions_1P = rows_1P - rows_1P[:, :1]
+            context_1 = torch.tensor([P], device=q_THD.device)
+            o = attend_fp32(q_THD[rows_1P], k_TKD[rows_1P], v_TKD[rows_1P], positions_1P, context_1)
+            pieces.append(o[0].to(q_THD.dtype))
+        for rows_n, context_nC in self._decodes:
+            n, C = context_nC.shape
+            last_n1 = torch.full((n, 1), C - 1, device=q_THD.device)
+            context_n = torch.full((n,), C, device=q_THD.device)
+            q_n1HD = q_THD[rows_n][:, None]
+            o = attend_fp32(q_n1HD, k_TKD[context_nC], v_TKD[context_nC], last_n1, context_n)
+            pieces.append(o[:, 0].to(q_THD.dtype))
+        return torch.cat(pieces)[self._inverse_T]
+
+
+def _check_lens(name: str, lens: Sequence[int], low: int) -> list[int]:
+    out = list(lens)
+    if not out or not all(isinstance(n, int) and not isinstance(n, bool) for n in out):
+        raise ValueError(f"{name} must be a non-empty sequence of ints, got {lens!r}")
+    if min(out) < low:
+        raise ValueError(f"{name} must be lengths of at least {low}, got {out}")
+    return out

@@ -41,16 +41,29 @@ def signed_index(codes: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def observe(
-    policy, batch: TrainBatch, *, replay: bool, guided: bool, temperature: float = 1.0
+    policy,
+    batch: TrainBatch,
+    *,
+    replay: bool,
+    guided: bool,
+    temperature: float = 1.0,
+    forward: str = "packed",
 ) -> dict[str, float]:
     """Mismatch metrics of ``batch`` (see the module docstring); keys are flat for JSONL:
     ``code_agreement``, ``code_agreement/<site>``, ``code_agreement/layer<i>``,
     ``adjacent_share``, ``block_scale_agreement``, ``mantissa_agreement``,
     ``sparse_bit_agreement``, ``sparse_recorded_share``, ``token_mult_prob_error``, ``kl``,
-    ``max_abs_dlogp``, ``router_agreement/layer<i>``."""
+    ``max_abs_dlogp``, ``router_agreement/layer<i>``. ``forward``: the trainer's attention, as
+    the update runs it (`policy_logprobs`)."""
     rec = SiteRecords()
     logp_N = policy_logprobs(
-        policy, batch, replay=replay, guided=guided, capture=rec, temperature=temperature
+        policy,
+        batch,
+        replay=replay,
+        guided=guided,
+        capture=rec,
+        temperature=temperature,
+        forward=forward,
     )
     out: dict[str, float] = {}
     if batch.sampling_logprobs_N is not None:

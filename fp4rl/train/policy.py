@@ -1,7 +1,9 @@
 """From the rollout's completions to the trainer's per-token log-probabilities: one call.
 
 `policy_logprobs(model, collate(completions))` runs the trainer's full-sequence forward over
-the packed batch (`CausalAttention`), replaying the rollout's routing and following its
+the packed batch (`CausalAttention`; with ``forward="engine"``, `EngineOrderAttention`, which
+attends the way the rollout engine did: each prompt alone, each completion token as one query
+over its context), replaying the rollout's routing and following its
 guidance at every guided FP4 site when asked, and returns ``log p(target | prefix)`` for each
 scored token, aligned with `TrainBatch.rollout_logprobs_N`. Nothing else is needed to compare
 the two sides or to build the GRPO loss.
@@ -11,10 +13,14 @@ Legend: T fed tokens, N scored tokens, H hidden.
 
 from __future__ import annotations
 
-from fp4rl.model.attention import CausalAttention
+import torch
+
+from fp4rl.model.attention import CausalAttention, EngineOrderAttention
 from fp4rl.model.inputs import check_ids
 from fp4rl.model.logprobs import token_logprobs
 from fp4rl.records import TrainBatch, record_to
+
+FORWARDS = ("packed", "engine")
 
 
 def policy_logprobs(
@@ -28,6 +34,7 @@ def policy_logprobs(
     chunk: int = 1024,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    forward: str = "packed",
 ):
     """FP32 ``[N]`` log-probabilities of ``batch.targets_N`` under ``model``, at the sampling
     ``temperature`` (compare with ``batch.sampling_logprobs_N``; at 1, with either).
@@ -35,8 +42,12 @@ def policy_logprobs(
     ``replay``: run the experts the rollout chose (``batch.routing``); ``guided``: round each
     guided FP4 site toward the rollout's codes (``batch.guidance``). Asking for either when the
     batch does not carry it is an error, never a silent fallback. Gradients flow when enabled.
-    ``with_entropy`` returns ``(logprobs_N, entropy_N)``, the entropy detached.
+    ``with_entropy`` returns ``(logprobs_N, entropy_N)``, the entropy detached. ``forward``:
+    "packed" (one causal attention over each whole sequence) or "engine" (the rollout engine's
+    attention arithmetic row by row, CPU only: `EngineOrderAttention`).
     """
+    if forward not in FORWARDS:
+        raise ValueError(f"forward must be one of {FORWARDS}, got {forward!r}")
     if replay and batch.routing is None:
         raise ValueError(
             "replay=True but the batch has no routing record (engine.capture_routing=False); "
@@ -58,7 +69,7 @@ def policy_logprobs(
     check_ids(model, tokens_T, routing)
     h_TH = model.hidden_states(
         tokens_T,
-        CausalAttention(batch.seq_lens, device=device),
+        _backend(batch, forward, device),
         routing=routing,
         guidance=guidance,
         capture=capture,
@@ -73,3 +84,29 @@ def policy_logprobs(
         temperature=temperature,
         with_entropy=with_entropy,
     )
+
+
+def _backend(batch: TrainBatch, forward: str, device: torch.device):
+    if forward == "packed":
+        return CausalAttention(batch.seq_lens, device=device)
+    if device.type != "cpu":
+        raise ValueError(
+            f"forward='engine' reproduces the engine's CPU attention, but the model is on "
+            f"{device}: there the engine decodes through the paged kernel, whose split of each "
+            "context depends on the engine's batch (docs/alignment.md); use forward='packed'"
+        )
+    return EngineOrderAttention(batch.seq_lens, prompt_lens(batch), device=device)
+
+
+def prompt_lens(batch: TrainBatch) -> list[int]:
+    """Each sequence's prompt length: the row scoring its first completion token, plus one."""
+    first_N = torch.ones_like(batch.seq_index_N, dtype=torch.bool)
+    first_N[1:] = batch.seq_index_N[1:] != batch.seq_index_N[:-1]
+    seqs, rows = batch.seq_index_N[first_N].tolist(), batch.rows_N[first_N].tolist()
+    if seqs != list(range(batch.num_seqs)):
+        raise ValueError(
+            "every sequence of the batch needs a scored token to tell its prompt's length; "
+            f"sequences with one: {seqs}"
+        )
+    starts = [sum(batch.seq_lens[:b]) for b in range(batch.num_seqs)]
+    return [row - start + 1 for row, start in zip(rows, starts, strict=True)]

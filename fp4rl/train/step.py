@@ -35,11 +35,13 @@ def grpo_update(
     micro_batch_seqs: int,
     stats: dict | None = None,
     on_micro_batch=None,
+    forward: str = "packed",
 ) -> dict[str, float]:
     """Accumulate the GRPO gradient of ``completions`` and take one optimizer step. Returns
     the loss and the objective's metrics (token-weighted means over the update) and the
     optimizer's ``lr``, ``grad_norm`` and ``skipped``. ``stats`` receives the forward's counters
-    (``replay_fallback_tokens``); ``on_micro_batch(num_completions)`` is called after each."""
+    (``replay_fallback_tokens``); ``on_micro_batch(num_completions)`` is called after each;
+    ``forward``: the trainer's attention (`policy_logprobs`)."""
     if len(completions) != len(advantages_Q) or not completions:
         raise ValueError(
             f"{len(completions)} completions and {len(advantages_Q)} advantages; need as many, "
@@ -61,6 +63,7 @@ def grpo_update(
             temperature=temperature,
             with_entropy=True,
             stats=stats,
+            forward=forward,
         )
         adv_Q = torch.tensor(advantages_Q[start : start + micro_batch_seqs], dtype=torch.float32)
         loss, metrics = grpo_loss(
