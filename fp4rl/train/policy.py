@@ -59,6 +59,7 @@ def policy_logprobs(
             "guided=False to round to nearest"
         )
     device = model.embed_tokens.weight.device
+    attn = _backend(batch, forward, device)
     tokens_T = batch.tokens_T.to(device)
     routing = batch.routing.to(device) if replay else None
     guidance = None
@@ -69,7 +70,7 @@ def policy_logprobs(
     check_ids(model, tokens_T, routing)
     h_TH = model.hidden_states(
         tokens_T,
-        _backend(batch, forward, device),
+        attn,
         routing=routing,
         guidance=guidance,
         capture=capture,
