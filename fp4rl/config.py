@@ -107,6 +107,10 @@ class RunSection:
     out_dir: str = "runs/fp4rl"  # the run directory: resolved config, metrics.jsonl, checkpoints
     eval_every: int = 10  # held-out accuracy every this many steps (and before the first)
     eval_samples: int = 4  # samples per held-out problem for the sampled accuracy
+    # The engine that evaluates: "rollout", the rollout engine itself; "bf16", a twin engine
+    # with every module BF16 (no FP4 experts or KV), refit from the trainer before each
+    # evaluation: one evaluator for runs of any rollout precision.
+    eval_precision: Literal["rollout", "bf16"] = "rollout"
     micro_batch_seqs: int = 64  # completions per forward/backward; the update is independent
     threads: int = 0  # CPU threads for torch; 0: leave torch's default
     tensorboard: bool = False  # also every numeric metric as scalars in <out_dir>/tensorboard
@@ -115,6 +119,7 @@ class RunSection:
 
     def __post_init__(self) -> None:
         checks.boolean("run.tensorboard", self.tensorboard)
+        checks.choice("run.eval_precision", self.eval_precision, ("rollout", "bf16"))
         for key, low in (
             ("steps", 1),
             ("seed", 0),

@@ -13,6 +13,7 @@ checkpoint (`fp4rl.checkpoints`); ``resume`` continues a run from its latest one
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -80,6 +81,7 @@ def train(config: RunConfig, *, log=print, resume: bool = False) -> list[dict]:
     _check_vocab(policy.config.vocab_size, task)
     optimizer = MasterAdamW(policy.parameters(), config.optim)
     receiver = RefitReceiver(engine)
+    evaluator = Evaluator(engine, config, dtype=dtype, device=device)
     start, rng = 0, None
     if resume_from is not None:
         start, rng = _restore(resume_from, policy, optimizer, receiver, config, task)
@@ -104,7 +106,7 @@ def train(config: RunConfig, *, log=print, resume: bool = False) -> list[dict]:
         for step in range(start, config.run.steps):
             m: dict = {"step": step, "policy_version": engine.policy_version}
             if step % config.run.eval_every == 0:
-                m.update(evaluate(engine, task, held_out, config))
+                m.update(evaluator(policy, task, held_out))
             num = config.rollout.prompts_per_step
             problems = task.train_examples(seed=config.run.seed, step=step, num=num)
             with phase(m, "rollout", device):
@@ -158,7 +160,7 @@ def train(config: RunConfig, *, log=print, resume: bool = False) -> list[dict]:
                 )
                 log(f"checkpoint {saved}")
         final = {"step": config.run.steps, "policy_version": engine.policy_version}
-        final.update(evaluate(engine, task, held_out, config))
+        final.update(evaluator(policy, task, held_out))
         history.append(final)
         metrics_file.write(json.dumps(final) + "\n")
         if tensorboard:
@@ -270,6 +272,39 @@ def evaluate(
         exact = [task.reward(problems[i // n], c.completion_ids) == 1.0 for i, c in enumerate(done)]
         out[key] = sum(exact) / len(exact)
     return out
+
+
+class Evaluator:
+    """Held-out evaluation on the engine ``run.eval_precision`` names: the rollout engine
+    itself ("rollout"), or a twin over the same checkpoint with every module in the model's
+    dtype and none FP4 ("bf16": no FP4 experts, BF16 KV, nothing recorded), so runs of any
+    rollout precision are measured by one evaluator. The twin is refit from the trainer when
+    the rollout engine's policy version has moved past its own, and holds KV pages only while
+    it evaluates."""
+
+    def __init__(self, engine: Engine, config: RunConfig, *, dtype, device) -> None:
+        self.rollout_engine, self.config = engine, config
+        self.engine, self.receiver = engine, None
+        if config.run.eval_precision == "bf16":
+            precision = dataclasses.replace(config.precision, experts="bf16", kv_cache="bf16")
+            engine_config = dataclasses.replace(config.engine, capture_routing=False, guidance=None)
+            self.engine = Engine.from_pretrained(
+                config.model.path, engine_config, precision=precision, dtype=dtype, device=device
+            )
+            self.engine.release_kv()
+            self.receiver = RefitReceiver(self.engine)
+
+    def __call__(self, policy, task: Task, problems: list) -> dict[str, float]:
+        if self.receiver is None:
+            return evaluate(self.engine, task, problems, self.config)
+        version = self.rollout_engine.policy_version
+        if self.engine.policy_version != version:
+            self.receiver.receive(refit_records(policy, policy_version=version))
+        self.engine.acquire_kv()
+        try:
+            return evaluate(self.engine, task, problems, self.config)
+        finally:
+            self.engine.release_kv()
 
 
 def summary_line(m: dict) -> str:
