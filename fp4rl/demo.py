@@ -28,6 +28,7 @@ from fp4rl import config as run_config
 from fp4rl.loop import setup, train
 from fp4rl.model.attention import CausalAttention
 from fp4rl.model.checkpoint import save_checkpoint
+from fp4rl.model.config import ModelConfig
 from fp4rl.model.presets import demo_qwen3_moe
 from fp4rl.model.transformer import build_model, init_weights
 from fp4rl.records import Completion, TrainBatch, collate
@@ -64,17 +65,20 @@ def base_policy(
     *,
     seed: int,
     warmup: Warmup = WARMUP,
+    model: ModelConfig | None = None,
     log=print,
 ) -> Path:
-    """The warmed-up base policy's checkpoint directory, built once per settings and seed."""
+    """The warmed-up base policy's checkpoint directory, built once per settings and seed;
+    ``model`` is its shape (default `demo_qwen3_moe`)."""
     if not isinstance(config.task, TaskConfig):
         raise ValueError(
             f"the demo's base policy learns the built-in addition task: task.kind must be "
             f"'arith', got {config.task.kind!r}"
         )
+    model_config = model or demo_qwen3_moe()
     settings = {
         "fp4rl": fp4rl.__version__,
-        "model": dataclasses.asdict(demo_qwen3_moe()),
+        "model": dataclasses.asdict(model_config),
         "precision": dataclasses.asdict(config.precision),
         "task": dataclasses.asdict(config.task),
         "warmup": dataclasses.asdict(warmup),
@@ -88,7 +92,6 @@ def base_policy(
         return path
     device, dtype = setup(config)
     torch.manual_seed(seed)
-    model_config = demo_qwen3_moe()
     policy = build_model(model_config, config.precision, dtype=dtype, device=device)
     init_weights(policy, std=warmup.init_std, seed=seed)
     optimizer = MasterAdamW(policy.parameters(), warmup.optim)
