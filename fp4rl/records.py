@@ -49,6 +49,16 @@ def record_rows(r: SiteRecord, start: int, end: int) -> SiteRecord:
     return _rebuild(r, [m[start:end] for m in _members(r)])
 
 
+def record_gather(r: SiteRecord, spans: Sequence[tuple[int, int]]) -> SiteRecord:
+    """The rows of ``spans`` (``[start, end)`` ranges, in order) of a token-major record, as
+    one record: one gather per member (sparse records: a slice per span, then one concat)."""
+    if isinstance(r, SparseCodes):
+        return record_cat([r.rows(a, b) for a, b in spans])
+    rows = [i for a, b in spans for i in range(a, b)]
+    index = torch.tensor(rows, dtype=torch.long).to(_members(r)[0].device, non_blocking=True)
+    return _rebuild(r, [m[index] for m in _members(r)])
+
+
 def record_cat(records: Sequence[SiteRecord]) -> SiteRecord:
     """Token-major records concatenated along rows; all of one kind. (Sparse entries are in
     row order, so theirs concatenate as they are.)"""

@@ -3,10 +3,10 @@
 `StepCapture` is the ``capture`` argument of one forward (the model's FP4 sites record
 "expert_input", "expert_hidden", and "k" and "v" of NVFP4-KV layers; its routers record the
 top-k ids). Every record has one row per step token, and every row is quantized on its own
-(per-row global scales), so `StepCapture.split` can cut a step's records into per-sequence
-pieces by row range. A `SequenceCapture` collects a sequence's pieces in token order; its
-`guidance` and `routing` concatenate them over all ``T = len(prompt) + len(completion) - 1``
-fed tokens.
+(per-row global scales), so a sequence's records are rows cut from the steps' records. A
+generate call's `CaptureLog` keeps each step's records whole and each sequence's
+`SequenceCapture` the row ranges that are its own; `CaptureLog.assemble` gathers them into
+records over all ``T = len(prompt) + len(completion) - 1`` fed tokens at the end of the call.
 
 Guidance modes: "full" keeps each `NVFP4Tensor`; "compact" keeps `fp4rl.fp4.compact(t)`
 (mantissa bits and scales) for the latter ``fraction`` of the FP4 layers only and drops the
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fp4rl.fp4 import NVFP4Tensor, compact, sparse
-from fp4rl.records import SiteKey, SiteRecord, record_cat, record_rows
+from fp4rl.records import SiteKey, SiteRecord, record_cat, record_gather
 
 
 def kept_layers(mode: str | None, fp4_layers: tuple[int, ...], fraction: float) -> frozenset[int]:
@@ -37,15 +37,6 @@ def kept_layers(mode: str | None, fp4_layers: tuple[int, ...], fraction: float) 
         return frozenset(ordered)
     num_kept = math.ceil(fraction * len(ordered))
     return frozenset(ordered[len(ordered) - num_kept :])
-
-
-@dataclass(frozen=True, slots=True)
-class Piece:
-    """One sequence's rows of one step: routing ids ``[n, k]`` per MoE layer, site records."""
-
-    num_rows: int
-    routing: dict[int, torch.Tensor]
-    sites: dict[SiteKey, SiteRecord]
 
 
 class StepCapture:
@@ -89,38 +80,78 @@ class StepCapture:
         if self.keep_routing:
             self.routing[layer] = topk_ids_Tk.to(torch.int32)
 
-    def split(self, row_ranges: list[tuple[int, int]]) -> list[Piece]:
-        """Per-sequence pieces for the given ``[start, end)`` token-row ranges."""
-        return [
-            Piece(
-                num_rows=b - a,
-                routing={layer: ids[a:b] for layer, ids in self.routing.items()},
-                sites={key: record_rows(r, a, b) for key, r in self.sites.items()},
-            )
-            for a, b in row_ranges
-        ]
-
 
 @dataclass(slots=True)
 class SequenceCapture:
-    pieces: list[Piece] = field(default_factory=list)
+    """Where one sequence's rows lie in its generate call's `CaptureLog`: ``(step, start,
+    end)`` row ranges of the steps' records, in token order."""
+
+    spans: list[tuple[int, int, int]] = field(default_factory=list)
 
     def clear(self) -> None:
-        self.pieces.clear()
+        self.spans.clear()
 
-    def routing(self, moe_layers: tuple[int, ...], top_k: int) -> torch.Tensor:
-        """int32 ``[L_moe, T, k]`` in the order of ``moe_layers``; -1 where nothing was recorded."""
-        T = sum(p.num_rows for p in self.pieces)
-        device = next((ids.device for p in self.pieces for ids in p.routing.values()), "cpu")
-        out = torch.full((len(moe_layers), T, top_k), -1, dtype=torch.int32, device=device)
-        row = 0
-        for piece in self.pieces:
-            for i, layer in enumerate(moe_layers):
-                if layer in piece.routing:
-                    out[i, row : row + piece.num_rows] = piece.routing[layer]
-            row += piece.num_rows
+
+class CaptureLog:
+    """Every captured step of one generate call, its records kept whole; each sequence keeps
+    only where its rows are (`SequenceCapture`). At the end of the call `assemble` concatenates
+    each record over the steps once and gathers each sequence's rows from it: a few tensor ops
+    per record and sequence, where cutting every step's records per sequence cost a few per
+    record, sequence and step."""
+
+    def __init__(self) -> None:
+        self.steps: list[StepCapture] = []
+        self.num_rows: list[int] = []
+
+    def add(self, capture: StepCapture, num_rows: int, spans) -> None:
+        """One step's records of ``num_rows`` rows; ``spans`` holds ``(sequence capture, start,
+        end)`` for each sequence fed this step (a prompt's rows go to each of its samples)."""
+        step = len(self.steps)
+        self.steps.append(capture)
+        self.num_rows.append(num_rows)
+        for seq, start, end in spans:
+            seq.spans.append((step, start, end))
+
+    def assemble(
+        self, seqs: list[SequenceCapture], moe_layers: tuple[int, ...], top_k: int
+    ) -> list[tuple[torch.Tensor | None, dict[SiteKey, SiteRecord]]]:
+        """Per sequence: the routing record, int32 ``[L_moe, T, k]`` in the order of
+        ``moe_layers`` (-1 for a layer nothing recorded; None when routing was not kept), and
+        the guidance records, rows ``T`` in token order. Empties the log."""
+        steps, offsets = self.steps, [0]
+        for n in self.num_rows:
+            offsets.append(offsets[-1] + n)
+        rows = [[(offsets[s] + a, offsets[s] + b) for s, a, b in seq.spans] for seq in seqs]
+        keep_routing = bool(steps) and steps[0].keep_routing
+        routing_LRk = None
+        if keep_routing:
+            layers = [
+                _cat_steps(steps, lambda c, layer=layer: c.routing.get(layer))
+                for layer in moe_layers
+            ]
+            total, device = offsets[-1], next((t.device for t in layers if t is not None), "cpu")
+            missing = torch.full((total, top_k), -1, dtype=torch.int32, device=device)
+            routing_LRk = torch.stack([t if t is not None else missing for t in layers])
+        keys = list(steps[0].sites) if steps else []
+        sites = {key: _cat_steps(steps, lambda c, key=key: c.sites.get(key)) for key in keys}
+        self.steps, self.num_rows = [], []
+        out = []
+        for spans in rows:
+            routing = None
+            if routing_LRk is not None:
+                index = torch.tensor([i for a, b in spans for i in range(a, b)], dtype=torch.long)
+                routing = routing_LRk[:, index.to(routing_LRk.device, non_blocking=True)]
+            out.append((routing, {key: record_gather(r, spans) for key, r in sites.items()}))
         return out
 
-    def guidance(self) -> dict[SiteKey, SiteRecord]:
-        keys = self.pieces[0].sites.keys() if self.pieces else ()
-        return {key: record_cat([p.sites[key] for p in self.pieces]) for key in keys}
+
+def _cat_steps(steps: list[StepCapture], get):
+    """One record over all steps (None when no step has it; an error when only some do)."""
+    parts = [get(c) for c in steps]
+    if all(p is None for p in parts):
+        return None
+    if any(p is None for p in parts):
+        raise RuntimeError("a record is missing from some captured steps (a capture bug)")
+    if isinstance(parts[0], torch.Tensor):
+        return torch.cat(parts)
+    return record_cat(parts)

@@ -24,7 +24,7 @@ from fp4rl.model.weights import load_pretrained
 from fp4rl.records import Completion
 from fp4rl.rollout.attention import AttentionMetadata, PagedAttention, Segment
 from fp4rl.rollout.block_manager import BlockManager
-from fp4rl.rollout.capture import SequenceCapture, StepCapture, kept_layers
+from fp4rl.rollout.capture import CaptureLog, SequenceCapture, StepCapture, kept_layers
 from fp4rl.rollout.config import EngineConfig, SamplingParams
 from fp4rl.rollout.generation_config import eos_token_ids
 from fp4rl.rollout.graphs import DecodeGraphs, graphs_unsupported
@@ -149,13 +149,14 @@ class Engine:
             ]
             scheduler.add(Group(seqs))
         counters = {"steps": 0, "preemptions": 0, "prefill_tokens": 0, "decode_tokens": 0}
-        done: list[Completion] = []
+        log = CaptureLog() if capturing else None
+        done: list[Sequence] = []
         with torch.inference_mode():
             while scheduler.has_work():
                 step = scheduler.schedule()
                 if not step.prefills and not step.decodes:
                     raise RuntimeError("scheduler made no progress (a bug: one sequence fits)")
-                finished = self._run_step(step, scheduler)
+                finished = self._run_step(step, scheduler, log)
                 done += finished
                 if on_finish is not None and finished:
                     on_finish(len(finished))
@@ -163,12 +164,19 @@ class Engine:
                 counters["preemptions"] += step.num_preempted
                 counters["decode_tokens"] += len(step.decodes)
                 counters["prefill_tokens"] += step.num_prefill_tokens
+            records = [(None, None)] * len(done)
+            if log is not None:
+                layout = self.layout
+                records = log.assemble([s.capture for s in done], layout.moe_layers, layout.top_k)
+            completions = [
+                self._completion(seq, *record) for seq, record in zip(done, records, strict=True)
+            ]
         if stats is not None:
             for key, value in counters.items():
                 stats[key] = stats.get(key, 0) + value
-        return sorted(done, key=lambda c: (c.prompt_index, c.sample_index))
+        return sorted(completions, key=lambda c: (c.prompt_index, c.sample_index))
 
-    def _run_step(self, step: Step, scheduler: Scheduler) -> list[Completion]:
+    def _run_step(self, step: Step, scheduler: Scheduler, log: CaptureLog | None) -> list[Sequence]:
         # Segments in stream order: prefills (one per group, fed by its leader), then decodes.
         fed = [(g.seqs[0], g.seqs) for g in step.prefills] + [(s, [s]) for s in step.decodes]
         segments, tokens, ranges = [], [], []
@@ -204,9 +212,12 @@ class Engine:
         rows = torch.tensor([i for i, (_, group) in enumerate(fed) for _ in group], device=device)
         out = sample(logits_SV[rows], [s.params for s in seqs], [s.generator for s in seqs])
         if capture is not None:
-            for piece, (_, group) in zip(capture.split(ranges), fed, strict=True):
-                for s in group:
-                    s.capture.pieces.append(piece)
+            spans = [
+                (s.capture, start, end)
+                for (start, end), (_, group) in zip(ranges, fed, strict=True)
+                for s in group
+            ]
+            log.add(capture, len(tokens), spans)
         finished = []
         for seq, token, logprob, raw in zip(
             seqs,
@@ -217,21 +228,22 @@ class Engine:
         ):
             if seq.append(token, logprob, raw, self.config.max_model_len):
                 scheduler.finish(seq)
-                finished.append(self._completion(seq))
+                finished.append(seq)
         return finished
 
-    def _completion(self, seq: Sequence) -> Completion:
+    def _completion(self, seq: Sequence, routing, guidance) -> Completion:
+        """``seq``'s completion with its records (`CaptureLog.assemble`; None, None when the
+        engine records nothing)."""
         want_logprobs = seq.params.return_logprobs
-        routing = guidance = None
-        if seq.capture is not None:
-            if self.config.capture_routing:
-                routing = seq.capture.routing(self.layout.moe_layers, self.layout.top_k)
-            if self.config.guidance is not None:
-                guidance = seq.capture.guidance()
-                # Layers compact mode drops are marked None: the trainer rounds them to nearest
-                # by intent, while a key that is simply absent still fails closed.
-                for key in self.layout.guided_keys:
-                    guidance.setdefault(key, None)
+        if not self.config.capture_routing:
+            routing = None
+        if self.config.guidance is None:
+            guidance = None
+        else:
+            # Layers compact mode drops are marked None: the trainer rounds them to nearest by
+            # intent, while a key that is simply absent still fails closed.
+            for key in self.layout.guided_keys:
+                guidance.setdefault(key, None)
         return Completion(
             prompt_index=seq.prompt_index,
             sample_index=seq.sample_index,

@@ -1,10 +1,11 @@
-"""Capture bookkeeping: which layers a guidance mode keeps, per-sequence splitting, assembly."""
+"""Capture bookkeeping: which layers a guidance mode keeps, each sequence's rows gathered from
+the log of a generate call's steps."""
 
 import torch
 
 from fp4rl.fp4 import CompactCodes, compact
 from fp4rl.ops import quantize
-from fp4rl.rollout.capture import SequenceCapture, StepCapture, kept_layers
+from fp4rl.rollout.capture import CaptureLog, SequenceCapture, StepCapture, kept_layers
 
 
 def test_kept_layers():
@@ -22,39 +23,55 @@ def step_capture(mode, layers=frozenset({1, 2}), sites=("expert_input", "k")):
     return StepCapture(routing=True, guidance=mode, keep=keep)
 
 
-def test_split_and_reassemble_by_rows():
+def test_sequences_gather_their_rows_from_the_log():
     g = torch.Generator().manual_seed(0)
     x1, x2 = torch.randn(5, 32, generator=g), torch.randn(3, 32, generator=g)
     ids1, ids2 = torch.randint(0, 8, (5, 2), generator=g), torch.randint(0, 8, (3, 2), generator=g)
     # Two steps: rows [0, 2) and [2, 5) belong to two sequences, then one row each.
-    seqs = [SequenceCapture(), SequenceCapture()]
+    seqs, log = [SequenceCapture(), SequenceCapture()], CaptureLog()
     for x, ids, ranges in ((x1, ids1, [(0, 2), (2, 5)]), (x2, ids2, [(0, 1), (1, 2)])):
         cap = step_capture("full")
         cap.record(1, "expert_input", quantize(x, scaling="row"))
         cap.record(0, "expert_input", quantize(x, scaling="row"))  # layer not kept
         cap.record(2, "expert_hidden", quantize(x, scaling="row"))  # site not guided
         cap.record_routing(1, ids)
-        for seq, piece in zip(seqs, cap.split(ranges), strict=True):
-            seq.pieces.append(piece)
-    first = seqs[0].guidance()
+        log.add(cap, len(x), [(seq, a, b) for seq, (a, b) in zip(seqs, ranges, strict=True)])
+    (_, first), (routing, _) = log.assemble(seqs, moe_layers=(1, 3), top_k=2)
     assert list(first) == [(1, "expert_input")]
     expected = quantize(torch.cat([x1[0:2], x2[0:1]]), scaling="row")
     assert first[(1, "expert_input")].equal(expected)  # per-row scales: slicing is exact
-    routing = seqs[1].routing(moe_layers=(1, 3), top_k=2)
     assert routing.dtype == torch.int32 and routing.shape == (2, 4, 2)
     assert torch.equal(routing[0], torch.cat([ids1[2:5], ids2[1:2]]).int())
     assert (routing[1] == -1).all()  # layer 3 recorded nothing
+    assert not log.steps  # assembling empties the log
+
+
+def test_a_preempted_sequence_keeps_only_its_recomputed_rows():
+    x = torch.randn(3, 32)
+    seq, log = SequenceCapture(), CaptureLog()
+    for rows in ((0, 2), (2, 3)):  # two steps, then preempted: recomputed in a third
+        cap = step_capture("full")
+        cap.record(1, "k", quantize(x, scaling="row"))
+        log.add(cap, 3, [(seq, *rows)])
+    seq.clear()
+    cap = step_capture("full")
+    cap.record(1, "k", quantize(x.flip(0), scaling="row"))
+    log.add(cap, 3, [(seq, 0, 3)])
+    ((_, guidance),) = log.assemble([seq], moe_layers=(1,), top_k=2)
+    assert guidance[(1, "k")].equal(quantize(x.flip(0), scaling="row"))
 
 
 def test_compact_records_are_the_mantissa_bits_of_the_full_ones():
     x = torch.randn(4, 2, 16)
-    full, comp = step_capture("full"), step_capture("compact")
-    for cap in (full, comp):
+    assembled = {}
+    for mode in ("full", "compact"):
+        cap, seq, log = step_capture(mode), SequenceCapture(), CaptureLog()
         cap.record(2, "k", quantize(x, scaling="row"))
-    (piece_full,), (piece_comp,) = full.split([(1, 3)]), comp.split([(1, 3)])
-    c = piece_comp.sites[(2, "k")]
+        log.add(cap, 4, [(seq, 1, 3)])
+        ((_, assembled[mode]),) = log.assemble([seq], moe_layers=(1,), top_k=2)
+    c = assembled["compact"][(2, "k")]
     assert isinstance(c, CompactCodes)
-    reference = compact(piece_full.sites[(2, "k")])
+    reference = compact(assembled["full"][(2, "k")])
     for a, b in zip(
         (c.mantissa_bits, c.block_scale.view(torch.uint8), c.global_scale),
         (reference.mantissa_bits, reference.block_scale.view(torch.uint8), reference.global_scale),

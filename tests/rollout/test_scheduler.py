@@ -95,11 +95,11 @@ def test_preemption_takes_the_newest_and_requeues_it_first():
     sched.add(Group([new]))
     run_step(sched)
     assert sched.running == [old, new] and sched.blocks.num_free_blocks == 0
-    new.capture.pieces.append("stale")
+    new.capture.spans.append((0, 0, 1))  # rows of a step that preemption discards
     step = run_step(sched)
     assert step.num_preempted == 1 and step.decodes == [old] and step.prefills == []
     assert sched.running == [old] and sched.waiting[0].seqs == [new]
-    assert new.block_table == [] and new.num_cached == 0 and new.capture.pieces == []
+    assert new.block_table == [] and new.num_cached == 0 and new.capture.spans == []
     # The preempted sequence keeps its sampled token; it is recomputed with it later.
     assert new.completion_ids == [1] and new.num_tokens == 9
     sched.finish(old)
