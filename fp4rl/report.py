@@ -132,9 +132,12 @@ FIGURES = {
     "gap.png": (
         "Trainer vs rollout: logprob gap on the sampled tokens",
         [
-            ("mean exp(|Δlogp|)", [r"token_mult_prob_error"]),
-            ("KL (k3 estimate)", [r"kl"]),
-            ("max |Δlogp|", [r"max_abs_dlogp"]),
+            (
+                "mean exp(|Δlogp|)",
+                [r"token_mult_prob_error", r"observed_token_mult_prob_error"],
+            ),
+            ("KL (k3 estimate)", [r"observed_kl"]),
+            ("max |Δlogp|", [r"observed_max_abs_dlogp"]),
         ],
     ),
     "agreement.png": (
@@ -224,7 +227,14 @@ ESSENTIALS = {
     "task": ("kind",),
     "run": ("steps", "seed", "eval_every"),
 }
-GAP = ("token_mult_prob_error", "kl", "max_abs_dlogp")
+GAP = (
+    "token_mult_prob_error",
+    "observed_token_mult_prob_error",
+    "observed_kl",
+    "observed_max_abs_dlogp",
+)
+# Within a few ulps of 1 when the sides agree: shown as their distance from 1.
+NEAR_ONE = ("token_mult_prob_error", "observed_token_mult_prob_error")
 AGREEMENT = (
     r"code_agreement(/.+)?",
     r"adjacent_share",
@@ -307,17 +317,16 @@ def _mismatch_section(entries: list[dict], pngs: set[str]) -> list[str]:
     rows = []
     for key in keys:
         first, last, low, high = _extremes(entries, key)
-        # Within a few ulps of 1 when the sides agree: shown as its distance from 1.
-        shift, name = (1.0, f"`{key}` - 1") if key == "token_mult_prob_error" else (0.0, f"`{key}`")
+        shift, name = (1.0, f"`{key}` - 1") if key in NEAR_ONE else (0.0, f"`{key}`")
         low, high, last = ((v - shift, s) for v, s in (low, high, last))
         rows.append([name, _at(low), _at(high), _fmt(last[0]), len(series(entries, key)[0])])
     lines = _table(["metric", "min", "max", "last", "steps recorded"], rows)
     lines += [
         "",
         "`token_mult_prob_error` is the mean of exp(|logp_train - logp_rollout|) over the "
-        "sampled tokens (1 when the two sides agree): at a step that trained, over the "
-        "update's tokens, else over the observed batch's. `kl` (the k3 estimate of "
-        "KL(rollout || trainer) on the sampled tokens), `max_abs_dlogp` and the agreements are "
+        "tokens of the step's update (1 when the two sides agree; no value at a step that "
+        "trained nothing). The `observed_` gap metrics (the same mean, the k3 estimate of "
+        "KL(rollout || trainer) and max |logp_train - logp_rollout|) and the agreements are "
         "measured on the observed batch every `align.observe_every` steps.",
     ]
     if "gap.png" in pngs:

@@ -81,6 +81,8 @@ def test_the_run_records_what_the_report_draws(run_dir):
     for m in entries[:STEPS]:
         assert m["trained_samples"] > 0 and "loss" in m
         assert "code_agreement/layer1" in m and "code_agreement/expert_input" in m
+        # The update's gap (over its tokens) and the observed batch's, side by side.
+        assert {"token_mult_prob_error", "observed_token_mult_prob_error"} <= set(m)
     # BF16, nearest rounding: the two sides' codes differ at some step and site.
     assert min(m["code_agreement"] for m in entries[:STEPS]) < 1.0
 
@@ -108,8 +110,8 @@ def test_report_plots_are_images_and_its_numbers_are_the_metrics(run_dir, tmp_pa
         assert rows[key] == [at(*got[0]), at(*got[-1]), at(*best)], key
     assert [m["step"] for m in entries if "held_out_accuracy" in m] == [0, 2, 3]
     for key in (
-        "kl",
-        "max_abs_dlogp",
+        "observed_kl",
+        "observed_max_abs_dlogp",
         "code_agreement",
         "code_agreement/layer2",
         "code_agreement/k",
@@ -117,11 +119,12 @@ def test_report_plots_are_images_and_its_numbers_are_the_metrics(run_dir, tmp_pa
         got = [(m[key], m["step"]) for m in entries if key in m]
         low, high = min(got, key=lambda p: p[0]), max(got, key=lambda p: p[0])
         assert rows[key] == [at(*low), at(*high), f"{got[-1][0]:.6g}", str(STEPS)], key
-    gap = [(m["token_mult_prob_error"] - 1, m["step"]) for m in entries[:STEPS]]
-    assert rows["token_mult_prob_error - 1"][:2] == [
-        at(*min(gap, key=lambda p: p[0])),
-        at(*max(gap, key=lambda p: p[0])),
-    ]
+    for key in ("token_mult_prob_error", "observed_token_mult_prob_error"):
+        gap = [(m[key] - 1, m["step"]) for m in entries[:STEPS]]
+        assert rows[f"{key} - 1"][:2] == [
+            at(*min(gap, key=lambda p: p[0])),
+            at(*max(gap, key=lambda p: p[0])),
+        ], key
     for phase in ("rollout", "train", "refit"):
         seconds = [m[f"{phase}_s"] for m in entries[:STEPS]]
         assert rows[phase][:2] == [f"{sum(seconds):.6g}", f"{sum(seconds) / STEPS:.6g}"]
@@ -132,7 +135,7 @@ def test_report_plots_are_images_and_its_numbers_are_the_metrics(run_dir, tmp_pa
 
 def test_a_run_without_mismatch_metrics_gets_no_agreement_plot(run_dir, tmp_path):
     pytest.importorskip("matplotlib")
-    gap = re.compile(r".+_agreement(/.+)?|adjacent_share|sparse_recorded_share|kl|max_abs_dlogp")
+    gap = re.compile(r".+_agreement(/.+)?|adjacent_share|sparse_recorded_share|observed_.+")
     plain = tmp_path / "run"
     plain.mkdir()
     lines = [

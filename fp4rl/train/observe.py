@@ -12,9 +12,12 @@ and routing, and compares them with the rollout's records in the batch:
   records, agreement of the mantissa bit at the recorded values and the share of values
   recorded (overall agreement needs the rollout's full codes: `benchmarks/guidance.py`
   measures it for sparse records by generating the same completions twice);
-- the logprob gap on the sampled tokens: ``token_mult_prob_error`` = mean exp(|d|), the KL of
-  the rollout's token distribution to the trainer's estimated on the sampled tokens (the k3
-  estimator, exp(d) - d - 1 with d = logp_train - logp_rollout), and max |d|;
+- the logprob gap on the sampled tokens of the observed batch: ``observed_token_mult_prob_error``
+  = mean exp(|d|), ``observed_kl``, the KL of the rollout's token distribution to the trainer's
+  estimated on the sampled tokens (the k3 estimator, exp(d) - d - 1 with d = logp_train -
+  logp_rollout), and ``observed_max_abs_dlogp`` = max |d|. Prefixed, because the update
+  reports its own ``token_mult_prob_error`` (over the tokens it trains on) and ``kl`` (to the
+  reference policy) into the same step's metrics;
 - without replay: per layer, the share of tokens whose trainer top-k expert set equals the
   rollout's.
 
@@ -52,9 +55,9 @@ def observe(
     """Mismatch metrics of ``batch`` (see the module docstring); keys are flat for JSONL:
     ``code_agreement``, ``code_agreement/<site>``, ``code_agreement/layer<i>``,
     ``adjacent_share``, ``block_scale_agreement``, ``mantissa_agreement``,
-    ``sparse_bit_agreement``, ``sparse_recorded_share``, ``token_mult_prob_error``, ``kl``,
-    ``max_abs_dlogp``, ``router_agreement/layer<i>``. ``forward``: the trainer's attention, as
-    the update runs it (`policy_logprobs`)."""
+    ``sparse_bit_agreement``, ``sparse_recorded_share``, ``observed_token_mult_prob_error``,
+    ``observed_kl``, ``observed_max_abs_dlogp``, ``router_agreement/layer<i>``. ``forward``:
+    the trainer's attention, as the update runs it (`policy_logprobs`)."""
     rec = SiteRecords()
     logp_N = policy_logprobs(
         policy,
@@ -68,9 +71,9 @@ def observe(
     out: dict[str, float] = {}
     if batch.sampling_logprobs_N is not None:
         d_N = logp_N.cpu() - batch.sampling_logprobs_N
-        out["token_mult_prob_error"] = float(d_N.abs().exp().mean())
-        out["kl"] = float((d_N.exp() - d_N - 1).mean())
-        out["max_abs_dlogp"] = float(d_N.abs().max())
+        out["observed_token_mult_prob_error"] = float(d_N.abs().exp().mean())
+        out["observed_kl"] = float((d_N.exp() - d_N - 1).mean())
+        out["observed_max_abs_dlogp"] = float(d_N.abs().max())
     out.update(_codes(rec, batch))
     if not replay and batch.routing is not None:
         for i, layer in enumerate(policy.moe_layers):

@@ -7,6 +7,7 @@ from tiny_models import engine_config, rollout_model
 
 from fp4rl.records import collate
 from fp4rl.rollout import Engine, SamplingParams
+from fp4rl.train.grpo import GrpoConfig, grpo_loss
 from fp4rl.train.observe import observe, signed_index
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [7] * 20, [90, 12, 55, 4, 4, 4, 100]]
@@ -35,7 +36,33 @@ def test_guided_agrees_everywhere_nearest_mostly_adjacent_and_live_routing_is_me
     # percent observed), and almost always by one grid step.
     assert 0.5 < nearest["code_agreement"] < 1.0
     assert nearest["adjacent_share"] > 0.9
-    assert guided["token_mult_prob_error"] < nearest["token_mult_prob_error"]
-    assert guided["kl"] >= 0 and guided["max_abs_dlogp"] < 0.1
+    assert guided["observed_token_mult_prob_error"] < nearest["observed_token_mult_prob_error"]
+    assert guided["observed_kl"] >= 0 and guided["observed_max_abs_dlogp"] < 0.1
     assert set(live) >= {"router_agreement/layer1", "router_agreement/layer3"}
     assert all(0 <= live[f"router_agreement/layer{i}"] <= 1 for i in (1, 2, 3))
+
+
+def test_observed_metrics_never_overwrite_the_updates_in_a_step():
+    """The loop merges observe's metrics and the update's into one entry of metrics.jsonl: no
+    key may be written by both (the update's gap is over its own tokens, KL to the reference)."""
+    packed, qat = rollout_model("nvfp4", "nvfp4", dtype=torch.bfloat16)
+    config = engine_config(capture_routing=True, guidance="full")
+    out = Engine(packed, config).generate(PROMPTS[:1], SamplingParams(n=2, max_tokens=4, seed=3))
+    batch = collate(out)
+    observed = observe(qat, batch, replay=True, guided=False)
+    logp_N = batch.sampling_logprobs_N.clone().requires_grad_(True)
+    _, update = grpo_loss(
+        logp_N,
+        logp_rollout_N=batch.sampling_logprobs_N,
+        advantages_N=torch.ones_like(logp_N),
+        seq_index_N=batch.seq_index_N,
+        num_seqs=batch.num_seqs,
+        config=GrpoConfig(kl_coef=0.1),
+        logp_ref_N=batch.sampling_logprobs_N,
+        entropy_N=torch.ones_like(logp_N),
+    )
+    assert {"token_mult_prob_error", "kl", "entropy"} <= set(update)
+    assert {"observed_token_mult_prob_error", "observed_kl", "observed_max_abs_dlogp"} <= set(
+        observed
+    )
+    assert not set(observed) & set(update)
