@@ -107,10 +107,8 @@ class DecodeGraphs:
         graph = self._graph(b, capture)
         self._stage(segments, tokens, b)
         graph.graph.replay()
-        out = None
-        if capture is not None:
-            out = StepCapture(routing=capture.keep_routing, guidance=capture.guidance,
-                              keep=capture.keep)  # fmt: skip
+        out = _like(capture)
+        if out is not None:
             out.routing = {layer: ids[:B].clone() for layer, ids in graph.capture.routing.items()}
             out.sites = {
                 key: record_cat([record_rows(r, 0, B)]) for key, r in graph.capture.sites.items()
