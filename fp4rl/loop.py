@@ -30,7 +30,7 @@ from fp4rl.progress import Progress
 from fp4rl.records import capture_bytes_per_generated_token as capture_bytes
 from fp4rl.records import collate
 from fp4rl.refit import RefitReceiver, refit_records
-from fp4rl.report import TensorBoardLog
+from fp4rl.report import TensorBoardLog, check_tensorboard
 from fp4rl.rollout import Engine, SamplingParams
 from fp4rl.tasks import Task, build_task, step_seed
 from fp4rl.train.grpo import group_advantages
@@ -66,6 +66,8 @@ def train(config: RunConfig, *, log=print, resume: bool = False) -> list[dict]:
     the trainer, the engine's weights and policy version, the random states and the metrics
     are those of the checkpoint's step, and on the CPU the steps that follow are bit for bit
     those of a run never stopped."""
+    if config.run.tensorboard:
+        check_tensorboard()  # a missing package stops the run before anything is loaded
     device, dtype = setup(config)
     run_dir = Path(config.run.out_dir)
     resume_from = _resume_point(run_dir, resume, log)

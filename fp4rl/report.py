@@ -5,7 +5,7 @@ step, the last one the final evaluation). This module owns what is done with the
 
 - `read_metrics`: the entries of ``metrics.jsonl``, checked (a bad line is an error naming it);
 - `TensorBoardLog`: every numeric metric of a step as a TensorBoard scalar (``run.tensorboard``),
-  written by the loop beside ``metrics.jsonl``;
+  written by the loop beside ``metrics.jsonl``; `check_tensorboard`, whether it can be;
 - `write_report`: PNG plots of what the run recorded and ``report.md``, a short summary.
 
 It does not own which metrics exist (the loop, `fp4rl.train.observe`, `fp4rl.train.step`) and
@@ -35,6 +35,28 @@ def scalars(m: dict) -> dict[str, float]:
     return {k: float(v) for k, v in m.items() if k != "step" and _number(v)}
 
 
+def _summary_writer():
+    """TensorBoard's ``SummaryWriter`` class; ModuleNotFoundError naming the extra to install
+    when the tensorboard package is missing."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as err:
+        raise ModuleNotFoundError(
+            f"run.tensorboard = true needs the tensorboard package ({err}): {TENSORBOARD_EXTRA}",
+            name="tensorboard",
+        ) from None
+    return SummaryWriter
+
+
+def check_tensorboard() -> None:
+    """Raise ValueError (a bad setting: ``fp4rl train`` says it in one line) when
+    ``run.tensorboard = true`` cannot be honoured; the loop asks before it loads anything."""
+    try:
+        _summary_writer()
+    except ModuleNotFoundError as err:
+        raise ValueError(str(err)) from None
+
+
 class TensorBoardLog:
     """TensorBoard event files under ``<run_dir>/tensorboard``: `write` adds every numeric
     metric of an entry as a scalar at the entry's ``step`` and flushes, so a killed run loses
@@ -45,18 +67,11 @@ class TensorBoardLog:
     run."""
 
     def __init__(self, run_dir: str | Path, *, purge_step: int | None = None) -> None:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as err:
-            raise ModuleNotFoundError(
-                f"run.tensorboard = true needs the tensorboard package ({err}): "
-                f"{TENSORBOARD_EXTRA}",
-                name="tensorboard",
-            ) from None
+        summary_writer = _summary_writer()
         if purge_step is not None and (not isinstance(purge_step, int) or purge_step < 0):
             raise ValueError(f"purge_step must be an int >= 0 or None, got {purge_step!r}")
         self.path = Path(run_dir) / "tensorboard"
-        self._writer = SummaryWriter(str(self.path), purge_step=purge_step)
+        self._writer = summary_writer(str(self.path), purge_step=purge_step)
 
     def write(self, m: dict) -> None:
         for tag, value in scalars(m).items():

@@ -198,6 +198,34 @@ def test_missing_extras_name_the_install_command(monkeypatch, run_dir, tmp_path,
     assert err.count("\n") == 1
 
 
+@pytest.mark.parametrize("resume", [False, True])
+def test_train_without_tensorboard_stops_in_one_line_before_loading(
+    monkeypatch, tmp_path, capsys, resume
+):
+    """run.tensorboard = true and no tensorboard package: exit status 2 and one line, before
+    the task, the models or the run directory are touched (a model.path that does not exist
+    would be the error otherwise)."""
+    from fp4rl import checkpoints, loop
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    monkeypatch.setattr(loop, "load_pretrained", lambda *a, **k: pytest.fail("loaded a model"))
+    run = tmp_path / "run"
+    overrides = [f"model.path={tmp_path / 'absent'}", f"run.out_dir={run}"]
+    if resume:
+        run.mkdir()
+        config = run_config.load(demo.CONFIG_FILE, overrides)
+        checkpoints.write_atomic(run / "config.toml", run_config.to_toml(config))
+        argv = ["train", "--resume", str(run), "--set", "run.tensorboard=true"]
+    else:
+        argv = ["train", "--config", str(demo.CONFIG_FILE), "--set", "run.tensorboard=true"]
+        argv += [word for o in overrides for word in ("--set", o)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fp4rl train: error: run.tensorboard = true needs the tensorboard")
+    assert err.count("\n") == 1 and "pip install 'fp4rl[tensorboard]'" in err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == (["config.toml", "run"] if resume else [])
+
+
 def test_run_tensorboard_must_be_a_bool():
     with pytest.raises(ValueError, match="run.tensorboard must be a bool, got 'yes'"):
         run_config.load(None, ["run.tensorboard=yes"])
