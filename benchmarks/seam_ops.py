@@ -13,12 +13,19 @@ of token rows whose output differs bitwise, and the share of rows where it diffe
 every input of the op was bitwise equal on both sides (for attention: the row's query and the
 keys and values of its whole context): the op's *own* departures, where the gap is born. The
 rest is inherited from an earlier op. Expert GEMMs are recorded per (token, expert) row.
+
+Then, on the same completions, `fp4rl.train.observe`'s metrics (code agreement overall and per
+site kind, adjacent share, token_mult_prob_error, KL, max |dlogp|) for each trainer forward
+("packed", "engine") with nearest and guided-full rounding, and the time of one replayed
+forward + backward of the micro-batch with each forward (median of ``--repeats``).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
+import time
 from collections import defaultdict
 
 import torch
@@ -31,6 +38,7 @@ from fp4rl.records import collate
 from fp4rl.rollout import Engine
 from fp4rl.rollout.generation_config import eos_token_ids
 from fp4rl.tasks import build_task
+from fp4rl.train.observe import observe
 from fp4rl.train.policy import policy_logprobs
 
 
@@ -40,6 +48,7 @@ def parse_args():
     parser.add_argument("--set", action="append", default=[], dest="overrides")
     parser.add_argument("--steps", type=int, nargs="+", default=[0])
     parser.add_argument("--trainer-forward", default="packed", choices=("packed", "engine"))
+    parser.add_argument("--repeats", type=int, default=3)
     return parser.parse_args()
 
 
@@ -106,9 +115,7 @@ class Recorder:
                 else:
                     handles.append(module.register_forward_hook(self._post(name)))
             if _has(layer, "mlp.experts"):
-                handles.append(
-                    layer.mlp.experts.register_forward_pre_hook(self._expert_ids(i))
-                )
+                handles.append(layer.mlp.experts.register_forward_pre_hook(self._expert_ids(i)))
         handles.append(model.norm.register_forward_hook(self._post("final_norm")))
         return handles
 
@@ -160,7 +167,7 @@ class RecordingEngine(Engine):
 
     recorder: Recorder
 
-    def _run_step(self, step, scheduler):
+    def _run_step(self, step, scheduler, *args):
         rows = []
         fed = [(g.seqs[0], g.seqs) for g in step.prefills] + [(s, [s]) for s in step.decodes]
         for seq, group in fed:
@@ -168,7 +175,7 @@ class RecordingEngine(Engine):
             start = seq.num_cached
             rows += [(ids, start + j) for j in range(len(seq.tokens_from(start)))]
         self.recorder.rows = rows
-        return super()._run_step(step, scheduler)
+        return super()._run_step(step, scheduler, *args)
 
 
 def compare(engine: Recorder, trainer: Recorder):
@@ -176,6 +183,8 @@ def compare(engine: Recorder, trainer: Recorder):
     out = {}
     for name, theirs in trainer.values.items():
         layer, op = name.split(".", 1) if "." in name else ("", name)
+        if layer == "":
+            layer = "0"
         ours = engine.values[name]
         counts = [0, 0, 0]
         for key, value in theirs.items():
@@ -191,6 +200,15 @@ def compare(engine: Recorder, trainer: Recorder):
 def _inputs_equal(engine, trainer, layer, op, key) -> bool:
     seq, pos = key
     names = [(f"{layer}.{i}", [pos]) for i in INPUTS.get(op, ())]
+    if op in ("residual_in", "final_norm"):  # the previous layer's residual sum
+        before = (
+            int(layer) - 1
+            if op == "residual_in"
+            else max(int(n.split(".")[0]) for n in trainer.values if n[0].isdigit())
+        )
+        names = [(f"{before}.{i}", [pos]) for i in ("residual_in", "o_proj", "experts")]
+        if before < 0:
+            return True
     names += [(f"{layer}.{i}", range(pos + 1)) for i in CONTEXT_INPUTS.get(op, ())]
     for name, positions in names:
         if name not in trainer.values:
@@ -199,6 +217,36 @@ def _inputs_equal(engine, trainer, layer, op, key) -> bool:
             if not torch.equal(trainer.values[name][(seq, p)], engine.values[name][(seq, p)]):
                 return False
     return True
+
+
+VARIANTS = {
+    f"{forward}, {rounding}": (forward, rounding == "guided-full")
+    for forward in ("packed", "engine")
+    for rounding in ("nearest", "guided-full")
+}
+METRICS = (
+    "code_agreement",
+    "code_agreement/expert_input",
+    "code_agreement/expert_hidden",
+    "code_agreement/k",
+    "code_agreement/v",
+    "adjacent_share",
+    "observed_token_mult_prob_error",
+    "observed_kl",
+    "observed_max_abs_dlogp",
+)
+
+
+def step_seconds(policy, batch, forward: str, repeats: int) -> list[float]:
+    """Wall time of one replayed, nearest-rounded forward + backward of ``batch``."""
+    out = []
+    for _ in range(repeats):
+        policy.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        policy_logprobs(policy, batch, guided=False, forward=forward).sum().backward()
+        out.append(time.perf_counter() - start)
+    policy.zero_grad(set_to_none=True)
+    return out
 
 
 def main() -> None:
@@ -213,6 +261,8 @@ def main() -> None:
     n = config.rollout.samples_per_prompt
     original = experts_module.grouped_mm
     max_dlogp = 0.0
+    metrics = {name: defaultdict(list) for name in VARIANTS}
+    seconds = defaultdict(list)
     for step in args.steps:
         problems = task.train_examples(
             seed=config.run.seed, step=step, num=config.rollout.prompts_per_step
@@ -242,9 +292,7 @@ def main() -> None:
         experts_module.grouped_mm = ours.grouped_mm(original)
         try:
             with torch.no_grad():
-                logp_N = policy_logprobs(
-                    policy, batch, guided=False, forward=args.trainer_forward
-                )
+                logp_N = policy_logprobs(policy, batch, guided=False, forward=args.trainer_forward)
         finally:
             experts_module.grouped_mm = original
             for h in handles:
@@ -256,7 +304,23 @@ def main() -> None:
         for name, c in compare(theirs, ours).items():
             t = totals[name]
             t[0], t[1], t[2] = t[0] + c[0], t[1] + c[1], t[2] + c[2]
+        for name, (forward, guided) in VARIANTS.items():
+            m = observe(policy, batch, replay=True, guided=guided, forward=forward)
+            for key in METRICS:
+                if key in m:
+                    metrics[name][key].append(m[key])
+        for forward in ("packed", "engine"):
+            seconds[forward] += step_seconds(policy, batch, forward, args.repeats)
         print(f"step {step} done", flush=True)
+    print("| trainer forward, rounding | " + " | ".join(METRICS) + " |")
+    print("|---|" + "---:|" * len(METRICS))
+    for name, m in metrics.items():
+        means = [statistics.fmean(m[k]) if m[k] else float("nan") for k in METRICS]
+        # max |dlogp| is the largest over the batches, every other figure their mean
+        means[-1] = max(m["observed_max_abs_dlogp"])
+        print(f"| {name} | " + " | ".join(f"{v:.6g}" for v in means) + " |")
+    for forward, s in seconds.items():
+        print(f"forward + backward, {forward}: {statistics.median(s):.3f} s median")
     print(f"max |logp_trainer - logp_rollout|: {max_dlogp:.3g}")
     print("| op | rows differing | differing with equal inputs (born here) |")
     print("|---|---:|---:|")

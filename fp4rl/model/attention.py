@@ -209,7 +209,11 @@ class EngineOrderAttention:
     was prefilled again over more than its prompt.
 
     ``prompt_lens[b]``: the tokens the engine prefilled for sequence b, from 1 to
-    ``seq_lens[b]``; the rows after them are decode rows.
+    ``seq_lens[b]``; the rows after them are decode rows. ``prefilled_by[b]`` (default: b):
+    the sequence whose prefill b shares, as the engine's samples of one prompt share their
+    group leader's -- an earlier sequence with the same prompt, prefilled by itself. Its
+    attention output stands for b's prompt rows, so each prompt is attended once: the values
+    are the same and so is the gradient reaching the parameters (b's rows are the leader's).
     """
 
     def __init__(
@@ -217,6 +221,7 @@ class EngineOrderAttention:
         seq_lens: Sequence[int],
         prompt_lens: Sequence[int],
         *,
+        prefilled_by: Sequence[int] | None = None,
         device: torch.device | str = "cpu",
     ) -> None:
         lens = _check_lens("seq_lens", seq_lens, 1)
@@ -226,28 +231,34 @@ class EngineOrderAttention:
                 f"prompt_lens {prompts} must give one length per sequence, each at most its "
                 f"sequence's length (seq_lens {lens})"
             )
+        leader = list(range(len(lens))) if prefilled_by is None else list(prefilled_by)
+        _check_leaders(leader, prompts)
         self.positions = torch.cat([torch.arange(n, device=device) for n in lens])
         starts = [sum(lens[:b]) for b in range(len(lens))]
-        # One prefill per sequence: the prompt's rows [1, P].
-        self._prefills = [
-            torch.arange(s, s + p, device=device)[None]
-            for s, p in zip(starts, prompts, strict=True)
-        ]
+        # Where each row's output comes from in the concatenated results of `attend`.
+        source_T = [0] * len(self.positions)
+        done, first = 0, {}
+        self._prefills = []  # one per leader: its prompt's rows [1, P]
+        for b, (s, p) in enumerate(zip(starts, prompts, strict=True)):
+            if leader[b] == b:
+                self._prefills.append(torch.arange(s, s + p, device=device)[None])
+                first[b], done = done, done + p
+            source_T[s : s + p] = range(first[leader[b]], first[leader[b]] + p)
         # Decode rows grouped by context length C: query rows [n] and context rows [n, C].
         by_context: dict[int, list[int]] = {}
         for s, p, n in zip(starts, prompts, lens, strict=True):
             for pos in range(p, n):
                 by_context.setdefault(pos + 1, []).append(s)
-        self._decodes = [
-            (
-                torch.tensor(firsts, device=device) + (C - 1),
-                torch.tensor(firsts, device=device)[:, None] + torch.arange(C, device=device),
+        self._decodes = []
+        for C, firsts in sorted(by_context.items()):
+            firsts_n = torch.tensor(firsts, device=device)
+            self._decodes.append(
+                (firsts_n + (C - 1), firsts_n[:, None] + torch.arange(C, device=device))
             )
-            for C, firsts in sorted(by_context.items())
-        ]
-        done = [rows.flatten() for rows in self._prefills] + [q for q, _ in self._decodes]
-        self._inverse_T = torch.empty_like(self.positions)
-        self._inverse_T[torch.cat(done)] = torch.arange(len(self.positions), device=device)
+            for i, s in enumerate(firsts):
+                source_T[s + C - 1] = done + i
+            done += len(firsts)
+        self._source_T = torch.tensor(source_T, device=device)
 
     def attend(self, layer, q_THD, kv: NewKV):
         if q_THD.is_cuda:
@@ -270,7 +281,17 @@ class EngineOrderAttention:
             q_n1HD = q_THD[rows_n][:, None]
             o = attend_fp32(q_n1HD, k_TKD[context_nC], v_TKD[context_nC], last_n1, context_n)
             pieces.append(o[:, 0].to(q_THD.dtype))
-        return torch.cat(pieces)[self._inverse_T]
+        return torch.cat(pieces)[self._source_T]
+
+
+def _check_leaders(leader: list[int], prompts: list[int]) -> None:
+    if len(leader) != len(prompts) or any(
+        not 0 <= r <= b or leader[r] != r or prompts[r] != prompts[b] for b, r in enumerate(leader)
+    ):
+        raise ValueError(
+            f"prefilled_by {leader} must name, per sequence, itself or an earlier sequence that "
+            f"prefilled itself, with a prompt of the same length (prompt_lens {prompts})"
+        )
 
 
 def _check_lens(name: str, lens: Sequence[int], low: int) -> list[int]:

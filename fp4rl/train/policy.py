@@ -96,7 +96,10 @@ def _backend(batch: TrainBatch, forward: str, device: torch.device):
             f"{device}: there the engine decodes through the paged kernel, whose split of each "
             "context depends on the engine's batch (docs/alignment.md); use forward='packed'"
         )
-    return EngineOrderAttention(batch.seq_lens, prompt_lens(batch), device=device)
+    prompts = prompt_lens(batch)
+    return EngineOrderAttention(
+        batch.seq_lens, prompts, prefilled_by=shared_prefills(batch, prompts), device=device
+    )
 
 
 def prompt_lens(batch: TrainBatch) -> list[int]:
@@ -111,3 +114,13 @@ def prompt_lens(batch: TrainBatch) -> list[int]:
         )
     starts = [sum(batch.seq_lens[:b]) for b in range(batch.num_seqs)]
     return [row - start + 1 for row, start in zip(rows, starts, strict=True)]
+
+
+def shared_prefills(batch: TrainBatch, prompts: list[int]) -> list[int]:
+    """Per sequence, the first sequence of the batch with the same prompt tokens: the engine
+    prefilled a prompt once for all its samples."""
+    tokens, first, out, start = batch.tokens_T.tolist(), {}, [], 0
+    for b, (n, p) in enumerate(zip(batch.seq_lens, prompts, strict=True)):
+        out.append(first.setdefault(tuple(tokens[start : start + p]), b))
+        start += n
+    return out
