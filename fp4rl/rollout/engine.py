@@ -106,12 +106,18 @@ class Engine:
     def generate(
         self,
         prompts: list[list[int]],
-        sampling: SamplingParams,
+        sampling: SamplingParams | list[SamplingParams],
         *,
         stats: dict | None = None,
         on_finish=None,
     ) -> list[Completion]:
-        """Complete every prompt ``sampling.n`` times; results ordered by (prompt, sample).
+        """Complete every prompt ``n`` times; results ordered by (prompt, sample).
+
+        ``sampling``: one `SamplingParams` for every prompt, or a list of one per prompt (its
+        own ``n``, temperature, limits, stop tokens and seed). A prompt's samples draw from
+        generators seeded by (its params' seed, its index, the sample's index), so with a seed
+        a completion does not depend on what else the call holds; ``seed=None`` draws a fresh
+        seed, one per call for a single `SamplingParams`, one per prompt for a list.
 
         ``stats`` (optional dict) receives counters: ``steps``, ``preemptions``,
         ``prefill_tokens``, ``decode_tokens``. ``on_finish`` (optional) is called with the
@@ -125,28 +131,28 @@ class Engine:
         if self.cache is None:
             raise RuntimeError("the engine's KV pages were released; call acquire_kv() first")
         self._check_prompts(prompts)
-        seed = sampling.seed
-        if seed is None:
-            seed = int.from_bytes(os.urandom(8), "little") >> 1
-        stop = frozenset(sampling.stop_token_ids)
-        if not sampling.ignore_eos:
-            stop |= frozenset(self.eos_token_ids)
+        per_prompt = _per_prompt(sampling, len(prompts))
         capturing = self.config.capture_routing or self.config.guidance is not None
         scheduler = Scheduler(self.config, BlockManager(self.num_blocks, self.config.block_size))
-        for i, prompt in enumerate(prompts):
+        seq_id = 0
+        for i, (prompt, (params, seed)) in enumerate(zip(prompts, per_prompt, strict=True)):
+            stop = frozenset(params.stop_token_ids)
+            if not params.ignore_eos:
+                stop |= frozenset(self.eos_token_ids)
             seqs = [
                 Sequence(
-                    seq_id=i * sampling.n + j,
+                    seq_id=seq_id + j,
                     prompt_index=i,
                     sample_index=j,
                     prompt_ids=list(prompt),
-                    params=sampling,
+                    params=params,
                     generator=make_generator(seed, i, j),
                     stop_ids=stop,
                     capture=SequenceCapture() if capturing else None,
                 )
-                for j in range(sampling.n)
+                for j in range(params.n)
             ]
+            seq_id += params.n
             scheduler.add(Group(seqs))
         counters = {"steps": 0, "preemptions": 0, "prefill_tokens": 0, "decode_tokens": 0}
         log = CaptureLog() if capturing else None
@@ -274,6 +280,29 @@ class Engine:
                     raise ValueError(
                         f"prompt {i} has token id {token!r} outside the vocabulary [0, {vocab})"
                     )
+
+
+def _per_prompt(sampling, num_prompts: int) -> list[tuple[SamplingParams, int]]:
+    """``(params, seed)`` of each prompt: the one `SamplingParams` (one seed for the call) or
+    the list's entry (a seed per prompt), a fresh seed where none is given."""
+
+    def seed_of(params: SamplingParams) -> int:
+        if params.seed is not None:
+            return params.seed
+        return int.from_bytes(os.urandom(8), "little") >> 1
+
+    if isinstance(sampling, SamplingParams):
+        return [(sampling, seed_of(sampling))] * num_prompts
+    params = list(sampling)
+    if len(params) != num_prompts:
+        raise ValueError(
+            f"sampling holds {len(params)} SamplingParams for {num_prompts} prompts; give one "
+            "per prompt, or a single SamplingParams for all"
+        )
+    for i, p in enumerate(params):
+        if not isinstance(p, SamplingParams):
+            raise TypeError(f"sampling[{i}] must be a SamplingParams, got {type(p).__name__}")
+    return [(p, seed_of(p)) for p in params]
 
 
 def _check_logits(logits_SV: torch.Tensor, groups: list[list[Sequence]]) -> None:
