@@ -10,13 +10,16 @@
    samples (the quantity GRPO improves) and greedy.
 
 The settings live in `fp4rl/configs/demo.toml` (the GRPO run), `WARMUP` here and
-`fp4rl.model.presets.demo_qwen3_moe` (the base policy).
+`fp4rl.model.presets.demo_qwen3_moe` (the base policy). `fp4rl demo` gives every invocation a
+new directory (`new_run_dir`), so running it again never meets the checkpoints of the last run.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import hashlib
+import itertools
 import json
 import time
 from pathlib import Path
@@ -137,6 +140,22 @@ def greedy_exact(policy, batch: TrainBatch) -> float:
     return float((missed == 0).float().mean())
 
 
+def new_run_dir(parent: Path, *, now: datetime.datetime | None = None) -> Path:
+    """A new, empty directory for one invocation: ``parent/<UTC date-time>`` (``-2``, ``-3``,
+    ... appended when an invocation in the same second took it). mkdir either creates it or
+    fails, so two invocations never share one."""
+    now = now or datetime.datetime.now(datetime.UTC)
+    stamp = now.astimezone(datetime.UTC).strftime("%Y%m%d-%H%M%S")
+    Path(parent).mkdir(parents=True, exist_ok=True)
+    for name in itertools.chain([stamp], (f"{stamp}-{i}" for i in itertools.count(2))):
+        path = Path(parent) / name
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
+
+
 def _answer(problem) -> Completion:
     return Completion(
         prompt_index=0,
@@ -154,13 +173,16 @@ def run(
     cache_dir: Path,
     out_dir: Path,
     overrides: list[str] = (),
-    warmup: Warmup = WARMUP,
+    warmup: Warmup | None = None,
     log=print,
 ) -> list[tuple[float, float, float, float]]:
-    """For each seed: the base policy, GRPO from it; returns held-out accuracy (sampled,
-    greedy) before and after: ``(before, before_greedy, after, after_greedy)``."""
+    """For each seed: the base policy (``warmup``, default `WARMUP`), GRPO from it in the run
+    directory ``out_dir/seed<N>``; returns held-out accuracy (sampled, greedy) before and
+    after: ``(before, before_greedy, after, after_greedy)``."""
+    warmup = warmup or WARMUP
     results = []
     for seed in seeds:
+        log(f"seed {seed}: run directory {out_dir / f'seed{seed}'}")
         per_seed = [*overrides, f"run.seed={seed}", f"run.out_dir={out_dir / f'seed{seed}'}"]
         base_config = run_config.load(CONFIG_FILE, per_seed)
         path = base_policy(base_config, cache_dir, seed=seed, warmup=warmup, log=log)

@@ -11,7 +11,10 @@ HELP = "RL on a tiny MoE at addition, on any laptop (~2 min per seed on 2 CPU co
 DESCRIPTION = (
     "Warm up a tiny MoE on addition (cached), run GRPO from it with the NVFP4 engine and "
     "guided rounding, and print held-out accuracy before and after. Uses a CUDA GPU when one "
-    "is present. Settings: fp4rl/configs/demo.toml."
+    "is present. Settings: fp4rl/configs/demo.toml. Every invocation writes new run "
+    "directories, OUT_DIR/<UTC date-time>/seed<N> (config.toml, metrics.jsonl, checkpoints), so "
+    "running it again starts afresh; a stopped one continues with "
+    "`fp4rl train --resume OUT_DIR/<date-time>/seed<N>`, and `fp4rl report` draws it."
 )
 
 
@@ -32,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--out-dir",
         type=Path,
         default=Path("runs/demo"),
-        help="run directories (default runs/demo)",
+        help="where each invocation makes its directory <UTC date-time>/seed<N> (default "
+        "runs/demo)",
     )
     parser.add_argument(
         "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help=SET_HELP
@@ -40,12 +44,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from fp4rl import demo
+    from fp4rl import config, demo
 
     overrides = list(args.set) + ([f"run.steps={args.steps}"] if args.steps is not None else [])
-    demo.run(
-        seeds=seeds(args.seeds), cache_dir=args.cache_dir, out_dir=args.out_dir, overrides=overrides
-    )
+    chosen = seeds(args.seeds)
+    config.load(demo.CONFIG_FILE, overrides)  # bad settings stop before a directory is made
+    out_dir = demo.new_run_dir(args.out_dir)
+    demo.run(seeds=chosen, cache_dir=args.cache_dir, out_dir=out_dir, overrides=overrides)
 
 
 def seeds(text: str) -> tuple[int, ...]:
