@@ -110,6 +110,7 @@ class Engine:
         *,
         stats: dict | None = None,
         on_finish=None,
+        first_prompt_index: int = 0,
     ) -> list[Completion]:
         """Complete every prompt ``n`` times; results ordered by (prompt, sample).
 
@@ -122,6 +123,10 @@ class Engine:
         ``stats`` (optional dict) receives counters: ``steps``, ``preemptions``,
         ``prefill_tokens``, ``decode_tokens``. ``on_finish`` (optional) is called with the
         number of samples that finished, after each step that finished any (progress bars).
+        ``first_prompt_index``: this call's prompts are those of a larger request from that
+        index on (one rank's share of it); prompt ``i`` seeds its generators with index
+        ``first_prompt_index + i``, so a request split across engines samples what one engine
+        given all of it would. ``Completion.prompt_index`` stays ``i``.
         """
         if self.invalid is not None:
             raise RuntimeError(
@@ -146,7 +151,7 @@ class Engine:
                     sample_index=j,
                     prompt_ids=list(prompt),
                     params=params,
-                    generator=make_generator(seed, i, j),
+                    generator=make_generator(seed, first_prompt_index + i, j),
                     stop_ids=stop,
                     capture=SequenceCapture() if capturing else None,
                 )
