@@ -43,6 +43,8 @@ ALLOWED = {
         "checkpoints",
     },  # fmt: skip
     "demo": {"fp4", "ops", "records", "model", "train", "tasks", "config", "loop"},
+    # the rollout variants compared: the demo's base policy, the loop's runs, their metrics
+    "study": {"model", "train", "config", "report", "checkpoints", "loop", "demo"},
     # a run's checkpoint to a servable one: the precision plan, the engine's packing, the writer
     "export": {"fp4", "ops", "model", "config", "checks", "checkpoints"},
     # generation and evaluation outside training: the loop's engine set-up and metric
@@ -63,6 +65,7 @@ ALLOWED = {
         "checkpoints",
         "loop",
         "demo",
+        "study",
         "export",
         "inference",
         "commands",

@@ -7,7 +7,8 @@ at module level: every command's parser is built on each call of ``fp4rl``. ``ru
 status 2 and a one-line cause.
 """
 
-NAMES = ("train", "demo", "generate", "eval", "report", "export")  # the order of ``fp4rl --help``
+# the order of ``fp4rl --help``
+NAMES = ("train", "demo", "study", "generate", "eval", "report", "export")
 
 SET_HELP = (
     "override one setting, as section.key=value (repeatable); the value is read as TOML "
