@@ -8,7 +8,7 @@ status 2 and a one-line cause.
 """
 
 # the order of ``fp4rl --help``
-NAMES = ("train", "demo", "study", "generate", "eval", "report", "export")
+NAMES = ("train", "demo", "study", "generate", "eval", "report", "export", "bench")
 
 SET_HELP = (
     "override one setting, as section.key=value (repeatable); the value is read as TOML "

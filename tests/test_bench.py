@@ -1,0 +1,68 @@
+"""``fp4rl bench``: the benchmarks of the repository listed with their docstrings' first
+paragraphs, one run by name with its own arguments (a CPU smoke run, its table read back), its
+exit status passed on, and one-line errors for an unknown name or a missing directory."""
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from fp4rl.cli import main
+from fp4rl.commands import bench
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def test_list_names_every_benchmark_with_its_docstring(capsys):
+    assert main(["bench", "--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"benchmarks in {BENCHMARKS} ")
+    listed = dict(line.split(maxsplit=1) for line in lines[1:])
+    scripts = sorted(p for p in BENCHMARKS.glob("*.py") if not p.name.startswith("_"))
+    assert list(listed) == [p.stem for p in scripts]
+    assert {"generate", "moe", "attention", "quantize", "refit", "train_step"} <= set(listed)
+    for script in scripts:
+        first = ast.get_docstring(ast.parse(script.read_text())).split("\n\n")[0]
+        assert listed[script.stem] == " ".join(first.split()), script.name
+
+
+def test_a_smoke_benchmark_runs_through_the_command_with_its_arguments(capfd):
+    argv = ["bench", "refit", "--device", "cpu", "--layers", "2", "--hidden", "128"]
+    assert main([*argv, "--repeats", "1"]) == 0
+    out, err = capfd.readouterr()
+    script = BENCHMARKS / "refit.py"
+    assert f"fp4rl bench: running {script} --device cpu --layers 2 --hidden 128" in err
+    # The script's own table, at the sizes passed through: hidden 128 in every tensor's shape.
+    rows = re.findall(r"^\| (w13|w2) \[(\d+)x(\d+)x(\d+)\] \| device copy \|", out, flags=re.M)
+    assert {r[0] for r in rows} == {"w13", "w2"} and all("128" in r[1:] for r in rows)
+
+
+def test_the_benchmarks_exit_status_is_the_commands(capfd):
+    assert main(["bench", "attention", "--no-such-option"]) == 2  # the script's argparse
+    assert "attention.py: error: unrecognized arguments: --no-such-option" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["bench", "nope"], "no benchmark 'nope' in .*; there are: attention, .*train_step"),
+        (["bench"], "name a benchmark, or --list to see them: attention, "),
+        (["bench", "--dir", "{tmp}", "moe"], r"--dir .* is not fp4rl's benchmarks directory"),
+    ],
+)
+def test_bad_input_is_one_line(tmp_path, capsys, argv, message):
+    assert main([a.replace("{tmp}", str(tmp_path)) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fp4rl bench: error:") and err.count("\n") == 1
+    assert re.search(message, err), err
+
+
+def test_an_installed_package_without_benchmarks_says_where_they_are(tmp_path, monkeypatch, capsys):
+    """As from a wheel: nothing beside the package. --dir then finds a checkout's."""
+    monkeypatch.setattr(bench, "ROOT", tmp_path / "site-packages")
+    assert main(["bench", "--list"]) == 2
+    err = capsys.readouterr().err
+    assert "an installed package does not carry" in err and "--dir CHECKOUT/benchmarks" in err
+    assert main(["bench", "--dir", str(BENCHMARKS), "--list"]) == 0
+    assert "refit " in capsys.readouterr().out
