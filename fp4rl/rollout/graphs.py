@@ -65,6 +65,10 @@ def graphs_unsupported(layout, config) -> str | None:
         return f"the model is on {device}"
     if config.guidance == "sparse":
         return "sparse guidance records a value-dependent number of entries"
+    if spec.dtype != torch.bfloat16:
+        # Expert GEMMs in other dtypes run one matmul per expert, split on counts read on the
+        # host (`fp4rl.ops.grouped_mm`).
+        return f"the model computes in {spec.dtype}; decode graphs need torch.bfloat16"
     q = torch.empty(0, spec.head_dim, dtype=spec.dtype, device=device)  # the queries' kind
     for layer, fmt in enumerate(spec.layer_formats):
         if not ops.paged_decode_kernel_runs(q, fmt == "nvfp4"):

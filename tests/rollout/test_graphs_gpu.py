@@ -124,3 +124,13 @@ def test_graphs_follow_a_refit_and_are_dropped_with_the_pages():
     graphed.acquire_kv()
     assert graphed.graphs is not None and not graphed.graphs.graphs
     assert_same_completions(graphed.generate(PROMPTS, params), after)
+
+
+def test_a_float32_engine_decodes_eagerly():
+    """Its expert GEMMs split on counts read on the host, which a graph cannot hold."""
+    precision = dataclasses.replace(FP4_EVERYWHERE, kv_cache="bf16")
+    qat = qat_model(precision, config=tiny_config(head_dim=32), dtype=torch.float32, device="cuda")
+    engine = Engine(packed_twin(qat, precision), engine_config(block_size=16))
+    assert engine.graphs is None and "torch.float32" in engine.graphs_off
+    out = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert all(len(c.completion_ids) == 4 for c in out)
