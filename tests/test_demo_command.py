@@ -4,6 +4,7 @@ directory is made."""
 
 import datetime
 import json
+import sys
 
 import pytest
 
@@ -49,9 +50,13 @@ def test_run_directories_are_new_even_within_one_second(tmp_path):
     [
         (["--set", "run.steps=0"], "run.steps must be"),
         (["--seeds", "0,x"], "--seeds must be comma-separated ints"),
+        (["--set", "run.tensorboard=true"], "run.tensorboard = true needs the tensorboard"),
     ],
 )
-def test_bad_settings_stop_before_a_run_directory_is_made(tmp_path, capsys, args, message):
+def test_bad_settings_stop_before_a_run_directory_is_made(
+    tmp_path, monkeypatch, capsys, args, message
+):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if not installed
     assert main(["demo", "--out-dir", str(tmp_path / "demo"), *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("fp4rl demo: error:") and message in err and err.count("\n") == 1
