@@ -86,16 +86,16 @@ class Size:
 
 SIZES = {
     "small": Size(
-        description="4 MoE layers, hidden 64, 32 experts top-4, every layer NVFP4; 1-2 digit "
-        "addition; 100 steps of 64 prompts x 8; on 2 CPU cores in about an hour",
+        description="4 MoE layers, hidden 64, 32 experts top-4 (0.8M parameters), every layer "
+        "NVFP4; 1-2 digit addition; 100 steps of 64 prompts x 8; for 2 CPU cores",
         model=dict(num_experts=32, num_experts_per_tok=4, moe_intermediate_size=32),
         warmup=demo.Warmup(),
         warmup_dtype="float32",
         seeds=(0, 1, 2),
     ),
     "full": Size(
-        description="8 MoE layers, hidden 384, 64 experts top-4 (~80M parameters), every "
-        "layer NVFP4; 1-3 digit addition; 300 steps of 128 prompts x 8; meant for one GPU",
+        description="8 MoE layers, hidden 384, 64 experts top-4 (~98M parameters, 9M active), "
+        "every layer NVFP4; 1-3 digit addition; 300 steps of 128 prompts x 8; for one GPU",
         model=dict(
             hidden_size=384,
             intermediate_size=768,
@@ -217,6 +217,7 @@ def run(
     size = SIZES[size_name]
     seeds = size.seeds if seeds is None else seeds
     out = Path(out)
+    log(f"size {size_name}: {size.description}")
     base = base_policy(size, cache_dir, overrides, log)
     configs = [
         run_config_for(size, v, s, base, out, overrides) for s in seeds for v in variants
