@@ -244,17 +244,18 @@ class EngineOrderAttention:
                 self._prefills.append(torch.arange(s, s + p, device=device)[None])
                 first[b], done = done, done + p
             source_T[s : s + p] = range(first[leader[b]], first[leader[b]] + p)
-        # Decode rows grouped by context length C: query rows [n] and context rows [n, C].
+        # Decode rows grouped by context length C: query rows [n] and context rows [n, C]. A
+        # context that one row alone has is attended twice in one call: `attend_fp32` orders
+        # its FP32 sums differently for one sequence than for several, as the engine has.
         by_context: dict[int, list[int]] = {}
         for s, p, n in zip(starts, prompts, lens, strict=True):
             for pos in range(p, n):
                 by_context.setdefault(pos + 1, []).append(s)
         self._decodes = []
         for C, firsts in sorted(by_context.items()):
-            firsts_n = torch.tensor(firsts, device=device)
-            self._decodes.append(
-                (firsts_n + (C - 1), firsts_n[:, None] + torch.arange(C, device=device))
-            )
+            firsts_n = torch.tensor(firsts * (2 if len(firsts) == 1 else 1), device=device)
+            context_nC = firsts_n[:, None] + torch.arange(C, device=device)
+            self._decodes.append((firsts_n + (C - 1), context_nC, len(firsts)))
             for i, s in enumerate(firsts):
                 source_T[s + C - 1] = done + i
             done += len(firsts)
@@ -274,13 +275,13 @@ class EngineOrderAttention:
             context_1 = torch.tensor([P], device=q_THD.device)
             o = attend_fp32(q_THD[rows_1P], k_TKD[rows_1P], v_TKD[rows_1P], positions_1P, context_1)
             pieces.append(o[0].to(q_THD.dtype))
-        for rows_n, context_nC in self._decodes:
+        for rows_n, context_nC, num in self._decodes:
             n, C = context_nC.shape
             last_n1 = torch.full((n, 1), C - 1, device=q_THD.device)
             context_n = torch.full((n,), C, device=q_THD.device)
             q_n1HD = q_THD[rows_n][:, None]
             o = attend_fp32(q_n1HD, k_TKD[context_nC], v_TKD[context_nC], last_n1, context_n)
-            pieces.append(o[:, 0].to(q_THD.dtype))
+            pieces.append(o[:num, 0].to(q_THD.dtype))
         return torch.cat(pieces)[self._source_T]
 
 
