@@ -40,6 +40,9 @@ class EngineConfig:
     # Replay decode-only steps from CUDA graphs (`fp4rl.rollout.graphs`) where the engine runs
     # on a GPU and every layer's attention reads its pages with the paged kernel.
     cuda_graphs: bool = True
+    # Feed a prompt longer than what is left of a step's token budget in chunks, beside the
+    # decodes (`fp4rl.rollout.scheduler`); off: it waits until it fits one step whole.
+    chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         s = "engine"
@@ -55,6 +58,7 @@ class EngineConfig:
             raise ValueError(f"{s}.guidance must be one of {GUIDANCE_MODES}, got {self.guidance!r}")
         checks.boolean(f"{s}.capture_routing", self.capture_routing)
         checks.boolean(f"{s}.cuda_graphs", self.cuda_graphs)
+        checks.boolean(f"{s}.chunked_prefill", self.chunked_prefill)
         fraction = self.compact_fraction
         if (
             not isinstance(fraction, int | float)
@@ -63,12 +67,13 @@ class EngineConfig:
         ):
             raise ValueError(f"{s}.compact_fraction must be in (0, 1], got {fraction!r}")
         checks.number(f"{s}.sparse_delta", self.sparse_delta, "in (0, 0.5]", _grid_fraction)
-        # No chunked prefill: a prompt, or a preempted sequence being recomputed, enters the
-        # model in one step, so one step must hold the longest sequence.
-        if self.max_num_batched_tokens < self.max_model_len:
+        # Without chunked prefill a prompt, or a preempted sequence being recomputed, enters
+        # the model in one step, so one step must hold the longest sequence.
+        if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"{s}.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-                f"{s}.max_model_len ({self.max_model_len}): prompts are prefilled in one step"
+                f"{s}.max_model_len ({self.max_model_len}) without chunked prefill: prompts are "
+                "prefilled in one step"
             )
         # Every running sequence decodes one token per step.
         if self.max_num_batched_tokens < self.max_num_seqs:

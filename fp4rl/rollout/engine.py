@@ -188,17 +188,19 @@ class Engine:
         return sorted(completions, key=lambda c: (c.prompt_index, c.sample_index))
 
     def _run_step(self, step: Step, scheduler: Scheduler, log: CaptureLog | None) -> list[Sequence]:
-        # Segments in stream order: prefills (one per group, fed by its leader), then decodes.
-        fed = [(g.seqs[0], g.seqs) for g in step.prefills] + [(s, [s]) for s in step.decodes]
+        # Segments in stream order: prefills (one per group, fed by its leader: a chunk or the
+        # rest of its tokens), then decodes. A group samples in the step of its last chunk.
+        fed = [(g.seqs[0], g.seqs, g.num_new, g.last) for g in step.prefills]
+        fed += [(s, [s], 1, True) for s in step.decodes]
         segments, tokens, ranges = [], [], []
-        for seq, _ in fed:
-            new = seq.tokens_from(seq.num_cached)
+        for seq, _, num_new, _ in fed:
+            new = seq.tokens_from(seq.num_cached)[:num_new]
             segments.append(Segment(list(seq.block_table), seq.num_cached, len(new)))
             ranges.append((len(tokens), len(tokens) + len(new)))
             tokens += new
         device = self.layout.device
         capture = None
-        if any(seq.capture is not None for seq, _ in fed):
+        if any(seq.capture is not None for seq, *_ in fed):
             capture = StepCapture(
                 routing=self.config.capture_routing,
                 guidance=self.config.guidance,
@@ -212,23 +214,26 @@ class Engine:
             tokens_T = torch.tensor(tokens, dtype=torch.long, device=device)
             attn = PagedAttention(self.cache, meta)
             h_TH = self.model.hidden_states(tokens_T, attn, capture=capture)
-            last_rows = torch.tensor([end - 1 for _, end in ranges], device=device)
-            logits_SV = self.model.logits(h_TH[last_rows])
+            last_rows = [end - 1 for (_, end), entry in zip(ranges, fed, strict=True) if entry[3]]
+            logits_SV = self.model.logits(h_TH[torch.tensor(last_rows, device=device)])
         self.cache.copy_blocks(step.block_copies)
         scheduler.commit(step)
-
-        # Every sequence of a group samples from its leader's row with its own generator.
-        seqs = [s for _, group in fed for s in group]
-        _check_logits(logits_SV, [group for _, group in fed])
-        rows = torch.tensor([i for i, (_, group) in enumerate(fed) for _ in group], device=device)
-        out = sample(logits_SV[rows], [s.params for s in seqs], [s.generator for s in seqs])
-        if capture is not None:
+        if capture is not None:  # a prompt's rows belong to each of its samples
             spans = [
                 (s.capture, start, end)
-                for (start, end), (_, group) in zip(ranges, fed, strict=True)
+                for (start, end), (_, group, *_) in zip(ranges, fed, strict=True)
                 for s in group
             ]
             log.add(capture, len(tokens), spans)
+
+        # Every sequence of a group samples from its leader's row with its own generator.
+        groups = [group for _, group, _, last in fed if last]
+        seqs = [s for group in groups for s in group]
+        if not seqs:
+            return []  # a step of prefill chunks only
+        _check_logits(logits_SV, groups)
+        rows = torch.tensor([i for i, group in enumerate(groups) for _ in group], device=device)
+        out = sample(logits_SV[rows], [s.params for s in seqs], [s.generator for s in seqs])
         finished = []
         for seq, token, logprob, raw in zip(
             seqs,

@@ -1,11 +1,18 @@
 """Continuous batching: which sequences feed which tokens in the next step.
 
 Every step, each running sequence decodes one token; then, if nothing had to be preempted,
-waiting groups are admitted (prefilled) in arrival order while the sequence limit, the token
-budget and the free blocks allow. A *group* is a set of sequences with identical tokens that
-is prefilled once: its first sequence (the leader) computes the K/V, the others fork from it
-after the step (sharing the complete blocks, copying the partial one). A group that does not
-fit entirely is split: as many samples as fit are admitted now, the rest wait.
+groups whose prefill is under way feed their next chunk, and waiting groups are admitted in
+arrival order while the sequence limit, the token budget and the free blocks allow. A *group*
+is a set of sequences with identical tokens that is prefilled once: its first sequence (the
+leader) computes the K/V, the others fork from it (sharing the complete blocks, copying the
+partial one after the step that completes the prefill). A group that does not fit entirely is
+split: as many samples as fit are admitted now, the rest wait.
+
+Chunked prefill (``engine.chunked_prefill``): a prompt longer than what is left of the step's
+token budget is fed in chunks, one per step beside the decodes, as long as a chunk is at least
+a block (or the whole rest); its blocks (and its samples' forks) are taken when it is admitted,
+and its samples join the running sequences, and sample, in the step of its last chunk. Without
+it a group waits until its whole prompt fits a step.
 
 When a decoding sequence needs a block and none is free, the most recently admitted running
 sequence is preempted: its blocks are freed and it goes back to the front of the queue as a
@@ -27,6 +34,12 @@ from fp4rl.rollout.sequence import Sequence
 @dataclass(eq=False, slots=True)
 class Group:
     seqs: list[Sequence]  # identical tokens; seqs[0] is prefilled, the others fork from it
+    # Set when a step schedules the group: tokens its leader feeds, whether they end the
+    # prefill (then the group's samples sample in that step).
+    num_new: int = 0
+    last: bool = True
+    # Followers' partial prompt blocks, copied from the leader's after the last chunk.
+    copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -47,13 +60,14 @@ class Scheduler:
     def __init__(self, config: EngineConfig, blocks: BlockManager) -> None:
         self.config, self.blocks = config, blocks
         self.waiting: deque[Group] = deque()
+        self.prefilling: deque[Group] = deque()  # admitted, prefill not finished (chunked)
         self.running: list[Sequence] = []  # in admission order
 
     def add(self, group: Group) -> None:
         self.waiting.append(group)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.prefilling or self.running)
 
     def schedule(self) -> Step:
         step = Step()
@@ -63,8 +77,43 @@ class Scheduler:
             if self._reserve_decode(seq, step):
                 step.decodes.append(seq)
         if step.num_preempted == 0:
-            self._admit(step)
+            budget = self.config.max_num_batched_tokens - len(step.decodes)
+            budget = self._continue_prefills(step, budget)
+            self._admit(step, budget)
         return step
+
+    def _chunk(self, remaining: int, budget: int) -> int:
+        """Tokens a prefill with ``remaining`` tokens to go feeds this step (0: none)."""
+        if remaining <= budget:
+            return remaining
+        if not self.config.chunked_prefill or budget < self.config.block_size:
+            return 0
+        return budget
+
+    def _schedule_prefill(self, step: Step, group: Group, num_new: int) -> None:
+        leader = group.seqs[0]
+        group.num_new = num_new
+        group.last = leader.num_cached + num_new == leader.num_tokens
+        step.prefills.append(group)
+        step.num_prefill_tokens += num_new
+        if group.last:
+            self.running.extend(group.seqs)
+            step.block_copies += group.copies
+            group.copies = []
+
+    def _continue_prefills(self, step: Step, budget: int) -> int:
+        while self.prefilling:
+            group = self.prefilling[0]
+            leader = group.seqs[0]
+            num_new = self._chunk(leader.num_tokens - leader.num_cached, budget)
+            if num_new == 0:
+                break
+            self._schedule_prefill(step, group, num_new)
+            budget -= num_new
+            if not group.last:
+                break  # the budget is spent
+            self.prefilling.popleft()
+        return budget
 
     def _reserve_decode(self, seq: Sequence, step: Step) -> bool:
         """Make room for ``seq``'s next token, preempting newer sequences if needed."""
@@ -78,13 +127,17 @@ class Scheduler:
         self.blocks.grow(seq.block_table, seq.num_tokens)
         return True
 
-    def _admit(self, step: Step) -> None:
-        budget = self.config.max_num_batched_tokens - len(step.decodes)
+    def _admit(self, step: Step, budget: int) -> None:
         while self.waiting:
             group = self.waiting[0]
             num_tokens = group.seqs[0].num_tokens
-            slots = self.config.max_num_seqs - len(self.running)
-            if num_tokens > budget or slots == 0:
+            slots = (
+                self.config.max_num_seqs
+                - len(self.running)
+                - sum(len(g.seqs) for g in self.prefilling)
+            )
+            num_new = self._chunk(num_tokens, budget)
+            if num_new == 0 or slots == 0:
                 return
             leader_cost = self.blocks.blocks_for(num_tokens)
             fork_cost = self.blocks.fork_cost(num_tokens)
@@ -101,20 +154,24 @@ class Scheduler:
                 self.waiting.popleft()
             leader = admitted[0]
             leader.block_table = self.blocks.allocate(leader_cost)
+            admitted_group = Group(admitted)
             for follower in admitted[1:]:
                 follower.block_table, copy = self.blocks.fork(leader.block_table, num_tokens)
                 if copy is not None:
-                    step.block_copies.append(copy)
-            self.running.extend(admitted)
-            step.prefills.append(Group(admitted))
-            step.num_prefill_tokens += num_tokens
-            budget -= num_tokens
+                    admitted_group.copies.append(copy)
+            self._schedule_prefill(step, admitted_group, num_new)
+            budget -= num_new
+            if not admitted_group.last:
+                self.prefilling.append(admitted_group)
+                return  # the budget is spent
 
     def commit(self, step: Step) -> None:
         """After the forward: every scheduled sequence has all its fed tokens cached."""
         for group in step.prefills:
-            for seq in group.seqs:
-                seq.num_cached = seq.num_tokens
+            group.seqs[0].num_cached += group.num_new
+            if group.last:
+                for seq in group.seqs:
+                    seq.num_cached = seq.num_tokens
         for seq in step.decodes:
             seq.num_cached = seq.num_tokens
 

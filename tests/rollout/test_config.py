@@ -14,7 +14,8 @@ from fp4rl.rollout.kv_cache import KVCacheSpec, num_blocks_for_budget
         ("kv_memory_bytes", 0),
         ("max_num_seqs", 0),
         ("max_model_len", 1),
-        ("max_model_len", 100_000),  # > max_num_batched_tokens: no chunked prefill
+        ("cuda_graphs", "yes"),
+        ("chunked_prefill", 0),
         ("max_num_seqs", 10_000),  # > max_num_batched_tokens
         ("guidance", "partial"),
         ("compact_fraction", 0.0),
@@ -26,6 +27,12 @@ from fp4rl.rollout.kv_cache import KVCacheSpec, num_blocks_for_budget
 def test_engine_config_rejects_naming_key_and_value(key, value):
     with pytest.raises(ValueError, match=rf"engine\.{key}.*{value!r}".replace("(", r"\(")):
         EngineConfig(**{key: value})
+
+
+def test_a_prompt_longer_than_a_step_needs_chunked_prefill():
+    assert EngineConfig(max_model_len=100_000).chunked_prefill
+    with pytest.raises(ValueError, match=r"max_model_len \(100000\) without chunked prefill"):
+        EngineConfig(max_model_len=100_000, chunked_prefill=False)
 
 
 def test_the_kv_format_is_stated_once_in_the_precision_plan():

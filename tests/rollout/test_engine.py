@@ -178,6 +178,22 @@ def test_seed_reproduces_regardless_of_batch_composition(models):
     assert [c.completion_ids for c in other_seed] != [c.completion_ids for c in alone]
 
 
+@pytest.mark.parametrize("kv, experts", [("bf16", "nvfp4"), ("nvfp4", "nvfp4")])
+def test_chunked_prefill_leaves_outputs_and_records_unchanged(models, kv, experts):
+    """A step budget of 20 tokens cuts the 20- and 11-token prompts into chunks fed beside the
+    other sequences' decodes; completions, logprobs and every record equal those of prompts
+    prefilled whole (up to the reordered-sum flips bounded above)."""
+    packed, _ = models[(kv, experts)]
+    capture = dict(capture_routing=True, guidance="full")
+    whole = Engine(packed, config(**capture))
+    chunked = Engine(packed, config(max_num_batched_tokens=20, **capture))
+    params = SamplingParams(n=2, max_tokens=12, temperature=1.0, seed=5)
+    stats = {}
+    got = chunked.generate(PROMPTS, params, stats=stats)
+    assert_same_outputs(got, whole.generate(PROMPTS, params), capture=True)
+    assert stats["prefill_tokens"] == sum(len(p) for p in PROMPTS)
+
+
 def test_sampling_params_per_prompt(models):
     """A list gives each prompt its own n, temperature, limits and seed: each prompt's samples
     are those of a call giving every prompt that prompt's params."""

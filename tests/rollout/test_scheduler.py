@@ -128,3 +128,50 @@ def test_free_blocks_limit_how_many_samples_of_a_group_fork():
     step = sched.schedule()
     assert step.prefills[0].seqs == group[:3] and sched.waiting[0].seqs == group[3:]
     assert sched.blocks.num_free_blocks == 0
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_beside_the_decodes():
+    """Budget 12, blocks of 4: a running sequence decodes every step while a 21-token prompt
+    with 3 samples feeds chunks of 11, then its last 10 tokens; its samples fork from the leader
+    only then (the partial block copied after that step) and join the running sequences."""
+    sched = scheduler(num_blocks=32, max_num_batched_tokens=12, max_model_len=32)
+    (old,) = seqs(5, first_id=0)
+    sched.add(Group([old]))
+    step = sched.schedule()
+    assert [g.num_new for g in step.prefills] == [5] and step.prefills[0].last
+    sched.commit(step)
+    old.append(1, 0.0, 0.0, max_model_len=10_000)
+
+    group = seqs(21, n=3, first_id=1)
+    sched.add(Group(list(group)))
+    step = sched.schedule()
+    assert step.decodes == [old]
+    (chunk,) = step.prefills
+    assert chunk.num_new == 11 and not chunk.last and step.num_prefill_tokens == 11
+    assert not step.block_copies and group[1] not in sched.running
+    assert len(group[0].block_table) == 6  # the whole prompt's blocks, taken at admission
+    sched.commit(step)
+    assert group[0].num_cached == 11 and group[1].num_cached == 0
+    old.append(1, 0.0, 0.0, max_model_len=10_000)
+
+    step = sched.schedule()
+    (chunk,) = step.prefills
+    assert chunk.num_new == 10 and chunk.last
+    assert step.block_copies and len(step.block_copies) == 2  # block 5 holds tokens 20..
+    assert all(s in sched.running for s in group)
+    sched.commit(step)
+    assert [s.num_cached for s in group] == [21, 21, 21]
+    assert not sched.prefilling
+
+
+def test_without_chunked_prefill_a_prompt_waits_until_it_fits_a_step():
+    sched = scheduler(num_blocks=32, max_num_batched_tokens=40, chunked_prefill=False)
+    first, second = seqs(30, first_id=0), seqs(20, first_id=1)
+    sched.add(Group(first))
+    sched.add(Group(second))
+    step = sched.schedule()
+    assert [g.seqs for g in step.prefills] == [first]  # 20 more would exceed 40
+    sched.commit(step)
+    first[0].append(1, 0.0, 0.0, max_model_len=10_000)
+    step = sched.schedule()
+    assert [g.seqs for g in step.prefills] == [second] and step.prefills[0].last
