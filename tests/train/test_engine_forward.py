@@ -16,7 +16,11 @@ different lengths: decode steps shrink as samples stop, contexts reach 50 tokens
 - Gradients flow: in FP32 the engine-order forward's gradient of every parameter equals the
   packed forward's to GRAD_RTOL of its largest entry (the same function, summed in another
   order).
-- Refused: an unknown forward, a model off the CPU, prompt lengths that do not fit.
+- The backend assembles causal attention within each sequence (FP32, random inputs; contexts
+  that one decode row alone has included), and a follower attended through its leader's prefill
+  gets the output it would get alone, bitwise.
+- Refused: an unknown forward, a model off the CPU, prompt lengths or prefill leaders that do
+  not fit.
 """
 
 import pytest
@@ -25,7 +29,7 @@ from tiny_models import engine_config, rollout_model, tiny_precision
 
 from fp4rl.config import AlignSection
 from fp4rl.fp4.reference import unpack_e2m1
-from fp4rl.model.attention import EngineOrderAttention
+from fp4rl.model.attention import Bf16KV, CausalAttention, EngineOrderAttention, NewKV
 from fp4rl.model.sites import SiteRecords
 from fp4rl.model.transformer import build_model
 from fp4rl.records import collate
@@ -126,3 +130,26 @@ def test_refused_where_it_cannot_apply(run):
         EngineOrderAttention([3, 4], [1])
     with pytest.raises(ValueError, match="prompt_lens must be lengths of at least 1"):
         EngineOrderAttention([3, 4], [0, 1])
+
+
+def test_backend_attends_like_causal_attention_and_shares_prefills():
+    """FP32: the rows it assembles are causal attention within each sequence (to FP32 sums in
+    another order); a follower's prompt rows, equal to its leader's, give the same output
+    when they take the leader's attention."""
+    g = torch.Generator().manual_seed(0)
+    # Sequence 2 has no decode row; contexts 4, 5 and 10-12 have one decode row each.
+    seq_lens, prompts = [9, 9, 4, 12], [5, 5, 4, 3]
+    T = sum(seq_lens)
+    q, k, v = (torch.randn(T, h, 16, generator=g) for h in (4, 2, 2))
+    for x in (q, k, v):
+        x[9:14] = x[0:5]  # sequence 1's prompt rows are sequence 0's
+    kv = NewKV(k, v, Bf16KV())
+    want = CausalAttention(seq_lens).attend(0, q, kv)
+    alone = EngineOrderAttention(seq_lens, prompts).attend(0, q, kv)
+    shared = EngineOrderAttention(seq_lens, prompts, prefilled_by=[0, 0, 2, 3]).attend(0, q, kv)
+    torch.testing.assert_close(alone, want, rtol=0, atol=1e-6)
+    assert torch.equal(shared, alone)
+    with pytest.raises(ValueError, match="prefilled_by"):
+        EngineOrderAttention(seq_lens, prompts, prefilled_by=[0, 0, 0, 3])  # other length
+    with pytest.raises(ValueError, match="prefilled_by"):
+        EngineOrderAttention(seq_lens, prompts, prefilled_by=[1, 1, 2, 3])  # a later one
