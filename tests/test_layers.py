@@ -22,12 +22,14 @@ ALLOWED = {
     "rollout": {"fp4", "ops", "records", "model", "rollout", "checks"},
     "train": {"fp4", "ops", "records", "model", "train", "checks"},
     "refit": {"fp4", "ops", "records", "model", "rollout", "refit"},
+    # several ranks: FSDP2 over the trainer, its optimizer, the refit stream gathered per layer
+    "distributed": {"train", "refit"},
     "tasks": {"tasks", "checks"},
     "config": {"fp4", "ops", "records", "model", "rollout", "train", "tasks", "config", "checks"},
     "progress": set(),
     "report": set(),  # metrics read back, TensorBoard, plots; its extras imported lazily
     # a run's saved state: the HF writer, the optimizer's state, the run's config
-    "checkpoints": {"model", "train", "config"},
+    "checkpoints": {"model", "train", "config", "distributed"},
     "loop": {
         "fp4",
         "ops",
@@ -41,6 +43,7 @@ ALLOWED = {
         "progress",
         "report",
         "checkpoints",
+        "distributed",
     },  # fmt: skip
     "demo": {"fp4", "ops", "records", "model", "train", "tasks", "config", "loop"},
     # the rollout variants compared: the demo's base policy, the loop's runs, their metrics
@@ -70,6 +73,7 @@ ALLOWED = {
         "inference",
         "commands",
         "checks",
+        "distributed",
     },  # fmt: skip
     "cli": {"commands"},
     "__main__": {"cli"},

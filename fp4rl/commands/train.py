@@ -13,7 +13,10 @@ DESCRIPTION = (
     "with router replay and guided rounding, refit after every update. Writes config.toml, "
     "metrics.jsonl and checkpoints (every run.checkpoint_every steps and after the last) to "
     "run.out_dir. --resume RUN_DIR continues a stopped run from its latest complete checkpoint, "
-    "with the config it was started with."
+    "with the config it was started with. Started by torchrun (torchrun --nproc-per-node N -m "
+    "fp4rl train ...), every process is one rank of one run: each generates for its share of "
+    "the prompts, the trainer is sharded with FSDP2, rank 0 writes the run directory; a "
+    "checkpoint of any number of ranks resumes on any number."
 )
 
 
@@ -34,9 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from fp4rl import checkpoints, config, loop
+    from fp4rl import checkpoints, config, distributed, loop
 
     if args.resume is not None:
-        loop.train(checkpoints.resume_config(args.resume, args.set), resume=True)
+        run_config = checkpoints.resume_config(args.resume, args.set)
     else:
-        loop.train(config.load(args.config, args.set))
+        run_config = config.load(args.config, args.set)
+    # Under torchrun, the process group of its ranks; otherwise None: one process.
+    with distributed.launch(run_config.model.device) as ranks:
+        loop.train(run_config, resume=args.resume is not None, ranks=ranks)

@@ -74,6 +74,24 @@ def lr_at(step: int, config: OptimConfig) -> float:
     return config.min_lr + (config.lr - config.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def adamw(masters: list[torch.Tensor], config: OptimConfig) -> torch.optim.AdamW:
+    """torch's AdamW over FP32 ``masters``: decay for matrices only, the first update's lr."""
+    decay = [m for m in masters if m.ndim >= 2]
+    no_decay = [m for m in masters if m.ndim < 2]
+    groups = [
+        {"params": decay, "weight_decay": config.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]],
+        lr=lr_at(0, config),
+        betas=(config.beta1, config.beta2),
+        eps=config.eps,
+        # The fused kernel is one launch for all tensors on CUDA; elsewhere foreach.
+        fused=all(m.is_cuda for m in masters) or None,
+    )
+
+
 class MasterAdamW:
     """AdamW over FP32 masters of the given parameters (BF16, or any float dtype).
 
@@ -92,20 +110,7 @@ class MasterAdamW:
             raise ValueError("MasterAdamW got no parameters that require grad")
         with torch.no_grad():
             self.masters = [p.detach().to(torch.float32, copy=True) for p in self.params]
-        decay = [m for m in self.masters if m.ndim >= 2]
-        no_decay = [m for m in self.masters if m.ndim < 2]
-        groups = [
-            {"params": decay, "weight_decay": config.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
-        self.optimizer = torch.optim.AdamW(
-            [g for g in groups if g["params"]],
-            lr=lr_at(0, config),
-            betas=(config.beta1, config.beta2),
-            eps=config.eps,
-            # The fused kernel is one launch for all tensors on CUDA; elsewhere foreach.
-            fused=all(m.is_cuda for m in self.masters) or None,
-        )
+        self.optimizer = adamw(self.masters, config)
         self.num_updates = 0
 
     @torch.no_grad()
@@ -126,8 +131,7 @@ class MasterAdamW:
         self.accumulate()
         with_grad = [m for m in self.masters if m.grad is not None]
         max_norm = self.config.max_grad_norm or math.inf
-        norm = torch.nn.utils.clip_grad_norm_(with_grad, max_norm, foreach=True)
-        grad_norm = float(norm)
+        grad_norm = self.clip(with_grad, max_norm)
         lr = lr_at(self.num_updates, self.config)
         skipped = not math.isfinite(grad_norm)
         if not skipped:
@@ -136,12 +140,67 @@ class MasterAdamW:
             # A master without a gradient (its parameter unused in this batch) is left alone,
             # moments included, as torch.optim.AdamW does.
             self.optimizer.step()
-            for p, m in zip(self.params, self.masters, strict=True):
-                p.copy_(m)
+            self.write_back()
             self.num_updates += 1
         for m in self.masters:
             m.grad = None
         return {"lr": lr, "grad_norm": grad_norm, "skipped": float(skipped)}
+
+    def clip(self, grads: list[torch.Tensor], max_norm: float) -> float:
+        """Scale ``grads`` to a global norm of at most ``max_norm``; the norm before."""
+        return float(torch.nn.utils.clip_grad_norm_(grads, max_norm, foreach=True))
+
+    def write_back(self) -> None:
+        """Round the masters into the parameters (round to nearest even, what ``copy_`` does)."""
+        for p, m in zip(self.params, self.masters, strict=True):
+            p.copy_(m)
+
+    def named_state(self, names: list[str]) -> dict:
+        """The state by parameter name (``names[i]`` is ``self.params[i]``'s): ``num_updates``
+        and, per name, ``master``, ``exp_avg``, ``exp_avg_sq`` and ``step`` (zero moments and
+        step 0 for a master never updated: what AdamW starts from). A layout that does not
+        depend on how the parameters are ordered or split, so another process count reads it.
+        """
+        if len(names) != len(self.masters):
+            raise ValueError(f"{len(names)} names for {len(self.masters)} parameters")
+        tensors = {}
+        for name, m in zip(names, self.masters, strict=True):
+            state = self.optimizer.state.get(m) or {}
+            zero = torch.zeros_like(m)
+            tensors[name] = {
+                "master": m,
+                "exp_avg": state.get("exp_avg", zero),
+                "exp_avg_sq": state.get("exp_avg_sq", zero),
+                "step": state.get("step", torch.zeros((), dtype=torch.float32)).detach().cpu(),
+            }
+        return {"num_updates": self.num_updates, "params": tensors}
+
+    @torch.no_grad()
+    def load_named_state(self, names: list[str], state: dict) -> None:
+        """Restore what `named_state` gave (tensors of this optimizer's shapes and layout),
+        and round the masters into the parameters."""
+        params = state["params"]
+        missing = [n for n in names if n not in params]
+        if missing or len(params) != len(names):
+            raise ValueError(
+                f"saved state names {len(params)} parameters, this optimizer {len(names)}; "
+                f"missing: {missing[:5]}"
+            )
+        by_master = {id(m): n for n, m in zip(names, self.masters, strict=True)}
+        torch_state = self.optimizer.state_dict()  # param_groups: the masters' indices
+        masters = [m for g in self.optimizer.param_groups for m in g["params"]]
+        torch_state["state"] = {}
+        for index, m in enumerate(masters):
+            saved = params[by_master[id(m)]]
+            m.copy_(saved["master"])
+            torch_state["state"][index] = {
+                "step": saved["step"].reshape(()).float(),
+                "exp_avg": saved["exp_avg"],
+                "exp_avg_sq": saved["exp_avg_sq"],
+            }
+        self.optimizer.load_state_dict(torch_state)
+        self.write_back()
+        self.num_updates = int(state["num_updates"])
 
     def state_dict(self) -> dict:
         """Masters, moments and step count, by reference (like torch's): save before stepping."""

@@ -12,7 +12,9 @@ Legend: N scored tokens of a micro-batch, Q completions of the update.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -20,6 +22,16 @@ from fp4rl.records import Completion, collate
 from fp4rl.train.grpo import GrpoConfig, grpo_loss
 from fp4rl.train.optim import MasterAdamW
 from fp4rl.train.policy import policy_logprobs
+
+
+class Across(Protocol):
+    """The other ranks of a sharded trainer (`fp4rl.distributed.Ranks`)."""
+
+    def sum(self, values: dict[str, float]) -> dict[str, float]:
+        """Each key summed over the ranks (absent on a rank: 0)."""
+
+    def max(self, values: dict[str, float]) -> dict[str, float]:
+        """Each key's largest value over the ranks."""
 
 
 def grpo_update(
@@ -36,22 +48,47 @@ def grpo_update(
     stats: dict | None = None,
     on_micro_batch=None,
     forward: str = "packed",
+    across: Across | None = None,
+    spare: Completion | None = None,
 ) -> dict[str, float]:
     """Accumulate the GRPO gradient of ``completions`` and take one optimizer step. Returns
     the loss and the objective's metrics (token-weighted means over the update) and the
     optimizer's ``lr``, ``grad_norm`` and ``skipped``. ``stats`` receives the forward's counters
     (``replay_fallback_tokens``); ``on_micro_batch(num_completions)`` is called after each;
-    ``forward``: the trainer's attention (`policy_logprobs`)."""
-    if len(completions) != len(advantages_Q) or not completions:
+    ``forward``: the trainer's attention (`policy_logprobs`).
+
+    ``across``: the update is one of a sharded trainer's ranks, ``completions`` this rank's
+    share (possibly none). The normalizers are then the counts over every rank, the returned
+    loss, metrics and counters those of the whole update, and every rank runs as many
+    micro-batches as the busiest one (FSDP gathers and reduces in each): the missing ones
+    recompute ``spare`` (any completion of this rank) with weight 0, adding nothing."""
+    if len(completions) != len(advantages_Q) or not (completions or across):
         raise ValueError(
             f"{len(completions)} completions and {len(advantages_Q)} advantages; need as many, "
             "and at least one"
         )
     device = policy.embed_tokens.weight.device
     total_tokens = sum(len(c.completion_ids) for c in completions)
+    total_seqs = len(completions)
+    num_micro_batches = math.ceil(len(completions) / micro_batch_seqs)
+    if across is not None:
+        totals = across.sum({"tokens": total_tokens, "seqs": total_seqs})
+        total_tokens, total_seqs = int(totals["tokens"]), int(totals["seqs"])
+        num_micro_batches = int(across.max({"n": num_micro_batches})["n"])
+        spare = completions[0] if completions else spare
+        if spare is None:
+            raise ValueError("a rank with no completion to train on needs a spare one")
     sums: dict[str, torch.Tensor] = {}
-    for start in range(0, len(completions), micro_batch_seqs):
+    counts: dict[str, int] = {}  # the forward's counters of this rank, in a sharded run
+    for start in range(0, num_micro_batches * micro_batch_seqs, micro_batch_seqs):
         chunk = completions[start : start + micro_batch_seqs]
+        advantages = advantages_Q[start : start + micro_batch_seqs]
+        padding = not chunk
+        if padding:
+            chunk, advantages = [spare], [0.0]
+        # Fresh per micro-batch in a sharded run: FSDP may rebuild a non-empty dict among the
+        # forward's arguments (moving them to the device), losing what is counted into it.
+        counted = stats if across is None else ({} if not padding else None)
         batch = collate(chunk)
         if batch.sampling_logprobs_N is None:
             raise ValueError("GRPO needs the rollout's logprobs (SamplingParams.return_logprobs)")
@@ -62,10 +99,10 @@ def grpo_update(
             guided=guided,
             temperature=temperature,
             with_entropy=True,
-            stats=stats,
+            stats=counted,
             forward=forward,
         )
-        adv_Q = torch.tensor(advantages_Q[start : start + micro_batch_seqs], dtype=torch.float32)
+        adv_Q = torch.tensor(advantages, dtype=torch.float32)
         loss, metrics = grpo_loss(
             logp_N,
             logp_rollout_N=batch.sampling_logprobs_N.to(device),
@@ -74,11 +111,20 @@ def grpo_update(
             num_seqs=batch.num_seqs,
             config=config,
             entropy_N=entropy_N,
-            total_tokens=total_tokens,
-            total_seqs=len(completions),
+            # A padding pass normalizes by its own counts: its loss is scaled to 0 anyway.
+            total_tokens=None if padding else total_tokens,
+            total_seqs=None if padding else total_seqs,
         )
+        if padding:  # a gradient of exact zeros; nothing of it is counted
+            (loss * 0.0).backward()
+            optimizer.accumulate()
+            sums = {key: sums.get(key, 0.0) for key in ("loss", *metrics)}
+            continue
         loss.backward()
         optimizer.accumulate()
+        if across is not None:
+            for key, value in counted.items():
+                counts[key] = counts.get(key, 0) + int(value)
         if on_micro_batch is not None:
             on_micro_batch(batch.num_seqs)
         # The micro-batch losses sum to the update's loss; the metrics are means over each
@@ -88,6 +134,11 @@ def grpo_update(
         for key, value in metrics.items():
             sums[key] = sums.get(key, 0.0) + value.float() * share
     out = {key: float(value) for key, value in sums.items()}
+    if across is not None:
+        out = across.sum(out)
+        for key, value in across.sum(counts).items():
+            if stats is not None:
+                stats[key] = stats.get(key, 0) + int(value)
     out.update(optimizer.step())
     return out
 

@@ -1,0 +1,175 @@
+"""A run over two gloo ranks (torchrun, FSDP2 trainer, one engine per rank) against one process
+with the same global batch and seeds, and that run's checkpoint resumed on one process.
+
+What is held equal, and how closely:
+
+- every sampled token, hence every reward, count and held-out accuracy: exactly. Each rank's
+  engine seeds a prompt's samples by the prompt's index in the step, not in its share;
+- the weights, FP32 masters and Adam moments: bit for bit. The test's micro-batch is one group
+  (a prompt's samples, which stay on one rank), so each micro-batch's BF16 gradient is the same
+  tensor on a rank as in one process; the ranks add them in another order, in FP32, and a sum
+  of a few BF16 values (8 significant bits) in FP32 (24) is exact unless their magnitudes span
+  more than 2^16. Micro-batches split elsewhere than the single process's would differ by the
+  BF16 rounding of their gradients (docs/scaling.md);
+- the loss, the objective's means and the gradient norm: to 1e-6 relative. They are FP32 sums
+  of the same terms grouped by rank (and, for the norm, by shard) before they are added.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tiny_models import qat_model, tiny_config, tiny_precision
+
+from fp4rl import checkpoints, cli, demo
+from fp4rl import config as run_config
+from fp4rl.loop import train
+from fp4rl.model.checkpoint import save_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    """A random tiny model with the task's vocabulary: a few samples per group earn the format
+    reward, so the steps after the first train."""
+    path = tmp_path_factory.mktemp("base") / "model"
+    config = tiny_config(vocab_size=16)
+    save_checkpoint(qat_model(tiny_precision("nvfp4"), config=config).state_dict(), config, path)
+    return path
+
+
+def config_of(base: Path, run_dir: Path, steps: int) -> run_config.RunConfig:
+    return run_config.load(
+        demo.CONFIG_FILE,
+        [
+            f"model.path={base}",
+            f"run.out_dir={run_dir}",
+            "model.device=cpu",
+            "model.dtype=bfloat16",  # BF16 parameters, FP32 masters
+            f"run.steps={steps}",
+            "run.checkpoint_every=2",
+            "run.eval_every=2",
+            "run.eval_samples=1",
+            "run.threads=1",
+            "run.micro_batch_seqs=8",  # one group per micro-batch, in one process as on each rank
+            "rollout.prompts_per_step=8",  # 4 per rank
+            "rollout.samples_per_prompt=8",
+            "rollout.max_tokens=3",
+            "task.format_reward=0.5",
+            "task.num_held_out=16",
+            "align.observe_every=2",
+            "optim.lr=1e-3",
+            "optim.warmup_steps=0",
+        ],
+    )
+
+
+def torchrun(config: run_config.RunConfig, tmp_path: Path, nproc: int = 2) -> None:
+    """``torchrun --standalone --nproc-per-node NPROC -m fp4rl train --config FILE``."""
+    file = tmp_path / f"{Path(config.run.out_dir).name}.toml"
+    file.write_text(run_config.to_toml(config))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += [f"--nproc-per-node={nproc}", "-m", "fp4rl", "train", "--config", str(file)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+EXACT = (
+    "step",
+    "policy_version",
+    "reward",
+    "response_length",
+    "generated_tokens",
+    "zero_variance_groups",
+    "truncated",
+    "trained_samples",
+    "replay_fallback_tokens",
+    "held_out_accuracy",
+    "held_out_greedy",
+    "code_agreement",
+    "lr",
+    "skipped",
+)
+CLOSE = ("loss", "entropy", "token_mult_prob_error", "is_ratio_mean", "clip_frac_low")
+
+
+def assert_same_steps(got: list[dict], want: list[dict]) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        for key in EXACT:
+            assert g.get(key) == w.get(key), (g["step"], key)
+        for key in CLOSE:
+            assert (key in g) == (key in w), (g["step"], key)
+            if key in w:
+                assert g[key] == pytest.approx(w[key], rel=1e-6, abs=1e-9), (g["step"], key)
+        if "grad_norm" in w:
+            assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-6), g["step"]
+
+
+def assert_same_checkpoint(got: Path, want: Path) -> None:
+    """Weights, masters, moments and update counts of two checkpoints, bit for bit."""
+    weights_got = load_file(got / "model/model.safetensors")
+    weights_want = load_file(want / "model/model.safetensors")
+    assert weights_got.keys() == weights_want.keys()
+    for name, w in weights_want.items():
+        assert torch.equal(weights_got[name], w), name
+    og, ow = (torch.load(c / "trainer.pt", weights_only=True)["optimizer"] for c in (got, want))
+    assert og["num_updates"] == ow["num_updates"]
+    for i, (g, w) in enumerate(zip(og["masters"], ow["masters"], strict=True)):
+        assert torch.equal(g, w), f"master {i}"
+    sg, sw = og["optimizer"]["state"], ow["optimizer"]["state"]
+    assert sg.keys() == sw.keys()
+    for i in sw:
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(sg[i][key], sw[i][key]), f"{key} of master {i}"
+
+
+def test_two_ranks_train_as_one_process_and_resume_on_one(tmp_path, base):
+    reference_dir, two_dir = tmp_path / "reference", tmp_path / "two"
+    reference = train(config_of(base, reference_dir, steps=4), log=lambda _: None)
+    assert all(m["trained_samples"] > 0 for m in reference[1:4])  # every step but the first
+
+    torchrun(config_of(base, two_dir, steps=3), tmp_path)
+    two = metrics(two_dir)
+    assert_same_steps(two[:3], reference[:3])
+    # One rank wrote the run directory: rank 0's metrics, a checkpoint whose optimizer state
+    # is sharded (written by both ranks) beside the gathered model.
+    step2 = checkpoints.checkpoint_dir(two_dir, 2)
+    assert sorted(p.name for p in step2.iterdir()) == [
+        "model",
+        "optimizer",
+        "state.json",
+        "trainer.pt",
+    ]
+    assert sorted(p.name for p in (step2 / "optimizer").iterdir() if p.suffix == ".distcp") == [
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
+    assert (
+        load_file(step2 / "model/model.safetensors").keys()
+        == load_file(
+            checkpoints.checkpoint_dir(reference_dir, 2) / "model/model.safetensors"
+        ).keys()
+    )
+
+    # The two ranks' run, extended by one step on one process (no process group): the
+    # optimizer's shards are read back whole, by name.
+    assert cli.main(["train", "--resume", str(two_dir), "--set", "run.steps=4"]) == 0
+    resumed = metrics(two_dir)
+    assert_same_steps(resumed, reference)
+    assert_same_checkpoint(
+        checkpoints.checkpoint_dir(two_dir, 4), checkpoints.checkpoint_dir(reference_dir, 4)
+    )
