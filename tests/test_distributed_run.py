@@ -1,5 +1,6 @@
 """A run over two gloo ranks (torchrun, FSDP2 trainer, one engine per rank) against one process
-with the same global batch and seeds, and that run's checkpoint resumed on one process.
+with the same global batch and seeds; its checkpoint (sharded optimizer state) resumed on one
+process, and one process's checkpoint resumed on two ranks.
 
 What is held equal, and how closely:
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -72,15 +74,19 @@ def config_of(base: Path, run_dir: Path, steps: int) -> run_config.RunConfig:
     )
 
 
-def torchrun(config: run_config.RunConfig, tmp_path: Path, nproc: int = 2) -> None:
-    """``torchrun --standalone --nproc-per-node NPROC -m fp4rl train --config FILE``."""
-    file = tmp_path / f"{Path(config.run.out_dir).name}.toml"
-    file.write_text(run_config.to_toml(config))
+def torchrun(tmp_path: Path, *args: str, nproc: int = 2) -> None:
+    """``torchrun --standalone --nproc-per-node NPROC -m fp4rl train ARGS``."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += [f"--nproc-per-node={nproc}", "-m", "fp4rl", "train", "--config", str(file)]
+    command += [f"--nproc-per-node={nproc}", "-m", "fp4rl", "train", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def config_file(config: run_config.RunConfig, tmp_path: Path) -> str:
+    file = tmp_path / f"{Path(config.run.out_dir).name}.toml"
+    file.write_text(run_config.to_toml(config))
+    return str(file)
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -142,7 +148,7 @@ def test_two_ranks_train_as_one_process_and_resume_on_one(tmp_path, base):
     reference = train(config_of(base, reference_dir, steps=4), log=lambda _: None)
     assert all(m["trained_samples"] > 0 for m in reference[1:4])  # every step but the first
 
-    torchrun(config_of(base, two_dir, steps=3), tmp_path)
+    torchrun(tmp_path, "--config", config_file(config_of(base, two_dir, steps=3), tmp_path))
     two = metrics(two_dir)
     assert_same_steps(two[:3], reference[:3])
     # One rank wrote the run directory: rank 0's metrics, a checkpoint whose optimizer state
@@ -173,3 +179,16 @@ def test_two_ranks_train_as_one_process_and_resume_on_one(tmp_path, base):
     assert_same_checkpoint(
         checkpoints.checkpoint_dir(two_dir, 4), checkpoints.checkpoint_dir(reference_dir, 4)
     )
+
+    # One process's run resumed on two ranks from its checkpoint of step 2: its trainer.pt is
+    # cut into each rank's shards; the steps and weights are the one process's.
+    one_dir = tmp_path / "one"
+    shutil.copytree(reference_dir, one_dir)
+    shutil.rmtree(checkpoints.checkpoint_dir(one_dir, 4))
+    torchrun(tmp_path, "--resume", str(one_dir))
+    assert_same_steps(metrics(one_dir), reference)
+    step4 = checkpoints.checkpoint_dir(one_dir, 4)
+    assert (step4 / "optimizer").is_dir()
+    want = load_file(checkpoints.checkpoint_dir(reference_dir, 4) / "model/model.safetensors")
+    got = load_file(step4 / "model/model.safetensors")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
