@@ -60,13 +60,13 @@ class Ranks:
         """Rank 0 writes the run directory, its metrics and its checkpoints."""
         return self.rank == 0
 
-    def share(self, num: int) -> range:
+    def share(self, num: int, what: str = "rollout.prompts_per_step") -> range:
         """This rank's contiguous share of ``num`` items (the first ``num % world_size`` ranks
-        take one more)."""
+        take one more); ``what`` names the setting that counts them, for the error."""
         if num < self.world_size:
             raise ValueError(
-                f"{num} prompts cannot be shared by {self.world_size} ranks: every rank needs at "
-                "least one (raise rollout.prompts_per_step)"
+                f"{what}={num} cannot be shared by {self.world_size} ranks: every rank needs at "
+                "least one"
             )
         base, extra = divmod(num, self.world_size)
         start = self.rank * base + min(self.rank, extra)

@@ -84,6 +84,7 @@ def train(
     if ranks is not None:
         device = ranks.device
         log = log if writer else _silent
+        ranks.share(config.rollout.prompts_per_step)  # too few prompts fail before any load
     run_dir = Path(config.run.out_dir)
     resume_from = _resume_point(run_dir, resume, log, writer)
 
@@ -308,7 +309,10 @@ def evaluate(
     ``run.eval_samples`` per problem, the same seed at every evaluation), and
     ``held_out_greedy``, greedy decoding. ``on_finish(n)`` is told of finished samples. With
     ``ranks``, each rank's engine takes its share of the problems and the counts are summed."""
-    mine = range(len(problems)) if ranks is None else ranks.share(len(problems))
+    if ranks is None:
+        mine = range(len(problems))
+    else:
+        mine = ranks.share(len(problems), "the held-out problems (task.num_held_out)")
     prompts = [list(p.prompt_ids) for p in problems[mine.start : mine.stop]]
     r = config.rollout
     params = {

@@ -32,6 +32,7 @@ from tiny_models import qat_model, tiny_config, tiny_precision
 
 from fp4rl import checkpoints, cli, demo
 from fp4rl import config as run_config
+from fp4rl.distributed import Ranks
 from fp4rl.loop import train
 from fp4rl.model.checkpoint import save_checkpoint
 
@@ -192,3 +193,17 @@ def test_two_ranks_train_as_one_process_and_resume_on_one(tmp_path, base):
     want = load_file(checkpoints.checkpoint_dir(reference_dir, 4) / "model/model.safetensors")
     got = load_file(step4 / "model/model.safetensors")
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_shares_cover_every_prompt_once_in_order():
+    for world in (1, 2, 3, 8):
+        for num in range(world, 20):
+            shares = [
+                Ranks(rank=r, world_size=world, device=torch.device("cpu"), mesh=None).share(num)
+                for r in range(world)
+            ]
+            assert [i for share in shares for i in share] == list(range(num))
+            assert max(map(len, shares)) - min(map(len, shares)) <= 1
+    two = Ranks(rank=1, world_size=2, device=torch.device("cpu"), mesh=None)
+    with pytest.raises(ValueError, match=r"rollout.prompts_per_step=1 cannot be shared by 2 ranks"):
+        two.share(1)
