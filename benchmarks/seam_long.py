@@ -7,7 +7,7 @@ The demo's completions are a few tokens long; here the test suite's tiny model (
 weights, NVFP4 experts and KV in layers 1-2, vocabulary 128) completes prompts of 2-23 random
 tokens with up to ``--max-tokens`` more (one stop token), so decode steps batch sequences of
 very different contexts and shrink as samples stop. For BF16 and FP32, each trainer forward
-("packed", "engine") replays the routing and rounds to nearest; its codes are compared with
+(`policy.FORWARDS`) replays the routing and rounds to nearest; its codes are compared with
 the rollout's full records (signed codewords, +0 and -0 as one), split into prompt rows (the
 engine's prefill) and completion rows (its decode steps), with token_mult_prob_error and max
 |dlogp| against the sampled tokens' logprobs; each figure over the prompt sets of ``--seeds``
@@ -36,7 +36,7 @@ from fp4rl.records import collate  # noqa: E402
 from fp4rl.rollout import Engine, SamplingParams  # noqa: E402
 from fp4rl.rollout import attention as rollout_attention  # noqa: E402
 from fp4rl.train.observe import signed_index  # noqa: E402
-from fp4rl.train.policy import policy_logprobs, prompt_lens  # noqa: E402
+from fp4rl.train.policy import FORWARDS, policy_logprobs, prompt_lens  # noqa: E402
 
 
 def parse_args():
@@ -135,9 +135,6 @@ def main() -> None:
                 f"| {t['max']:.3g} |"
             )
     print(f"{len(lens)} sequences of {min(lens)}-{max(lens)} tokens")
-
-
-FORWARDS = ("packed", "engine")
 
 
 if __name__ == "__main__":

@@ -16,8 +16,8 @@ rest is inherited from an earlier op. Expert GEMMs are recorded per (token, expe
 
 Then, on the same completions, `fp4rl.train.observe`'s metrics (code agreement overall and per
 site kind, adjacent share, token_mult_prob_error, KL, max |dlogp|) for each trainer forward
-("packed", "engine") with nearest and guided-full rounding, and the time of one replayed
-forward + backward of the micro-batch with each forward (median of ``--repeats``).
+(`policy.FORWARDS`) with nearest and guided-full rounding, and the time of one replayed forward
++ backward of the micro-batch with each forward (median of ``--repeats``).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from fp4rl.rollout import Engine
 from fp4rl.rollout.generation_config import eos_token_ids
 from fp4rl.tasks import build_task
 from fp4rl.train.observe import observe
-from fp4rl.train.policy import policy_logprobs
+from fp4rl.train.policy import FORWARDS, policy_logprobs
 
 
 def parse_args():
@@ -47,7 +47,7 @@ def parse_args():
     parser.add_argument("--config", required=True)
     parser.add_argument("--set", action="append", default=[], dest="overrides")
     parser.add_argument("--steps", type=int, nargs="+", default=[0])
-    parser.add_argument("--trainer-forward", default="packed", choices=("packed", "engine"))
+    parser.add_argument("--trainer-forward", default="packed", choices=FORWARDS)
     parser.add_argument("--repeats", type=int, default=3)
     return parser.parse_args()
 
@@ -221,7 +221,7 @@ def _inputs_equal(engine, trainer, layer, op, key) -> bool:
 
 VARIANTS = {
     f"{forward}, {rounding}": (forward, rounding == "guided-full")
-    for forward in ("packed", "engine")
+    for forward in FORWARDS
     for rounding in ("nearest", "guided-full")
 }
 METRICS = (
@@ -309,7 +309,7 @@ def main() -> None:
             for key in METRICS:
                 if key in m:
                     metrics[name][key].append(m[key])
-        for forward in ("packed", "engine"):
+        for forward in FORWARDS:
             seconds[forward] += step_seconds(policy, batch, forward, args.repeats)
         print(f"step {step} done", flush=True)
     print("| trainer forward, rounding | " + " | ".join(METRICS) + " |")

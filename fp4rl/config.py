@@ -78,15 +78,18 @@ class AlignSection:
     # "bf16": the asymmetric baseline, a W4A16 trainer (weights fake-quantized, expert
     # activations and K/V in BF16) against the W4A4 rollout.
     trainer_activations: Literal["nvfp4", "bf16"] = "nvfp4"
-    # The trainer's attention: "packed", one causal attention per whole sequence; "engine", the
-    # rollout engine's arithmetic row by row (each prompt alone, each completion token as one
-    # query over its context; CPU only: `fp4rl.model.attention.EngineOrderAttention`).
-    trainer_forward: Literal["packed", "engine"] = "packed"
+    # The trainer's attention: "packed", one causal attention per whole sequence in the model
+    # dtype; "packed_fp32", the same in FP32 with one rounding of the output (the rollout's
+    # precision); "engine", the rollout engine's arithmetic row by row (each prompt alone, each
+    # completion token one query over its context; CPU only: `EngineOrderAttention`).
+    trainer_forward: Literal["packed", "packed_fp32", "engine"] = "packed"
     observe_every: int = 10  # mismatch metrics every this many steps; 0: never
 
     def __post_init__(self) -> None:
         checks.choice("align.trainer_activations", self.trainer_activations, ("nvfp4", "bf16"))
-        checks.choice("align.trainer_forward", self.trainer_forward, ("packed", "engine"))
+        checks.choice(
+            "align.trainer_forward", self.trainer_forward, ("packed", "packed_fp32", "engine")
+        )
         if self.replay is not None:
             checks.boolean("align.replay", self.replay)
         if self.rounding is not None:

@@ -164,12 +164,16 @@ class CausalAttention:
     ``seq_lens`` gives the lengths of the sequences concatenated in the token stream. K/V are
     the layer's site values (`NewKV.values`: NVFP4 fake quantization, guided and captured like
     any other site, in the plan's NVFP4-KV layers). Nothing is cached: each call sees whole
-    sequences.
+    sequences. ``fp32``: attend in FP32 and round the output to the model dtype once, the
+    precision the rollout's attention has (`attend_fp32`); otherwise in the model dtype, where
+    SDPA's BF16 internals differ from the rollout in about a quarter of the output values.
     """
 
-    def __init__(self, seq_lens: Sequence[int], *, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, seq_lens: Sequence[int], *, fp32: bool = False, device: torch.device | str = "cpu"
+    ) -> None:
         lens = _check_lens("seq_lens", seq_lens, 1)
-        self.seq_lens = lens
+        self.seq_lens, self.fp32 = lens, fp32
         self.positions = torch.cat([torch.arange(n, device=device) for n in lens])
         # Right-padded [B, S] layout: padding sits after each sequence's last token, so under
         # a causal mask no real token attends to it.
@@ -180,9 +184,10 @@ class CausalAttention:
 
     def attend(self, layer, q_THD, kv: NewKV):
         k_TKD, v_TKD = kv.values()
-        q, k, v = (self._pad(t).transpose(1, 2) for t in (q_THD, k_TKD, v_TKD))  # [B, h, S, D]
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return o.transpose(1, 2)[self._valid_BS]
+        dtype = torch.float32 if self.fp32 else q_THD.dtype
+        q, k, v = (self._pad(t.to(dtype)).transpose(1, 2) for t in (q_THD, k_TKD, v_TKD))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # [B,h,S,D]
+        return o.transpose(1, 2)[self._valid_BS].to(q_THD.dtype)
 
     def _pad(self, x_THD: torch.Tensor) -> torch.Tensor:
         B, S = self._valid_BS.shape

@@ -1,11 +1,11 @@
 """From the rollout's completions to the trainer's per-token log-probabilities: one call.
 
 `policy_logprobs(model, collate(completions))` runs the trainer's full-sequence forward over
-the packed batch (`CausalAttention`; with ``forward="engine"``, `EngineOrderAttention`, which
-attends the way the rollout engine did: each prompt alone, each completion token as one query
-over its context), replaying the rollout's routing and following its
-guidance at every guided FP4 site when asked, and returns ``log p(target | prefix)`` for each
-scored token, aligned with `TrainBatch.rollout_logprobs_N`. Nothing else is needed to compare
+the packed batch (`CausalAttention`, in the model dtype or in FP32; with ``forward="engine"``,
+`EngineOrderAttention`, which attends the way the rollout engine did: each prompt alone, each
+completion token as one query over its context), replaying the rollout's routing and following
+its guidance at every guided FP4 site when asked, and returns ``log p(target | prefix)`` for
+each scored token, aligned with `TrainBatch.rollout_logprobs_N`. Nothing else is needed to compare
 the two sides or to build the GRPO loss.
 
 Legend: T fed tokens, N scored tokens, H hidden.
@@ -20,7 +20,7 @@ from fp4rl.model.inputs import check_ids
 from fp4rl.model.logprobs import token_logprobs
 from fp4rl.records import TrainBatch, record_to
 
-FORWARDS = ("packed", "engine")
+FORWARDS = ("packed", "packed_fp32", "engine")
 
 
 def policy_logprobs(
@@ -43,8 +43,10 @@ def policy_logprobs(
     guided FP4 site toward the rollout's codes (``batch.guidance``). Asking for either when the
     batch does not carry it is an error, never a silent fallback. Gradients flow when enabled.
     ``with_entropy`` returns ``(logprobs_N, entropy_N)``, the entropy detached. ``forward``:
-    "packed" (one causal attention over each whole sequence) or "engine" (the rollout engine's
-    attention arithmetic row by row, CPU only: `EngineOrderAttention`).
+    "packed" (one causal attention over each whole sequence, in the model dtype),
+    "packed_fp32" (the same in FP32, the output rounded once: the engine's precision) or
+    "engine" (the rollout engine's attention arithmetic row by row, CPU only:
+    `EngineOrderAttention`).
     """
     if forward not in FORWARDS:
         raise ValueError(f"forward must be one of {FORWARDS}, got {forward!r}")
@@ -88,8 +90,8 @@ def policy_logprobs(
 
 
 def _backend(batch: TrainBatch, forward: str, device: torch.device):
-    if forward == "packed":
-        return CausalAttention(batch.seq_lens, device=device)
+    if forward != "engine":
+        return CausalAttention(batch.seq_lens, fp32=forward == "packed_fp32", device=device)
     if device.type != "cpu":
         raise ValueError(
             f"forward='engine' reproduces the engine's CPU attention, but the model is on "

@@ -10,7 +10,9 @@ different lengths: decode steps shrink as samples stop, contexts reach 50 tokens
   differently, a few 1e-7 to 1e-5 nats). Prompt rows are the engine's own call on its own
   shapes; completion rows are bitwise only while the engine's padding of a decode step and its
   per-expert row counts leave the FP32 sums in the same order or change them below a BF16
-  rounding (docs/alignment.md), which these completions exercise.
+  rounding (docs/alignment.md), which these completions exercise. The packed forward with FP32
+  attention (``forward="packed_fp32"``: the engine's precision in SDPA's order) misses under a
+  tenth of the packed forward's codes.
 - FP32: those FP32 reorderings are not hidden by a rounding to BF16: codes stay bitwise, block
   scales too, global scales within GLOBAL_SCALE_RTOL (a few ulps of a row's amax).
 - Gradients flow: in FP32 the engine-order forward's gradient of every parameter equals the
@@ -84,8 +86,12 @@ def test_engine_forward_reproduces_the_rollout_at_every_site(run):
         assert all(d == (0, 0, 0) for d in differ.values()), differ
         assert gap <= LOGPROB_ATOL_BF16
         packed, _, packed_logp_N = site_mismatches(qat, batch, "packed")
-        assert sum(d[0] for d in packed.values()) > 1000  # the comparison can fail
+        missed = sum(d[0] for d in packed.values())
+        assert missed > 1000  # the comparison can fail
         assert float((packed_logp_N - batch.rollout_logprobs_N).abs().max()) > 100 * gap
+        # Attention in FP32 (the engine's precision, SDPA's order) removes most of that.
+        fp32, _, _ = site_mismatches(qat, batch, "packed_fp32")
+        assert sum(d[0] for d in fp32.values()) < missed / 10
     else:
         assert all(d[:2] == (0, 0) for d in differ.values()), differ
         assert rel <= GLOBAL_SCALE_RTOL
