@@ -2,6 +2,8 @@
 FSDP2 trainer, one colocated engine per rank), with the same global batch and seeds.
 
     python benchmarks/distributed.py --gpus 2 --layers 8          # two H200s of one host
+    python benchmarks/distributed.py --gpus 2 --layers 20 --no-baseline   # memory: layers that
+                                                                  # fit on 2 GPUs, not on 1
     python benchmarks/distributed.py --device cpu --gpus 2 --layers 2 --hidden 64 \\
         --prompts 4 --samples 4 --prompt-len 8 --max-tokens 4           # smoke check, gloo
 
@@ -62,6 +64,9 @@ def parse_args():
     parser.add_argument("--steps", type=int, default=3, help="the first is warm-up")
     parser.add_argument("--device", default="cuda", help="cpu runs a smoke check over gloo")
     parser.add_argument("--hidden", type=int, default=None, help="override (smoke checks)")
+    parser.add_argument(
+        "--no-baseline", action="store_true", help="only the N-GPU run (a model one GPU can't hold)"
+    )
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     return parser.parse_args()
 
@@ -264,14 +269,15 @@ def main() -> None:
         f"{args.prompt_len} + {args.max_tokens} new tokens, {args.steps} steps (first: warm-up)\n"
     )
     with tempfile.TemporaryDirectory() as tmp:
-        one = run_worker(args, Path(tmp) / "one.json", None)
+        one = None if args.no_baseline else run_worker(args, Path(tmp) / "one.json", None)
         many = run_worker(args, Path(tmp) / "many.json", args.gpus)
     print(
         "| GPUs | rollout tok/s | trained samples/s | refit s | peak GiB per GPU | rollout "
         "speed-up | train speed-up | rewards equal | max loss rel. diff | weights equal |"
     )
     print("|---|---:|---:|---:|---|---:|---:|---|---:|---:|")
-    print(row(one, None))
+    if one is not None:
+        print(row(one, None))
     print(row(many, one))
 
 
