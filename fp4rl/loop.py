@@ -187,14 +187,14 @@ def train(
                 if writer:  # the metrics a resume keeps are on disk first
                     os.fsync(metrics_file.fileno())
                 position = _position(config, task, step + 1, engine.policy_version)
-                keep = config.run.keep_checkpoints
+                kept = config.run.keep_checkpoints
                 if ranks is None:
                     saved = checkpoints.save(
-                        run_dir, position, policy, optimizer, keep=keep, base_model=path
+                        run_dir, position, policy, optimizer, keep=kept, base_model=path
                     )
                 else:
                     saved = checkpoints.save_sharded(
-                        run_dir, position, policy, optimizer, keep=keep, base_model=path,
+                        run_dir, position, policy, optimizer, keep=kept, base_model=path,
                         ranks=ranks, dtype=dtype,
                     )  # fmt: skip
                 log(f"checkpoint {saved}")
