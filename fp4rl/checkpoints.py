@@ -205,6 +205,7 @@ def save_sharded(
         def finish() -> None:
             files = {} if base_model is None else _model_files(Path(base_model))
             save_checkpoint(weights, policy.config, tmp / "model", files=files)
+            _fsync(tmp / "optimizer")  # the shards' names (their contents are fsynced by DCP)
             optimizer_state = {"sharded": "optimizer", "num_updates": state["num_updates"]}
             _write_trainer(tmp, optimizer_state, position, world_size=ranks.world_size)
             os.rename(tmp, final)
@@ -300,7 +301,8 @@ def _load_by_name(
         raise ValueError(f"{checkpoint}: reading the optimizer by name needs names and a dtype")
     if "sharded" in saved:
         target = _empty_named_state(optimizer, names)
-        dcp.load(target, checkpoint_id=checkpoint / saved["sharded"])
+        # One process reads every shard itself (no process group), ranks their own parts.
+        dcp.load(target, checkpoint_id=checkpoint / saved["sharded"], no_dist=ranks is None)
         num_updates = saved["num_updates"]
     else:
         target, num_updates = _named_from_whole(saved, optimizer, names)
