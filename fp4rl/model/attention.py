@@ -2,12 +2,14 @@
 
 The `Attention` module projects, normalizes (Qwen3 per-head q/k RMSNorm) and rotates; where K
 and V live and how the context is gathered belongs to an *attention backend*, an argument of the
-forward: `CausalAttention` here for the trainer's full-sequence forward, the paged cache in
-`fp4rl.rollout` for generation. The layer owns its KV format, built from the precision plan
-(`Bf16KV`, or `Nvfp4KV` with the layer's K and V `Fp4Site`s), and hands it to the backend with
-the new K/V (`NewKV`): the trainer attends over the sites' values, the cache stores the sites'
-`NVFP4Tensor`s, so an NVFP4 KV entry has the same bits on both sides and no caller states the
-KV format a second time.
+forward: `CausalAttention` (SDPA over packed sequences, in the model dtype or FP32) or
+`EngineOrderAttention` (the rollout engine's arithmetic row by row) here for the trainer's
+full-sequence forward, the paged cache in `fp4rl.rollout` for generation. `attend_fp32`, the
+rollout's attention arithmetic, lives here so that both sides can run it. The layer owns its KV
+format, built from the precision plan (`Bf16KV`, or `Nvfp4KV` with the layer's K and V
+`Fp4Site`s), and hands it to the backend with the new K/V (`NewKV`): the trainer attends over
+the sites' values, the cache stores the sites' `NVFP4Tensor`s, so an NVFP4 KV entry has the
+same bits on both sides and no caller states the KV format a second time.
 
 Legend: T tokens (flattened over sequences), H hidden, Hq/Hkv query/kv heads, D head dim.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Protocol
 
 import torch
@@ -239,7 +242,7 @@ class EngineOrderAttention:
         leader = list(range(len(lens))) if prefilled_by is None else list(prefilled_by)
         _check_leaders(leader, prompts)
         self.positions = torch.cat([torch.arange(n, device=device) for n in lens])
-        starts = [sum(lens[:b]) for b in range(len(lens))]
+        starts = [0, *accumulate(lens)][:-1]
         # Where each row's output comes from in the concatenated results of `attend`.
         source_T = [0] * len(self.positions)
         done, first = 0, {}

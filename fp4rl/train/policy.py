@@ -13,6 +13,8 @@ Legend: T fed tokens, N scored tokens, H hidden.
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 
 from fp4rl.model.attention import CausalAttention, EngineOrderAttention
@@ -114,7 +116,7 @@ def prompt_lens(batch: TrainBatch) -> list[int]:
             "every sequence of the batch needs a scored token to tell its prompt's length; "
             f"sequences with one: {seqs}"
         )
-    starts = [sum(batch.seq_lens[:b]) for b in range(batch.num_seqs)]
+    starts = [0, *accumulate(batch.seq_lens)][:-1]
     return [row - start + 1 for row, start in zip(rows, starts, strict=True)]
 
 
