@@ -175,7 +175,7 @@ class CausalAttention:
     def __init__(
         self, seq_lens: Sequence[int], *, fp32: bool = False, device: torch.device | str = "cpu"
     ) -> None:
-        lens = _check_lens("seq_lens", seq_lens, 1)
+        lens = _check_lens("seq_lens", seq_lens)
         self.seq_lens, self.fp32 = lens, fp32
         self.positions = torch.cat([torch.arange(n, device=device) for n in lens])
         # Right-padded [B, S] layout: padding sits after each sequence's last token, so under
@@ -232,8 +232,8 @@ class EngineOrderAttention:
         prefilled_by: Sequence[int] | None = None,
         device: torch.device | str = "cpu",
     ) -> None:
-        lens = _check_lens("seq_lens", seq_lens, 1)
-        prompts = _check_lens("prompt_lens", prompt_lens, 1)
+        lens = _check_lens("seq_lens", seq_lens)
+        prompts = _check_lens("prompt_lens", prompt_lens)
         if len(prompts) != len(lens) or any(p > n for p, n in zip(prompts, lens, strict=True)):
             raise ValueError(
                 f"prompt_lens {prompts} must give one length per sequence, each at most its "
@@ -303,10 +303,10 @@ def _check_leaders(leader: list[int], prompts: list[int]) -> None:
         )
 
 
-def _check_lens(name: str, lens: Sequence[int], low: int) -> list[int]:
+def _check_lens(name: str, lens: Sequence[int]) -> list[int]:
     out = list(lens)
     if not out or not all(isinstance(n, int) and not isinstance(n, bool) for n in out):
         raise ValueError(f"{name} must be a non-empty sequence of ints, got {lens!r}")
-    if min(out) < low:
-        raise ValueError(f"{name} must be lengths of at least {low}, got {out}")
+    if min(out) < 1:
+        raise ValueError(f"{name} must be positive lengths, got {out}")
     return out

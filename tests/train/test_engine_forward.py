@@ -136,7 +136,7 @@ def test_refused_where_it_cannot_apply(run):
         EngineOrderAttention([3, 4], [4, 1])
     with pytest.raises(ValueError, match="one length per sequence"):
         EngineOrderAttention([3, 4], [1])
-    with pytest.raises(ValueError, match="prompt_lens must be lengths of at least 1"):
+    with pytest.raises(ValueError, match="prompt_lens must be positive lengths"):
         EngineOrderAttention([3, 4], [0, 1])
 
 
