@@ -7,6 +7,8 @@ one base policy, several seeds each, and what their runs recorded, aggregated.
    directory each (``<out>/<variant>/seed<N>``), every run evaluated on held-out problems by
    the same BF16 evaluator (``run.eval_precision = "bf16"``). A finished run is skipped, a
    stopped one resumed from its latest checkpoint, so a study continues where it stopped.
+   Each finished run's base and final policy are also evaluated on an engine of the run's own
+   rollout precision (`rollout_evaluation`): the policy as it was sampled and would be served.
 3. `aggregate`: per variant, curves of held-out accuracy, reward and the mismatch metrics with
    their spread over seeds (PNG), and ``results.md``: the final table, mismatch, throughput.
 
@@ -25,7 +27,7 @@ from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
 
-from fp4rl import checkpoints, demo, loop
+from fp4rl import checkpoints, demo, inference, loop
 from fp4rl import config as run_config
 from fp4rl.model.presets import demo_qwen3_moe
 from fp4rl.report import REPORT_EXTRA, read_metrics, series
@@ -234,6 +236,8 @@ def run(
             futures = [pool.submit(_train, c, state == "resume") for c, state in todo]
             for future in futures:
                 log(f"finished {future.result()} ({time.perf_counter() - start:.0f}s)")
+    for config in configs:
+        rollout_evaluation(config, log=log)
     (out / "study.json").write_text(
         json.dumps(
             {
@@ -250,6 +254,31 @@ def run(
     return aggregate(out, variants=variants, seeds=seeds, log=log)
 
 
+ROLLOUT_EVAL = "eval_rollout_precision.json"
+EVAL_KEYS = ("held_out_accuracy", "held_out_greedy")
+
+
+def rollout_evaluation(config: run_config.RunConfig, *, log=print) -> dict:
+    """``{"base": {...}, "final": {...}}``: held-out accuracy of the run's base policy and of its
+    last checkpoint on an engine of the run's own precision (`fp4rl.inference.evaluate_policy`,
+    the evaluation the loop does), kept in the run directory's ``eval_rollout_precision.json``
+    and read back from it once there."""
+    path = Path(config.run.out_dir)
+    if (path / ROLLOUT_EVAL).is_file():
+        return json.loads((path / ROLLOUT_EVAL).read_text())
+    latest = checkpoints.latest_checkpoint(path)
+    if latest is None or latest.name != f"step-{config.run.steps:08d}":
+        raise ValueError(f"{path} has no checkpoint of its last step {config.run.steps}")
+    out = {}
+    for name, weights in (("base", config.model.path), ("final", latest / "model")):
+        at = run_config.load(path / "config.toml", [f"model.path={json.dumps(str(weights))}"])
+        scores = inference.evaluate_policy(at, "config", log=log)
+        out[name] = {k: scores[k] for k in EVAL_KEYS}
+    checkpoints.write_atomic(path / ROLLOUT_EVAL, json.dumps(out, indent=1) + "\n")
+    log(f"{path}: under its rollout precision {out}")
+    return out
+
+
 # --- aggregation ---------------------------------------------------------------------------
 
 # The mismatch metrics of the table: FP4 codes (full records) or mantissa bits (compact
@@ -262,31 +291,40 @@ CURVES = {
         ["held_out_accuracy", "held_out_greedy"],
     ),
     "reward.png": ("Training reward", ["reward"]),
-    "mismatch.png": ("Trainer vs rollout", ["code_agreement", "token_mult_prob_error"]),
+    "mismatch.png": (
+        "Trainer vs rollout",
+        ["code_agreement", "mantissa_agreement", "token_mult_prob_error"],
+    ),
 }
 LABELS = {
     "held_out_accuracy": "held-out accuracy, sampled",
     "held_out_greedy": "held-out accuracy, greedy",
     "reward": "reward (mean over the step's samples)",
-    "code_agreement": "FP4 code agreement",
-    "token_mult_prob_error": "token_mult_prob_error (update)",
+    "code_agreement": "FP4 code agreement (full records)",
+    "mantissa_agreement": "mantissa-bit agreement (compact)",
+    "token_mult_prob_error": "token_mult_prob_error - 1 (update)",
 }
+EXCESS = {"token_mult_prob_error"}  # drawn as value - 1 on a log scale
 
 
-def load_runs(out: Path, variants, seeds) -> dict[str, list[list[dict]]]:
-    """Each variant's finished runs' entries; an unfinished run is an error naming it."""
-    runs = {}
+def load_runs(out: Path, variants, seeds) -> tuple[dict, dict]:
+    """Each variant's finished runs' entries, and their `rollout_evaluation` (None for a run
+    without one); an unfinished run is an error naming it."""
+    runs, evals = {}, {}
     for variant in variants:
-        runs[variant] = []
+        runs[variant], evals[variant] = [], []
         for seed in seeds:
-            entries = read_metrics(run_dir(out, variant, seed))
+            path = run_dir(out, variant, seed)
+            entries = read_metrics(path)
             if "reward" in entries[-1]:
                 raise ValueError(
-                    f"{run_dir(out, variant, seed)} has not finished (its last entry is step "
-                    f"{entries[-1]['step']}, not the final evaluation)"
+                    f"{path} has not finished (its last entry is step {entries[-1]['step']}, "
+                    "not the final evaluation)"
                 )
             runs[variant].append(entries)
-    return runs
+            saved = path / ROLLOUT_EVAL
+            evals[variant].append(json.loads(saved.read_text()) if saved.is_file() else None)
+    return runs, evals
 
 
 def spread(values: list[float]) -> tuple[float, float]:
@@ -310,18 +348,24 @@ def band(
     )
 
 
-def summarize(runs: dict[str, list[list[dict]]]) -> dict[str, dict[str, float]]:
-    """Per variant: final held-out accuracy (mean, std over seeds), its gain over step 0, the
-    mismatch metrics averaged over each run's measurements, and the run's median rollout
-    tokens/s and step time (rollout + train + refit)."""
+def summarize(runs: dict, evals: dict | None = None) -> dict[str, dict[str, float]]:
+    """Per variant: final held-out accuracy (mean, std over seeds) and its gain over step 0,
+    by the BF16 evaluator and (``rollout_*``, when every seed has one) under the rollout's
+    precision; the mismatch metrics averaged over each run's measurements; the run's median
+    rollout tokens/s and step time (rollout + train + refit)."""
     table = {}
     for variant, seed_runs in runs.items():
         row: dict[str, float] = {"seeds": len(seed_runs)}
-        for key in ("held_out_accuracy", "held_out_greedy"):
-            finals = [entries[-1][key] for entries in seed_runs]
-            gains = [entries[-1][key] - entries[0][key] for entries in seed_runs]
-            row[key], row[f"{key}_std"] = spread(finals)
-            row[f"{key}_gain"], row[f"{key}_gain_std"] = spread(gains)
+        pairs = {"": [(e[0], e[-1]) for e in seed_runs]}
+        seed_evals = (evals or {}).get(variant, [None])
+        if all(seed_evals):
+            pairs["rollout_"] = [(e["base"], e["final"]) for e in seed_evals]
+        for prefix, start_end in pairs.items():
+            for key in EVAL_KEYS:
+                finals = [end[key] for _, end in start_end]
+                gains = [end[key] - start[key] for start, end in start_end]
+                row[prefix + key], row[f"{prefix}{key}_std"] = spread(finals)
+                row[f"{prefix}{key}_gain"], row[f"{prefix}{key}_gain_std"] = spread(gains)
         for key in MISMATCH:
             means = [statistics.fmean(v) for e in seed_runs if (v := series(e, key)[1])]
             if means:
@@ -340,7 +384,8 @@ def summarize(runs: dict[str, list[list[dict]]]) -> dict[str, dict[str, float]]:
 
 
 def plot(runs: dict[str, list[list[dict]]], out: Path) -> list[Path]:
-    """The PNGs of `CURVES`: each variant's mean over seeds, its min-max shaded."""
+    """The PNGs of `CURVES`: each variant's mean over seeds, its min-max shaded; a panel no
+    run recorded is left out."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -349,7 +394,8 @@ def plot(runs: dict[str, list[list[dict]]], out: Path) -> list[Path]:
             f"fp4rl study draws with matplotlib ({err}): {REPORT_EXTRA}", name="matplotlib"
         ) from None
     written = []
-    for name, (title, keys) in CURVES.items():
+    for name, (title, panels) in CURVES.items():
+        keys = [k for k in panels if any(band(r, k)[0] for r in runs.values())]
         figure = Figure(figsize=(8, 3.2 * len(keys) + 0.6), layout="constrained")
         FigureCanvasAgg(figure)
         axes = figure.subplots(len(keys), 1, sharex=True, squeeze=False)[:, 0]
@@ -358,6 +404,9 @@ def plot(runs: dict[str, list[list[dict]]], out: Path) -> list[Path]:
                 steps, mean, low, high = band(seed_runs, key)
                 if not steps:
                     continue
+                if key in EXCESS:
+                    mean, low, high = ([v - 1 for v in vs] for vs in (mean, low, high))
+                    ax.set_yscale("log")
                 color = f"C{index}"
                 ax.plot(
                     steps, mean, color=color, label=variant, marker="." if len(steps) < 40 else None
@@ -380,25 +429,30 @@ def _pm(row: dict, key: str, digits: int, scale: float = 1.0) -> str:
     return f"{scale * row[key]:.{digits}f} ± {scale * row[f'{key}_std']:.{digits}f}"
 
 
-def markdown(table: dict[str, dict[str, float]], figures: list[Path]) -> str:
-    """The tables and figure links of ``results.md`` (figures linked by file name)."""
+def _accuracy_table(table: dict, prefix: str) -> list[str]:
     lines = [
         "| variant | seeds | held-out sampled, final | gain over step 0 | held-out greedy, "
         "final | gain over step 0 |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for variant, row in table.items():
-        cells = [
-            _pm(row, k, 1, 100)
-            for k in (
-                "held_out_accuracy",
-                "held_out_accuracy_gain",
-                "held_out_greedy",
-                "held_out_greedy_gain",
-            )
-        ]
+        keys = [prefix + k + end for k in EVAL_KEYS for end in ("", "_gain")]
+        cells = [_pm(row, k, 1, 100) for k in keys]
         lines.append(f"| {variant} | {row['seeds']:.0f} | " + " | ".join(cells) + " |")
-    lines += [
+    return lines
+
+
+def markdown(table: dict[str, dict[str, float]], figures: list[Path]) -> str:
+    """The tables and figure links of ``results.md`` (figures linked by file name)."""
+    lines = [
+        "By the BF16 evaluator (the trained weights, no FP4 module):",
+        "",
+        *_accuracy_table(table, ""),
+        "",
+        "Under each variant's own rollout precision (its base and final policy on an engine "
+        "like its rollout's):",
+        "",
+        *_accuracy_table(table, "rollout_"),
         "",
         "Accuracy in %, mean ± sample standard deviation over seeds.",
         "",
@@ -432,8 +486,8 @@ def markdown(table: dict[str, dict[str, float]], figures: list[Path]) -> str:
 def aggregate(out: Path, *, variants=tuple(VARIANTS), seeds=(0, 1, 2), log=print) -> Path:
     """Curves, ``summary.json`` and ``results.md`` in ``out`` from its finished runs."""
     out = Path(out)
-    runs = load_runs(out, variants, seeds)
-    table = summarize(runs)
+    runs, evals = load_runs(out, variants, seeds)
+    table = summarize(runs, evals)
     figures = plot(runs, out)
     (out / "summary.json").write_text(json.dumps(table, indent=1, allow_nan=False) + "\n")
     path = out / "results.md"

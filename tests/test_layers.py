@@ -47,7 +47,7 @@ ALLOWED = {
     },  # fmt: skip
     "demo": {"fp4", "ops", "records", "model", "train", "tasks", "config", "loop"},
     # the rollout variants compared: the demo's base policy, the loop's runs, their metrics
-    "study": {"model", "train", "config", "report", "checkpoints", "loop", "demo"},
+    "study": {"model", "train", "config", "report", "checkpoints", "loop", "demo", "inference"},
     # a run's checkpoint to a servable one: the precision plan, the engine's packing, the writer
     "export": {"fp4", "ops", "model", "config", "checks", "checkpoints"},
     # generation and evaluation outside training: the loop's engine set-up and metric

@@ -80,6 +80,13 @@ def test_study_runs_aggregates_skips_and_resumes(tmp_path, tiny_size):
         expected = sum(m["token_mult_prob_error"] for m in entries[:2]) / 2
         assert row["token_mult_prob_error"] == pytest.approx(expected)
         assert f"| {variant} | 1 | {100 * row['held_out_accuracy']:.1f} ± 0.0 |" in text
+    # Each run's base and final policy evaluated under its rollout precision, as run.
+    evals = {v: json.loads((out / v / "seed0" / study.ROLLOUT_EVAL).read_text()) for v in VARIANTS}
+    assert evals["nearest"]["base"] == evals["guided-full"]["base"]  # one base, one precision
+    for variant, row in summary.items():
+        final = evals[variant]["final"]
+        assert row["rollout_held_out_greedy"] == final["held_out_greedy"]
+        assert f"| {variant} | 1 | {100 * final['held_out_accuracy']:.1f} ± 0.0 |" in text
     for name in study.CURVES:
         assert (out / name).stat().st_size > 1000 and f"]({name})" in text
 
