@@ -166,6 +166,12 @@ class RunConfig:
                 "align.trainer_activations='bf16' has no FP4 activations to guide: set "
                 "align.rounding='nearest'"
             )
+        if self.align.trainer_forward == "engine" and self.engine.chunked_prefill:
+            # The engine-order attention reproduces each prompt prefilled whole, alone.
+            raise ValueError(
+                "align.trainer_forward='engine' follows prompts prefilled whole: set "
+                "engine.chunked_prefill=false (a prompt then waits for a step it fits in)"
+            )
         if isinstance(self.task, JsonlConfig) and (
             self.task.max_prompt_tokens >= self.engine.max_model_len
         ):

@@ -54,6 +54,11 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
             ],
             r"align.trainer_activations='bf16' has no FP4 activations to guide",
         ),
+        (
+            ["align.trainer_forward=engine"],
+            r"align.trainer_forward='engine' follows prompts prefilled whole: set "
+            r"engine.chunked_prefill=false",
+        ),
     ],
 )
 def test_mistakes_name_the_key_and_value(overrides, message):

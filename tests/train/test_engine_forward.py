@@ -187,6 +187,7 @@ def test_the_loop_observes_and_trains_with_the_engine_order(tmp_path):
             "align.observe_every=1",
             "align.rounding=nearest",
             "align.trainer_forward=engine",
+            "engine.chunked_prefill=false",
             "rollout.prompts_per_step=16",
             "task.num_held_out=16",
             "task.format_reward=0.5",
