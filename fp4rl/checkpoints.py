@@ -33,7 +33,6 @@ import os
 import random
 import re
 import shutil
-import socket
 import uuid
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -45,14 +44,14 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from fp4rl import config as run_config
 from fp4rl.distributed import Ranks, full_state_dict
 from fp4rl.model.checkpoint import save_checkpoint
+from fp4rl.model.checkpoint.writer import partial_path, remove_dead_partials
 from fp4rl.train.optim import MasterAdamW
 
 FORMAT = 1  # of trainer.pt and state.json; a resume refuses any other
 FOLDER = "checkpoints"
 _FINAL = re.compile(r"step-(\d{8})")
-# .step-NNNNNNNN.partial-HOST-PIDNS-PID-RANDOM: a save in progress, an old checkpoint being
-# deleted, or what a killed process left of either.
-_TEMPORARY = re.compile(r"\.step-\d{8}\.partial-(?P<owner>.+-\d+)-(?P<pid>\d+)-[0-9a-f]{12}")
+# Temporaries are .step-NNNNNNNN.partial-HOST-PIDNS-PID-RANDOM (`partial_path`): a save in
+# progress, an old checkpoint being deleted, or what a killed process left of either.
 # Files of the base model that make a checkpoint directory a whole model (tokenizer, chat
 # template, EOS ids), copied into every checkpoint's model/ when present.
 MODEL_FILES = (
@@ -148,7 +147,7 @@ def save(
     files = {} if base_model is None else _model_files(Path(base_model))
     folder.mkdir(parents=True, exist_ok=True)
     remove_stale(run_dir)
-    tmp = _temporary(final)
+    tmp = partial_path(final)
     tmp.mkdir()
     try:
         save_checkpoint(policy.state_dict(), policy.config, tmp / "model", files=files)
@@ -190,7 +189,7 @@ def save_sharded(
             raise FileExistsError(f"{final} exists; not overwriting a checkpoint")
         final.parent.mkdir(parents=True, exist_ok=True)
         remove_stale(run_dir)
-        tmp = _temporary(final)
+        tmp = partial_path(final)
         tmp.mkdir()
         return tmp
 
@@ -384,21 +383,8 @@ def remove_stale(run_dir: str | Path) -> list[Path]:
     """Remove the temporary directories in ``checkpoints/`` whose writer is dead (this host
     and PID namespace, a process id that no longer exists); returns them. Those of a live
     process or of another host are left alone."""
-    folder, here, removed = Path(run_dir) / FOLDER, _owner(), []
-    if not folder.is_dir():
-        return removed
-    for entry in folder.iterdir():
-        m = _TEMPORARY.fullmatch(entry.name)
-        if m is None or m["owner"] != here or not entry.is_dir():
-            continue
-        try:
-            os.kill(int(m["pid"]), 0)
-        except ProcessLookupError:
-            shutil.rmtree(entry, ignore_errors=True)
-            removed.append(entry)
-        except (OSError, OverflowError):  # EPERM: a live process of another user
-            pass
-    return removed
+    folder = Path(run_dir) / FOLDER
+    return remove_dead_partials(folder) if folder.is_dir() else []
 
 
 def cut_metrics(run_dir: str | Path, step: int) -> list[dict]:
@@ -466,24 +452,9 @@ def write_atomic(file: Path, text: str) -> None:
     _fsync(file.parent)
 
 
-def _temporary(final: Path) -> Path:
-    return final.with_name(
-        f".{final.name}.partial-{_owner()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-    )
-
-
-def _owner() -> str:
-    """HOST-PIDNS: where a process id names one process (0 when /proc does not say)."""
-    try:
-        pidns = os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        pidns = 0
-    return f"{socket.gethostname()}-{pidns}"
-
-
 def _delete(checkpoint: Path) -> None:
     """Rename out of the final name space first: a crash mid-delete leaves a temporary."""
-    doomed = _temporary(checkpoint)
+    doomed = partial_path(checkpoint)
     os.rename(checkpoint, doomed)
     _fsync(checkpoint.parent)
     shutil.rmtree(doomed)

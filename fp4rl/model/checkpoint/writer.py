@@ -87,9 +87,9 @@ def write_checkpoint(
     _check_target(path, max_shard_bytes)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    _remove_dead_partials(path.parent)
+    remove_dead_partials(path.parent)
     # mkdir rather than tempfile.mkdtemp: that makes the directory 0700, unreadable by others.
-    tmp = path.parent / f".{path.name}.partial-{_writer()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    tmp = partial_path(path)
     tmp.mkdir()
     try:
         _write(tmp, tensors, config_json, max_shard_bytes)
@@ -120,9 +120,19 @@ def _writer() -> str:
     return f"{socket.gethostname()}-{pidns}"
 
 
-def _remove_dead_partials(parent: Path) -> None:
-    """Remove the partial directories in ``parent`` of saves whose process is gone."""
-    here = _writer()
+def partial_path(final: Path) -> Path:
+    """The temporary sibling a write of ``final`` goes to before its rename:
+    ``.NAME.partial-HOST-PIDNS-PID-RANDOM``, which `remove_dead_partials` recognizes."""
+    return final.with_name(
+        f".{final.name}.partial-{_writer()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    )
+
+
+def remove_dead_partials(parent: Path) -> list[Path]:
+    """Remove the partial directories in ``parent`` of writers whose process is gone (this host
+    and PID namespace, a process id that no longer exists); returns them. Those of a live
+    process or of another host are left alone."""
+    here, removed = _writer(), []
     for entry in parent.iterdir():
         m = _PARTIAL.fullmatch(entry.name)
         if m is None or f"{m['host']}-{m['pidns']}" != here or not entry.is_dir():
@@ -131,8 +141,10 @@ def _remove_dead_partials(parent: Path) -> None:
             os.kill(int(m["pid"]), 0)
         except ProcessLookupError:
             shutil.rmtree(entry, ignore_errors=True)  # another save may be removing it too
+            removed.append(entry)
         except (OSError, OverflowError):  # EPERM: a live process of another user
             pass
+    return removed
 
 
 def _write(
