@@ -7,10 +7,35 @@ at module level: every command's parser is built on each call of ``fp4rl``. ``ru
 status 2 and a one-line cause.
 """
 
-# the order of ``fp4rl --help``
-NAMES = ("train", "demo", "study", "generate", "eval", "report", "export", "bench")
+from pathlib import Path
+
+NAMES = ("train", "demo", "study", "generate", "eval", "report", "export", "bench")  # --help order
 
 SET_HELP = (
     "override one setting, as section.key=value (repeatable); the value is read as TOML "
     "(3, 1e-5, true, [1, 2]) or else as a plain string, e.g. --set precision.kv_cache=nvfp4"
 )
+
+
+def add_policy_arguments(parser) -> None:
+    """The arguments of a command that loads a trained policy (`fp4rl generate`, `fp4rl eval`):
+    where it is, the settings, the precision to run it in, overrides."""
+    parser.add_argument(
+        "source",
+        type=Path,
+        nargs="?",
+        metavar="RUN_DIR|CHECKPOINT",
+        help="a run or checkpoint directory (default: --config's model.path)",
+    )
+    parser.add_argument(
+        "--config", type=Path, help="settings (task, engine, precision); default: the run's"
+    )
+    parser.add_argument(
+        "--precision",
+        default="config",
+        help="config (default): the settings' [precision], NVFP4 experts as they say; bf16: "
+        "every layer BF16",
+    )
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help=SET_HELP
+    )

@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-from fp4rl.commands import SET_HELP
+from fp4rl.commands import add_policy_arguments
 
 HELP = "held-out accuracy of a checkpoint, BF16 or NVFP4"
 DESCRIPTION = (
@@ -20,25 +19,7 @@ DESCRIPTION = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "source",
-        type=Path,
-        nargs="?",
-        metavar="RUN_DIR|CHECKPOINT",
-        help="a run or checkpoint directory (default: --config's model.path)",
-    )
-    parser.add_argument(
-        "--config", type=Path, help="settings (task, engine, precision); default: the run's"
-    )
-    parser.add_argument(
-        "--precision",
-        default="config",
-        help="config (default): the settings' [precision], NVFP4 experts as they say; bf16: "
-        "every layer BF16",
-    )
-    parser.add_argument(
-        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help=SET_HELP
-    )
+    add_policy_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> None:

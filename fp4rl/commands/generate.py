@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-from fp4rl.commands import SET_HELP
+from fp4rl.commands import add_policy_arguments
 
 HELP = "complete prompts from a file or stdin with a checkpoint, BF16 or NVFP4; JSONL out"
 DESCRIPTION = (
@@ -21,31 +20,13 @@ DESCRIPTION = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "source",
-        type=Path,
-        nargs="?",
-        metavar="RUN_DIR|CHECKPOINT",
-        help="a run or checkpoint directory (default: --config's model.path)",
-    )
-    parser.add_argument(
-        "--config", type=Path, help="settings (task, engine, precision); default: the run's"
-    )
+    add_policy_arguments(parser)
     parser.add_argument("--input", default="-", help="the prompts file; - for stdin (default)")
     parser.add_argument("--output", default="-", help="the JSONL file to write; - for stdout")
     parser.add_argument("--text", action="store_true", help="each input line is one prompt")
     parser.add_argument("--field", help="the prompt's key in each JSON line")
-    parser.add_argument(
-        "--precision",
-        default="config",
-        help="config (default): the settings' [precision], NVFP4 experts as they say; bf16: "
-        "every layer BF16",
-    )
     parser.add_argument("--samples", type=int, default=1, help="samples per prompt (default 1)")
     parser.add_argument("--greedy", action="store_true", help="the most likely token each step")
-    parser.add_argument(
-        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help=SET_HELP
-    )
 
 
 def run(args: argparse.Namespace) -> None:
