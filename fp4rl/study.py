@@ -169,10 +169,11 @@ def run_dir(out: Path, variant: str, seed: int) -> Path:
 
 def run_state(config: run_config.RunConfig) -> str:
     """``"done"``, ``"resume"`` (a checkpoint to continue from) or ``"new"``. A run directory
-    whose config is another one is an error: the study never mixes runs of two configs."""
+    whose config is another one is an error: the study never mixes runs of two configs. The
+    saved config is read as this version reads it (a setting added since takes its default)."""
     path = Path(config.run.out_dir)
     saved = path / "config.toml"
-    if saved.is_file() and saved.read_text() != run_config.to_toml(config):
+    if saved.is_file() and run_config.load(saved) != config:
         raise ValueError(
             f"{path} holds a run of another config (its config.toml differs from this study's "
             "run): remove it or choose another --out"
