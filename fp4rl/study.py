@@ -414,6 +414,8 @@ def plot(runs: dict[str, list[list[dict]]], out: Path) -> list[Path]:
                 )
                 ax.fill_between(steps, low, high, color=color, alpha=0.15, linewidth=0)
             ax.set_ylabel(LABELS[key])
+            if key not in EXCESS:
+                ax.ticklabel_format(axis="y", useOffset=False)  # 0.99999, not 1e-5 + 0.9999
             ax.grid(alpha=0.3)
             ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
         axes[-1].set_xlabel("GRPO step")
