@@ -36,6 +36,21 @@ def add_policy_arguments(parser) -> None:
         help="config (default): the settings' [precision], NVFP4 experts as they say; bf16: "
         "every layer BF16",
     )
+    add_set_argument(parser)
+
+
+def add_set_argument(parser, help: str = SET_HELP) -> None:
+    """``--set SECTION.KEY=VALUE``, repeatable: overrides of the run config."""
     parser.add_argument(
-        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help=SET_HELP
+        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help=help
+    )
+
+
+def add_cache_dir_argument(parser) -> None:
+    """``--cache-dir``: where built base policies are kept and reused (the demo, the study)."""
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=Path.home() / ".cache" / "fp4rl",
+        help="where base policies are kept and reused (default ~/.cache/fp4rl)",
     )

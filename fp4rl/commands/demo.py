@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from fp4rl.commands import SET_HELP
+from fp4rl.commands import add_cache_dir_argument, add_set_argument
 
 HELP = "RL on a tiny MoE at addition, on any laptop (~2 min per seed on 2 CPU cores)"
 DESCRIPTION = (
@@ -25,12 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--steps", type=int, default=None, help="GRPO steps (default: the config's)"
     )
-    parser.add_argument(
-        "--cache-dir",
-        type=Path,
-        default=Path.home() / ".cache" / "fp4rl",
-        help="where base policies are kept and reused (default ~/.cache/fp4rl)",
-    )
+    add_cache_dir_argument(parser)
     parser.add_argument(
         "--out-dir",
         type=Path,
@@ -38,9 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where each invocation makes its directory <UTC date-time>/seed<N> (default "
         "runs/demo)",
     )
-    parser.add_argument(
-        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help=SET_HELP
-    )
+    add_set_argument(parser)
 
 
 def run(args: argparse.Namespace) -> None:

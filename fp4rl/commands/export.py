@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from fp4rl.commands import add_set_argument
+
 HELP = "write a checkpoint for serving: NVFP4 routed experts (vLLM-loadable) or plain BF16"
 DESCRIPTION = (
     "Export the policy of a Hugging Face checkpoint directory, or of a run directory (its "
@@ -24,11 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--format", default="nvfp4", metavar="FORMAT", help="nvfp4 (default) or bf16"
     )
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
+    add_set_argument(
+        parser,
         help="override the run's precision (precision.bf16_last_layers=2) or the dtype the "
         "engine quantizes from (model.dtype=float32); repeatable; nvfp4 only",
     )

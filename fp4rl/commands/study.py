@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from fp4rl.commands import SET_HELP
+from fp4rl.commands import add_cache_dir_argument, add_set_argument
 from fp4rl.commands.demo import seeds as parse_seeds
 
 HELP = "compare BF16, FP4 QAT, asymmetric and guided rollouts by GRPO (docs/results.md)"
@@ -39,20 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--jobs", type=int, default=1, help="runs at once, one process each (default 1)"
     )
-    parser.add_argument(
-        "--cache-dir",
-        type=Path,
-        default=Path.home() / ".cache" / "fp4rl",
-        help="where base policies are kept and reused (default ~/.cache/fp4rl)",
-    )
+    add_cache_dir_argument(parser)
     parser.add_argument(
         "--aggregate-only",
         action="store_true",
         help="only aggregate the finished runs already in --out",
     )
-    parser.add_argument(
-        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help=SET_HELP
-    )
+    add_set_argument(parser)
 
 
 def run(args: argparse.Namespace) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from fp4rl.commands import SET_HELP
+from fp4rl.commands import add_set_argument
 
 HELP = "run GRPO from a config file, or resume a run"
 DESCRIPTION = (
@@ -31,9 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "change only run.steps (to extend it), run.checkpoint_every, run.keep_checkpoints and "
         "run.tensorboard",
     )
-    parser.add_argument(
-        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help=SET_HELP
-    )
+    add_set_argument(parser)
 
 
 def run(args: argparse.Namespace) -> None:
