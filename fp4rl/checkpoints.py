@@ -44,7 +44,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from fp4rl import config as run_config
 from fp4rl.distributed import Ranks, full_state_dict
 from fp4rl.model.checkpoint import save_checkpoint
-from fp4rl.model.checkpoint.writer import partial_path, remove_dead_partials
+from fp4rl.model.checkpoint.writer import fsync_path, partial_path, remove_dead_partials
 from fp4rl.train.optim import MasterAdamW
 
 FORMAT = 1  # of trainer.pt and state.json; a resume refuses any other
@@ -153,7 +153,7 @@ def save(
         save_checkpoint(policy.state_dict(), policy.config, tmp / "model", files=files)
         _write_trainer(tmp, optimizer.state_dict(), position)
         os.rename(tmp, final)
-        _fsync(folder)
+        fsync_path(folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -204,11 +204,11 @@ def save_sharded(
         def finish() -> None:
             files = {} if base_model is None else _model_files(Path(base_model))
             save_checkpoint(weights, policy.config, tmp / "model", files=files)
-            _fsync(tmp / "optimizer")  # the shards' names (their contents are fsynced by DCP)
+            fsync_path(tmp / "optimizer")  # the shards' names (their contents are fsynced by DCP)
             optimizer_state = {"sharded": "optimizer", "num_updates": state["num_updates"]}
             _write_trainer(tmp, optimizer_state, position, world_size=ranks.world_size)
             os.rename(tmp, final)
-            _fsync(final.parent)
+            fsync_path(final.parent)
             for old in complete_checkpoints(run_dir)[:-keep]:
                 _delete(old)
 
@@ -231,10 +231,10 @@ def _write_trainer(tmp: Path, optimizer_state: dict, position: Position, **extra
         **extra,
     }
     torch.save(trainer, tmp / "trainer.pt")
-    _fsync(tmp / "trainer.pt")
+    fsync_path(tmp / "trainer.pt")
     state = {"format": FORMAT, **asdict(position), "python_rng": _json_rng(rng.python)}
     _write_fsynced(tmp / "state.json", json.dumps(state) + "\n")
-    _fsync(tmp)  # the names inside it, before they become visible under the final name
+    fsync_path(tmp)  # the names inside it, before they become visible under the final name
 
 
 def load(
@@ -449,14 +449,14 @@ def write_atomic(file: Path, text: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync(file.parent)
+    fsync_path(file.parent)
 
 
 def _delete(checkpoint: Path) -> None:
     """Rename out of the final name space first: a crash mid-delete leaves a temporary."""
     doomed = partial_path(checkpoint)
     os.rename(checkpoint, doomed)
-    _fsync(checkpoint.parent)
+    fsync_path(checkpoint.parent)
     shutil.rmtree(doomed)
 
 
@@ -479,11 +479,3 @@ def _write_fsynced(file: Path, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

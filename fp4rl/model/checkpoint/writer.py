@@ -95,9 +95,9 @@ def write_checkpoint(
         _write(tmp, tensors, config_json, max_shard_bytes)
         for name, content in (files or {}).items():
             _write_bytes(tmp / name, content)
-        _fsync(tmp)  # the file names inside it, before they become visible under `path`
+        fsync_path(tmp)  # the file names inside it, before they become visible under `path`
         os.rename(tmp, path)
-        _fsync(path.parent)
+        fsync_path(path.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -217,10 +217,11 @@ def _write_json(file: Path, obj: object) -> None:
 
 def _write_bytes(file: Path, content: bytes) -> None:
     file.write_bytes(content)
-    _fsync(file)
+    fsync_path(file)
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """Flush a file, or a directory's entries, to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
