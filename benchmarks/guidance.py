@@ -24,17 +24,15 @@ import dataclasses
 from collections import defaultdict
 
 import torch
+from _seam import load_seam
 
-from fp4rl.config import load
 from fp4rl.fp4 import NVFP4Tensor, SparseCodes
 from fp4rl.fp4.reference import unpack_e2m1
-from fp4rl.loop import DTYPES, sampling
+from fp4rl.loop import sampling
 from fp4rl.model.sites import SiteRecords
-from fp4rl.model.weights import load_pretrained
 from fp4rl.records import TrainBatch, capture_bytes_per_generated_token, collate
 from fp4rl.rollout import Engine
 from fp4rl.rollout.generation_config import eos_token_ids
-from fp4rl.tasks import build_task
 from fp4rl.train.observe import signed_index
 from fp4rl.train.policy import policy_logprobs
 
@@ -96,12 +94,8 @@ def sparse_bytes(completions) -> tuple[int, int]:
 
 def main() -> None:
     args = parse_args()
-    config = load(args.config, args.overrides)
-    torch.set_num_threads(config.run.threads or torch.get_num_threads())
-    path, precision, dtype = config.model.path, config.precision, DTYPES[config.model.dtype]
-    task = build_task(config.task, model_dir=path)
-    policy = load_pretrained(path, precision, fp4_experts="qat", dtype=dtype)
-    packed = load_pretrained(path, precision, fp4_experts="packed", dtype=dtype)
+    config, task, policy, packed = load_seam(args.config, args.overrides)
+    path = config.model.path
     modes = {"full": ("full", None), "compact": ("compact", None)}
     modes |= {f"sparse {d:g}": ("sparse", d) for d in args.deltas}
     totals = defaultdict(lambda: defaultdict(float))

@@ -29,15 +29,13 @@ import time
 from collections import defaultdict
 
 import torch
+from _seam import load_seam
 
-from fp4rl.config import load
-from fp4rl.loop import DTYPES, sampling
+from fp4rl.loop import sampling
 from fp4rl.model import experts as experts_module
-from fp4rl.model.weights import load_pretrained
 from fp4rl.records import collate
 from fp4rl.rollout import Engine
 from fp4rl.rollout.generation_config import eos_token_ids
-from fp4rl.tasks import build_task
 from fp4rl.train.observe import observe
 from fp4rl.train.policy import FORWARDS, policy_logprobs
 
@@ -251,12 +249,8 @@ def step_seconds(policy, batch, forward: str, repeats: int) -> list[float]:
 
 def main() -> None:
     args = parse_args()
-    config = load(args.config, args.overrides)
-    torch.set_num_threads(config.run.threads or torch.get_num_threads())
-    path, precision, dtype = config.model.path, config.precision, DTYPES[config.model.dtype]
-    task = build_task(config.task, model_dir=path)
-    policy = load_pretrained(path, precision, fp4_experts="qat", dtype=dtype)
-    packed = load_pretrained(path, precision, fp4_experts="packed", dtype=dtype)
+    config, task, policy, packed = load_seam(args.config, args.overrides)
+    path = config.model.path
     totals: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
     n = config.rollout.samples_per_prompt
     original = experts_module.grouped_mm
