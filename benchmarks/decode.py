@@ -1,0 +1,315 @@
+"""Decode steps of the whole Qwen3-30B-A3B shape: NVFP4 engine against BF16 engine, with the
+memory roofline of each step beside it.
+
+    python benchmarks/decode.py                       # one H200: 48 layers, three cases
+    python benchmarks/decode.py --device cpu --layers 2 --hidden 64 --cases 2x64   # smoke check
+
+Each case is ``BATCHxCONTEXT``: that many sequences, each with that many tokens already in the
+cache, decoding one token per step. Prefill is not run: the KV pages are filled with random K/V
+written through the cache's own write path (the NVFP4 pages quantized per token-head by the
+recipe), so a case of 64 sequences at context 4k costs no 262k-token prefill. The engine's
+decode-step graph (`fp4rl.rollout.graphs`) is then replayed for ``--steps`` consecutive
+positions, ``--repeats`` times, timed with CUDA events; the median and the spread are reported.
+
+Three times per step:
+- ``GPU ms``: the graphs replayed back to back (inputs staged from the host between them, no
+  wait for the device): what the GPU needs for a step;
+- ``engine ms``: what an engine step costs end to end without the scheduler: stage, replay, the
+  sampler on the step's logits (temperature 1), and the host reading the sampled tokens;
+- the memory roofline: bytes a step must move over the device-to-device copy bandwidth measured
+  in the same run. Bytes: the distinct experts the step's tokens routed to in each layer (counted
+  from the step's routing record), each layer's dense weights (attention, norms, router), the
+  final norm and lm_head, the KV of every context token in every layer, and the logits written.
+
+Weights are random BF16 (std 0.02) in the BF16 engine; the NVFP4 engine loads the same weights
+and quantizes its routed experts at load, every layer FP4 and every layer's KV NVFP4. The
+NVFP4 engine runs all cases first, then is freed, so that the BF16 engine's larger KV fits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import statistics
+import sys
+import time
+
+import torch
+from _timing import report, run_header
+
+from fp4rl import ops
+from fp4rl.model.precision import PrecisionConfig
+from fp4rl.model.presets import qwen3_30b_a3b
+from fp4rl.model.transformer import build_model
+from fp4rl.model.weights import load_weights
+from fp4rl.rollout import Engine, EngineConfig, SamplingParams
+from fp4rl.rollout.attention import AttentionMetadata, PagedAttention, Segment
+from fp4rl.rollout.capture import StepCapture
+from fp4rl.rollout.model_layout import ModelLayout
+from fp4rl.rollout.sampler import make_generator, sample
+
+BLOCK = 16
+
+
+def parse_case(text: str) -> tuple[int, int]:
+    try:
+        batch, context = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(
+            f"--cases takes BATCHxCONTEXT entries such as 64x4096, got {text!r}"
+        ) from None
+    if batch < 1 or context < 1:
+        raise SystemExit(f"--cases entry {text!r} needs a batch and a context of at least 1")
+    return batch, context
+
+
+def nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def expert_bytes(experts) -> int:
+    """Bytes of one routed expert as the engine stores it (packed or BF16)."""
+    packed = getattr(experts, "w13_packed", None)
+    if packed is not None:
+        total = nbytes(packed.tensors()) + nbytes(experts.w2_packed.tensors())
+    else:
+        total = nbytes(experts.parameters())
+    return total // experts.num_experts
+
+
+def dense_layer_bytes(layer) -> int:
+    """A decoder layer's weights other than its routed experts."""
+    experts = {id(t) for t in itertools.chain(layer.mlp.experts.parameters(),
+                                              layer.mlp.experts.buffers())}  # fmt: skip
+    return nbytes(
+        t for t in itertools.chain(layer.parameters(), layer.buffers()) if id(t) not in experts
+    )
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes moved (read + write) per second by a 2 GiB device-to-device copy."""
+    src = torch.empty(1 << 30, dtype=torch.int16, device=device)
+    dst = torch.empty_like(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(6):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * src.nbytes / statistics.median(times[1:])
+
+
+def fill_cache(engine: Engine, num_slots: int, generator: torch.Generator) -> None:
+    """Random K/V in the first ``num_slots`` slots of every layer, through the write path."""
+    spec, cache = engine.layout.kv, engine.cache
+    device = engine.layout.device
+    chunk = 1 << 16
+    for layer, fmt in enumerate(spec.layer_formats):
+        for first in range(0, num_slots, chunk):
+            slots = torch.arange(first, min(num_slots, first + chunk), device=device)
+            shape = (len(slots), spec.num_kv_heads, spec.head_dim)
+            k, v = (
+                torch.randn(shape, generator=generator, device=device, dtype=spec.dtype)
+                for _ in range(2)
+            )
+            if fmt == "nvfp4":
+                k, v = ops.quantize(k, scaling="row"), ops.quantize(v, scaling="row")
+            cache.write(layer, slots, k, v)
+
+
+class Clock:
+    """CUDA events on the GPU, wall clock on the CPU (smoke checks)."""
+
+    def __init__(self, device) -> None:
+        self.cuda = torch.device(device).type == "cuda"
+
+    def __enter__(self):
+        if self.cuda:
+            self.start, self.end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.cuda:
+            self.end.record()
+            self.end.synchronize()
+            self.ms = self.start.elapsed_time(self.end)
+        else:
+            self.ms = (time.perf_counter() - self.t0) * 1e3
+
+
+def decode_step(engine: Engine, segments: list[Segment], tokens: list[int], capture=None):
+    """Logits of one decode step: the engine's graph, or (CPU) the eager forward it stands for."""
+    if engine.graphs is not None:
+        return engine.graphs.run(segments, tokens, capture)
+    device = engine.layout.device
+    meta = AttentionMetadata.build(segments, engine.config.block_size, device)
+    attn = PagedAttention(engine.cache, meta)
+    model = engine.model
+    h = model.hidden_states(torch.tensor(tokens, device=device), attn, capture=capture)
+    return model.logits(h), capture
+
+
+def time_case(engine: Engine, batch: int, context: int, steps: int, repeats: int):
+    """(GPU ms per step, engine ms per step: one entry per repeat; distinct experts per MoE
+    layer in the first step)."""
+    device = engine.layout.device
+    per_seq = math.ceil((context + steps) / BLOCK)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+    generator = torch.Generator(device=device).manual_seed(batch * 7919 + context)
+    fill_cache(engine, batch * per_seq * BLOCK, generator)
+    vocab = engine.layout.vocab_size
+    tokens = torch.randint(0, vocab, (steps, batch), generator=torch.Generator().manual_seed(1))
+    tokens = tokens.tolist()
+    params = [SamplingParams(temperature=1.0, max_tokens=steps)] * batch
+
+    def segments(step: int) -> list[Segment]:
+        return [Segment(t, context + step, 1) for t in tables]
+
+    with torch.inference_mode():
+        capture = StepCapture(routing=True, guidance=None, keep=frozenset())
+        _, out = decode_step(engine, segments(0), tokens[0], capture)
+        distinct = [len(torch.unique(ids)) for ids in out.routing.values()]
+        gpu, host = [], []
+        for _ in range(repeats + 1):  # the first pass warms the graphs and the sampler up
+            with Clock(device) as clock:
+                for s in range(steps):
+                    decode_step(engine, segments(s), tokens[s])
+            gpu.append(clock.ms / steps)
+            gens = [make_generator(0, i, 0) for i in range(batch)]
+            with Clock(device) as clock:
+                for s in range(steps):
+                    logits, _ = decode_step(engine, segments(s), tokens[s])
+                    sample(logits, params, gens).token_ids_B.tolist()
+            host.append(clock.ms / steps)
+    return gpu[1:], host[1:], distinct
+
+
+def make_engine(model, num_blocks: int, max_len: int, batch: int) -> Engine:
+    """An engine whose KV budget buys exactly ``num_blocks`` blocks."""
+    per_block = ModelLayout.of(model).kv.bytes_per_token() * BLOCK
+    return Engine(
+        model,
+        EngineConfig(
+            kv_memory_bytes=num_blocks * per_block,
+            max_model_len=max_len,
+            max_num_seqs=batch,
+            block_size=BLOCK,
+        ),
+    )
+
+
+def step_bytes(engine: Engine, distinct: list[int], batch: int, context: int) -> int:
+    """Bytes one decode step must move at the least (see the module docstring)."""
+    model = engine.model
+    total = 0
+    for layer in model.layers:
+        total += dense_layer_bytes(layer)
+    moe = [layer.mlp.experts for layer in model.layers if hasattr(layer.mlp, "experts")]
+    total += sum(d * expert_bytes(e) for d, e in zip(distinct, moe, strict=True))
+    total += nbytes(itertools.chain(model.norm.parameters(), model.lm_head.parameters()))
+    total += batch * context * engine.layout.kv.bytes_per_token()
+    total += batch * engine.layout.vocab_size * 4  # FP32 logits written
+    return total
+
+
+def _spread(values: list[float]) -> float:
+    """Half the spread, in percent of the median."""
+    return 50 * (max(values) - min(values)) / statistics.median(values)
+
+
+def _shrink(hidden: int) -> dict:
+    return dict(hidden_size=hidden, vocab_size=1024, num_experts=16, moe_intermediate_size=64)
+
+
+def build_models(config, device):
+    """The BF16 engine's model (random weights) and the NVFP4 engine's, loaded from it."""
+    bf16 = build_model(
+        config,
+        PrecisionConfig(experts="bf16", kv_cache="bf16", bf16_first_layers=0, bf16_last_layers=0),
+        device=device,
+    )
+    with torch.no_grad():
+        for name, p in bf16.named_parameters():
+            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02)
+    fp4 = build_model(
+        config,
+        PrecisionConfig(experts="nvfp4", kv_cache="nvfp4", bf16_first_layers=0, bf16_last_layers=0),
+        fp4_experts="packed",
+        device=device,
+    )
+    load_weights(fp4, bf16.state_dict())
+    return {"nvfp4": fp4, "bf16": bf16}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--cases", default="1x1024,64x4096,256x2048",
+                        help="comma-separated BATCHxCONTEXT")  # fmt: skip
+    parser.add_argument("--steps", type=int, default=32, help="decode steps per timed repeat")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cuda", help="cpu runs a smoke check")
+    parser.add_argument("--hidden", type=int, default=None, help="override (smoke checks)")
+    args = parser.parse_args()
+    cases = [parse_case(c) for c in args.cases.split(",")]
+    cuda = args.device == "cuda"
+    shrink = {} if args.hidden is None else _shrink(args.hidden)
+    max_len = max(c for _, c in cases) + args.steps + BLOCK
+    config = qwen3_30b_a3b(num_hidden_layers=args.layers, max_position_embeddings=max_len, **shrink)
+    bandwidth = copy_bandwidth(args.device) if cuda else float("nan")
+    models = build_models(config, args.device)
+    rows, results = [], {}
+    for name in ("nvfp4", "bf16"):
+        model = models[name]
+        for batch, context in cases:
+            per_seq = math.ceil((context + args.steps) / BLOCK)
+            engine = make_engine(model, batch * per_seq, max_len, batch)
+            gpu, step, distinct = time_case(engine, batch, context, args.steps, args.repeats)
+            moved = step_bytes(engine, distinct, batch, context)
+            results[(name, batch, context)] = (gpu, step, moved, distinct)
+            del engine
+            _empty_cache(cuda)
+        del models[name], model
+        _empty_cache(cuda)
+    for batch, context in cases:
+        base = statistics.median(results[("bf16", batch, context)][1])
+        for name in ("bf16", "nvfp4"):
+            gpu, step, moved, distinct = results[(name, batch, context)]
+            g, s = statistics.median(gpu), statistics.median(step)
+            roof = moved / bandwidth * 1e3
+            rows.append(
+                f"| {batch} x {context} | {name} | {g:.2f} ±{_spread(gpu):.0f}% | "
+                f"{s:.2f} ±{_spread(step):.0f}% | {batch / s * 1e3:,.0f} | {base / s:.2f}x | "
+                f"{moved / 2**30:.2f} | {roof:.2f} | {100 * roof / g:.0f} % | "
+                f"{100 * (1 - g / s):.0f} % | {statistics.mean(distinct):.0f} |"
+            )
+    report(
+        "decode.md",
+        [
+            run_header("python benchmarks/decode.py " + " ".join(sys.argv[1:])),
+            "",
+            f"{args.layers} layers, every layer FP4 in the nvfp4 engine; {args.steps} steps per "
+            f"repeat, median of {args.repeats}; copy bandwidth {bandwidth / 1e9:,.0f} GB/s "
+            "(read + write)",
+            "",
+            "| batch x context | engine | GPU ms/step | engine ms/step | tok/s | vs bf16 "
+            "| GiB/step | roofline ms | GPU at roofline | host share | experts/layer |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+            *rows,
+        ],
+    )
+
+
+def _empty_cache(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
