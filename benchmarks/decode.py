@@ -269,7 +269,7 @@ def main() -> None:
         model = models[name]
         for batch, context in cases:
             per_seq = math.ceil((context + args.steps) / BLOCK)
-            engine = make_engine(model, batch * per_seq, max_len, batch)
+            engine = make_engine(model, batch * per_seq, per_seq * BLOCK, batch)
             gpu, step, distinct = time_case(engine, batch, context, args.steps, args.repeats)
             moved = step_bytes(engine, distinct, batch, context)
             results[(name, batch, context)] = (gpu, step, moved, distinct)
