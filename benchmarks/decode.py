@@ -190,6 +190,28 @@ def time_case(engine: Engine, batch: int, context: int, steps: int, repeats: int
     return gpu[1:], host[1:], distinct
 
 
+def profile_case(engine: Engine, batch: int, context: int, top: int, title: str) -> None:
+    """The ``top`` kernels of a few decode steps by GPU time (replayed graphs on the GPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    per_seq = math.ceil((context + 4) / BLOCK)
+    segments = [
+        Segment(list(range(i * per_seq, (i + 1) * per_seq)), context, 1) for i in range(batch)
+    ]
+    tokens = [1] * batch
+    activities = [ProfilerActivity.CPU]
+    if engine.layout.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with torch.inference_mode(), profile(activities=activities) as prof:
+        for _ in range(4):
+            decode_step(engine, segments, tokens)
+        if engine.layout.device.type == "cuda":
+            torch.cuda.synchronize()
+    device_sort = "cuda_time_total" if len(activities) == 2 else "cpu_time_total"
+    print(f"### {title}: 4 decode steps")
+    print(prof.key_averages().table(sort_by=device_sort, row_limit=top, max_name_column_width=70))
+
+
 def make_engine(model, num_blocks: int, max_len: int, batch: int) -> Engine:
     """An engine whose KV budget buys exactly ``num_blocks`` blocks."""
     per_block = ModelLayout.of(model).kv.bytes_per_token() * BLOCK
@@ -256,6 +278,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cuda", help="cpu runs a smoke check")
     parser.add_argument("--hidden", type=int, default=None, help="override (smoke checks)")
+    parser.add_argument(
+        "--profile", type=int, default=0, help="also print the N kernels that take most GPU time"
+    )
     args = parser.parse_args()
     cases = [parse_case(c) for c in args.cases.split(",")]
     cuda = args.device == "cuda"
@@ -271,6 +296,8 @@ def main() -> None:
             per_seq = math.ceil((context + args.steps) / BLOCK)
             engine = make_engine(model, batch * per_seq, per_seq * BLOCK, batch)
             gpu, step, distinct = time_case(engine, batch, context, args.steps, args.repeats)
+            if args.profile:
+                profile_case(engine, batch, context, args.profile, f"{name} {batch}x{context}")
             moved = step_bytes(engine, distinct, batch, context)
             results[(name, batch, context)] = (gpu, step, moved, distinct)
             del engine
