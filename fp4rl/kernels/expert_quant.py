@@ -197,16 +197,16 @@ class ExpertConfig:
 CONFIGS = {
     # Offline compile for sm_90 (Triton 3.6): 128 registers per thread at K = 2048, 141 at 768,
     # so 3-4 programs of 4 warps per SM; items of 32 KiB of BF16 keep what is read between the
-    # two passes of a row well inside L2 (module docstring). Not yet timed on a GPU.
+    # two passes of a row well inside L2 (module docstring). Timed on an H200: BENCHMARKS.md.
     "default": ExpertConfig(tile=4096, item_elements=16384, num_warps=4, programs_per_sm=4),
     # Small enough that tests' tiny groups span several items and several row blocks per item.
     "tiny": ExpertConfig(tile=64, item_elements=128, num_warps=4, programs_per_sm=1),
 }
 
 # Groups up to this size can come here; a larger one cannot stay in L2 between its two passes,
-# and `nearest` reads it twice from HBM with its amax pass in a launch of its own. 0 for now, so
-# that `nearest` sends nothing here: this version has not yet run on an H200 (its predecessor
-# was measured, BENCHMARKS.md), and 16 << 20 routes experts here once it has.
+# and `nearest` reads it twice from HBM with its amax pass in a launch of its own. 0: `nearest`
+# sends nothing here, because on an H200 this kernel is slower than those two launches at both
+# expert shapes of Qwen3-30B-A3B (BENCHMARKS.md, "Refit: per-expert quantize in one launch").
 MAX_GROUP_BYTES = 0
 
 
