@@ -1,6 +1,7 @@
 """The GRPO loop end to end on the CPU: a short `fp4rl demo`, pinned first steps, and an update
 that does not depend on how it was split into micro-batches."""
 
+import dataclasses
 import json
 
 import pytest
@@ -189,3 +190,37 @@ def test_greedy_exact_matches_greedy_decoding(base):
 
     assert demo.greedy_exact(policy, answers(0)) == 1.0
     assert demo.greedy_exact(policy, answers(1)) == 0.0
+
+
+def test_replay_fallbacks_are_counted_on_the_device_and_read_once_per_update(base):
+    """Tokens whose routing record is missing (-1) are routed live and counted: the router
+    hands each MoE layer's count over as a device tensor (no wait per layer), and the update
+    makes the total a number once, the same however the update is split."""
+    config, policy, engine = policy_and_engine(base, "optim.lr=1e-3")
+    completions, advantages = rollout_and_advantages(config, engine, step=0)
+    holes = {1: (0, 3), 6: (2,), 17: (1, 4, 5)}  # completion -> fed tokens left unrecorded
+    for i, rows in holes.items():
+        routing = completions[i].routing.clone()
+        routing[:, list(rows)] = -1
+        completions[i] = dataclasses.replace(completions[i], routing=routing)
+    moe_layers = completions[0].routing.shape[0]
+    want = moe_layers * sum(len(rows) for rows in holes.values())
+
+    router = policy.layers[policy.moe_layers[0]].mlp.router
+    x = torch.zeros(4, router.weight.shape[1])
+    _, _, fallback = router(x, torch.tensor([[0, 1], [-1, 1], [0, 1], [-1, -1]]))
+    assert isinstance(fallback, torch.Tensor) and fallback.item() == 2
+
+    start = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    for micro_batch_seqs in (len(completions), 5):
+        with torch.no_grad():
+            for n, p in policy.named_parameters():
+                p.copy_(start[n])
+        stats = {"replay_fallback_tokens": 0}  # as the loop's step metrics start it
+        optimizer = MasterAdamW(policy.parameters(), config.optim)
+        grpo_update(
+            policy, optimizer, completions, advantages, config=config.grpo, replay=True,
+            guided=True, temperature=1.0, micro_batch_seqs=micro_batch_seqs, stats=stats,
+        )  # fmt: skip
+        assert type(stats["replay_fallback_tokens"]) is int
+        assert stats["replay_fallback_tokens"] == want, micro_batch_seqs

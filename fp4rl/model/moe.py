@@ -23,10 +23,12 @@ class Router(nn.Module):
 
     def forward(
         self, x_TH: torch.Tensor, replay_Tk: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    ) -> tuple[torch.Tensor, torch.Tensor, int | torch.Tensor]:
         """Return ``(weights [T, k] FP32, ids [T, k] int64, number of tokens routed live)``.
 
-        ``replay_Tk`` (int, -1 = no record) forces the experts of the tokens it covers.
+        ``replay_Tk`` (int, -1 = no record) forces the experts of the tokens it covers; the
+        count of the tokens it leaves to live routing is then a 0-dim tensor on the device, so
+        counting waits for nothing (its reader makes it a number, once per update).
         """
         probs_TE = F.softmax(F.linear(x_TH.float(), self.weight.float()), dim=-1)
         live_w, live_ids = torch.topk(probs_TE, self.top_k, dim=-1)
@@ -41,7 +43,7 @@ class Router(nn.Module):
             missing_T = (replay_Tk < 0).any(-1)
             ids = torch.where(missing_T[:, None], live_ids, replay_Tk.long())
             weights = probs_TE.gather(1, ids)
-            fallback = int(missing_T.sum())
+            fallback = missing_T.sum()
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
         return weights, ids, fallback

@@ -54,7 +54,8 @@ def grpo_update(
     """Accumulate the GRPO gradient of ``completions`` and take one optimizer step. Returns
     the loss and the objective's metrics (token-weighted means over the update) and the
     optimizer's ``lr``, ``grad_norm`` and ``skipped``. ``stats`` receives the forward's counters
-    (``replay_fallback_tokens``); ``on_micro_batch(num_completions)`` is called after each;
+    (``replay_fallback_tokens``), added up on the device and made numbers once, after the last
+    micro-batch; ``on_micro_batch(num_completions)`` is called after each;
     ``forward``: the trainer's attention (`policy_logprobs`).
 
     ``across``: the update is one of a sharded trainer's ranks, ``completions`` this rank's
@@ -79,16 +80,16 @@ def grpo_update(
         if spare is None:
             raise ValueError("a rank with no completion to train on needs a spare one")
     sums: dict[str, torch.Tensor] = {}
-    counts: dict[str, int] = {}  # the forward's counters of this rank, in a sharded run
+    counts: dict[str, torch.Tensor] = {}  # the forward's counters, summed on the device
     for start in range(0, num_micro_batches * micro_batch_seqs, micro_batch_seqs):
         chunk = completions[start : start + micro_batch_seqs]
         advantages = advantages_Q[start : start + micro_batch_seqs]
         padding = not chunk
         if padding:
             chunk, advantages = [spare], [0.0]
-        # Fresh per micro-batch in a sharded run: FSDP may rebuild a non-empty dict among the
-        # forward's arguments (moving them to the device), losing what is counted into it.
-        counted = stats if across is None else ({} if not padding else None)
+        # Fresh per micro-batch: FSDP may rebuild a non-empty dict among the forward's
+        # arguments (moving them to the device), losing what is counted into it.
+        counted = None if padding else {}
         batch = collate(chunk)
         if batch.sampling_logprobs_N is None:
             raise ValueError("GRPO needs the rollout's logprobs (SamplingParams.return_logprobs)")
@@ -122,9 +123,8 @@ def grpo_update(
             continue
         loss.backward()
         optimizer.accumulate()
-        if across is not None:
-            for key, value in counted.items():
-                counts[key] = counts.get(key, 0) + int(value)
+        for key, value in counted.items():
+            counts[key] = counts.get(key, 0) + value
         if on_micro_batch is not None:
             on_micro_batch(batch.num_seqs)
         # The micro-batch losses sum to the update's loss; the metrics are means over each
@@ -134,11 +134,13 @@ def grpo_update(
         for key, value in metrics.items():
             sums[key] = sums.get(key, 0.0) + value.float() * share
     out = {key: float(value) for key, value in sums.items()}
+    counters = {key: int(value) for key, value in counts.items()}  # their one wait on the device
     if across is not None:
         out = across.sum(out)
-        for key, value in across.sum(counts).items():
-            if stats is not None:
-                stats[key] = stats.get(key, 0) + int(value)
+        counters = {key: int(value) for key, value in across.sum(counters).items()}
+    if stats is not None:
+        for key, value in counters.items():
+            stats[key] = stats.get(key, 0) + value
     out.update(optimizer.step())
     return out
 
