@@ -76,8 +76,12 @@ def record_num_rows(r: SiteRecord) -> int:
     return _members(r)[0].shape[0]
 
 
-def record_to(r: SiteRecord, device: torch.device | str) -> SiteRecord:
-    return _rebuild(r, [m.to(device) for m in _members(r)])
+def record_to(
+    r: SiteRecord, device: torch.device | str, *, non_blocking: bool = False
+) -> SiteRecord:
+    """The record on ``device``. From a CUDA device to the CPU with ``non_blocking``, the copy
+    lands in pinned memory and is only queued: read it after the stream has been synchronized."""
+    return _rebuild(r, [m.to(device, non_blocking=non_blocking) for m in _members(r)])
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
