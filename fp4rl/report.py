@@ -230,17 +230,34 @@ def _atomic(path: Path, write) -> None:
         tmp.unlink(missing_ok=True)
 
 
-# What the summary's configuration table shows, when the run's config.toml sets it.
+# What the summary's configuration table shows, when the run's config.toml sets it: every
+# setting that changes the numbers a run computes (its formats, what the rollout records and
+# the trainer follows, the trainer's forward, the update's grouping, the evaluator) and the
+# run's scale.
 ESSENTIALS = {
-    "model": ("path", "dtype"),
-    "precision": ("experts", "kv_cache", "bf16_first_layers", "bf16_last_layers"),
-    "engine": ("capture_routing", "guidance"),
-    "align": ("replay", "rounding", "trainer_activations", "observe_every"),
+    "model": ("path", "dtype", "device"),
+    "precision": ("experts", "kv_cache", "bf16_first_layers", "bf16_last_layers", "guided_sites"),
+    "engine": ("capture_routing", "guidance", "compact_fraction", "sparse_delta"),
+    "align": ("replay", "rounding", "trainer_activations", "trainer_forward", "observe_every"),
     "rollout": ("prompts_per_step", "samples_per_prompt", "max_tokens", "temperature"),
-    "grpo": ("correction",),
+    "grpo": ("correction", "tis_cap", "mask_low", "mask_high"),
     "optim": ("lr",),
     "task": ("kind",),
-    "run": ("steps", "seed", "eval_every"),
+    "run": ("steps", "seed", "eval_every", "eval_precision", "micro_batch_seqs"),
+}
+# Shown only where they act: a setting -> (the setting that turns it on, its value).
+ACTS_WHEN = {
+    "engine.compact_fraction": ("engine.guidance", "compact"),
+    "engine.sparse_delta": ("engine.guidance", "sparse"),
+    "grpo.tis_cap": ("grpo.correction", "tis"),
+    "grpo.mask_low": ("grpo.correction", "mask"),
+    "grpo.mask_high": ("grpo.correction", "mask"),
+}
+# config.toml leaves out a setting whose value is None (TOML has none); what that means.
+WHEN_UNSET = {
+    "engine.guidance": "unset: no guidance recorded",
+    "align.replay": "unset: replay iff the engine records routing",
+    "align.rounding": "unset: guided iff the engine records guidance",
 }
 GAP = (
     "token_mult_prob_error",
@@ -284,13 +301,29 @@ def _read_config(run_dir: Path) -> dict | None:
 def _config_section(config: dict | None) -> list[str]:
     if config is None:
         return ["The run directory has no `config.toml`."]
-    rows = [
-        [f"`{section}.{key}`", f"`{json.dumps(config[section][key])}`"]
-        for section, keys in ESSENTIALS.items()
-        for key in keys
-        if key in config.get(section, {})
-    ]
+    rows = []
+    for section, keys in ESSENTIALS.items():
+        table = config.get(section)
+        if not isinstance(table, dict):
+            continue
+        for key in keys:
+            name = f"{section}.{key}"
+            if name in ACTS_WHEN:
+                on, value = ACTS_WHEN[name]
+                if _setting(config, on) != value:
+                    continue
+            if key in table:
+                rows.append([f"`{name}`", f"`{json.dumps(table[key])}`"])
+            elif name in WHEN_UNSET:
+                rows.append([f"`{name}`", WHEN_UNSET[name]])
     return [*_table(["setting", "value"], rows), "", "All settings: `config.toml`."]
+
+
+def _setting(config: dict, name: str):
+    """The value of ``section.key`` in a config read from TOML; None when it is not there."""
+    section, key = name.split(".")
+    table = config.get(section)
+    return table.get(key) if isinstance(table, dict) else None
 
 
 def _extremes(entries: list[dict], key: str) -> tuple[tuple, tuple, tuple, tuple] | None:

@@ -3,6 +3,7 @@ TensorBoard on; its report's plots read back as images, its summary's numbers eq
 recomputed from metrics.jsonl, its TensorBoard scalars equal to metrics.jsonl's values; and
 ``fp4rl report`` refusing a run directory without a readable metrics file, naming the line."""
 
+import dataclasses
 import json
 import re
 import shutil
@@ -14,7 +15,9 @@ import pytest
 from fp4rl import config as run_config
 from fp4rl import demo
 from fp4rl.cli import main
-from fp4rl.report import FIGURES, TensorBoardLog, read_metrics, write_report
+from fp4rl.config import AlignSection
+from fp4rl.model.precision import PrecisionConfig
+from fp4rl.report import ESSENTIALS, FIGURES, TensorBoardLog, read_metrics, summary, write_report
 from fp4rl.train.optim import OptimConfig
 
 STEPS = 3
@@ -104,6 +107,7 @@ def test_report_plots_are_images_and_its_numbers_are_the_metrics(run_dir, tmp_pa
     assert f"{STEPS} GRPO steps recorded (steps 0 to {STEPS - 1})" in md
     assert f"final evaluation at step {STEPS}" in md
     assert rows["run.steps"] == [f"`{STEPS}`"] and rows["align.rounding"] == ['`"nearest"`']
+    assert rows["align.trainer_forward"] == ['`"packed"`']
     for key in ("held_out_accuracy", "held_out_greedy", "reward"):
         got = [(m[key], m["step"]) for m in entries if key in m]
         best = max(got, key=lambda p: p[0])  # the first step that reached it
@@ -294,3 +298,75 @@ def test_agreement_of_compact_sparse_and_live_routing_runs_is_drawn_and_listed(t
     assert keys == ["router_agreement/layer2", "router_agreement/layer10"]  # layers in order
     assert "Also recorded in `metrics.jsonl`: `new_metric`." in md
     assert "no final evaluation" in md
+
+
+def configuration(config: run_config.RunConfig, tmp_path) -> dict[str, list[str]]:
+    """The rows of the configuration table of a run directory holding ``config``."""
+    (tmp_path / "config.toml").write_text(run_config.to_toml(config))
+    md = summary(tmp_path, [{"step": 0, "reward": 0.5}], set())
+    section = md[md.index("## Configuration") : md.index("## Reward")]
+    return tables(section)
+
+
+@pytest.mark.parametrize(
+    "overrides, shown, hidden",
+    [
+        (
+            [
+                "engine.capture_routing=true",
+                "engine.guidance=compact",
+                "engine.compact_fraction=0.25",
+                "grpo.correction=mask",
+            ],
+            {
+                "engine.guidance": '`"compact"`',
+                "engine.compact_fraction": "`0.25`",
+                "grpo.mask_low": "`0.5`",
+                "grpo.mask_high": "`2.0`",
+                "align.replay": "unset: replay iff the engine records routing",
+            },
+            ("engine.sparse_delta", "grpo.tis_cap"),
+        ),
+        (
+            [
+                "engine.guidance=sparse",
+                "engine.sparse_delta=0.05",
+                "align.trainer_forward=packed_fp32",
+                "align.replay=false",
+                "align.rounding=nearest",
+                "run.eval_precision=bf16",
+                "run.micro_batch_seqs=16",
+            ],
+            {
+                "engine.sparse_delta": "`0.05`",
+                "align.trainer_forward": '`"packed_fp32"`',
+                "align.replay": "`false`",
+                "run.eval_precision": '`"bf16"`',
+                "run.micro_batch_seqs": "`16`",
+                "grpo.tis_cap": "`2.0`",
+                "precision.guided_sites": "`["
+                + ", ".join(json.dumps(s) for s in PrecisionConfig().guided_sites)
+                + "]`",
+            },
+            ("engine.compact_fraction", "grpo.mask_low"),
+        ),
+        (
+            [],  # no guidance: the table says so rather than leaving the row out
+            {"engine.guidance": "unset: no guidance recorded", "model.device": '`"auto"`'},
+            ("engine.compact_fraction", "engine.sparse_delta"),
+        ),
+    ],
+)
+def test_the_configuration_table_shows_what_changes_the_numbers(tmp_path, overrides, shown, hidden):
+    rows = configuration(run_config.load(None, overrides), tmp_path)
+    for key, value in shown.items():
+        assert rows[key] == [value], key
+    for key in hidden:
+        assert key not in rows, key
+
+
+def test_every_precision_and_align_setting_is_in_the_configuration_table():
+    """A setting added to ``[precision]`` or ``[align]`` changes the numbers a run computes:
+    the report must show it."""
+    for section, cls in (("precision", PrecisionConfig), ("align", AlignSection)):
+        assert {f.name for f in dataclasses.fields(cls)} <= set(ESSENTIALS[section]), section
