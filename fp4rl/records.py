@@ -96,6 +96,8 @@ class Completion:
     # temperature / top-k / top-p), and under the unprocessed logits; None unless requested.
     logprobs: torch.Tensor | None = None
     raw_logprobs: torch.Tensor | None = None
+    # The records are in host memory (pinned, when the engine ran on a GPU): the trainer moves
+    # them to its device when it uses them.
     routing: torch.Tensor | None = None  # int32 [L_moe, T, top_k], -1 = no record
     # (layer, site) -> record with leading dim T: NVFP4Tensor ("full"), CompactCodes or
     # SparseCodes; None for the FP4 layers compact guidance leaves out (the trainer rounds
@@ -146,7 +148,7 @@ class TrainBatch:
     # trainer recomputes) and under the distribution it sampled from; None if not recorded.
     rollout_logprobs_N: torch.Tensor | None
     sampling_logprobs_N: torch.Tensor | None
-    routing: torch.Tensor | None  # int32 [L_moe, T, k] on the rollout's device
+    routing: torch.Tensor | None  # int32 [L_moe, T, k], on the CPU (`Completion`)
     guidance: dict[SiteKey, SiteRecord | None] | None  # records with leading dim T
     prompt_index: tuple[int, ...]  # per sequence
     sample_index: tuple[int, ...]
@@ -165,7 +167,7 @@ class TrainBatch:
 def collate(completions: Sequence[Completion]) -> TrainBatch:
     """Pack completions, in order, into a `TrainBatch`; raises ValueError naming the completion
     (by prompt and sample index) whose records are inconsistent with the others or with its own
-    length. Records stay on the device the rollout left them on."""
+    length. Records stay where the rollout left them (host memory)."""
     if not completions:
         raise ValueError("collate needs at least one completion")
     for c in completions:

@@ -25,7 +25,14 @@ from dataclasses import dataclass, field
 import torch
 
 from fp4rl.fp4 import NVFP4Tensor, compact, sparse
-from fp4rl.records import SiteKey, SiteRecord, record_cat, record_gather
+from fp4rl.records import (
+    SiteKey,
+    SiteRecord,
+    record_cat,
+    record_gather,
+    record_rows,
+    record_to,
+)
 
 
 def kept_layers(mode: str | None, fp4_layers: tuple[int, ...], fraction: float) -> frozenset[int]:
@@ -80,6 +87,24 @@ class StepCapture:
         if self.keep_routing:
             self.routing[layer] = topk_ids_Tk.to(torch.int32)
 
+    def to_host(self, rows: int | None = None) -> StepCapture:
+        """A `StepCapture` like this one holding the first ``rows`` rows (all by default) of
+        each record, copied to pinned host memory. The copies are only queued on the current
+        stream, behind the forward that wrote the records and before anything that would
+        overwrite them (a graph's next replay): the host reads them once the stream has been
+        synchronized (`CaptureLog.assemble` does). Records thus never pile up on the GPU
+        during a long rollout, and a step costs one queued copy per record member."""
+        out = StepCapture(routing=self.keep_routing, guidance=self.guidance, keep=self.keep,
+                          sparse_delta=self.sparse_delta)  # fmt: skip
+        out.routing = {
+            layer: ids[:rows].to("cpu", non_blocking=True) for layer, ids in self.routing.items()
+        }
+        out.sites = {
+            key: record_to(r if rows is None else record_rows(r, 0, rows), "cpu", non_blocking=True)
+            for key, r in self.sites.items()
+        }
+        return out
+
 
 @dataclass(slots=True)
 class SequenceCapture:
@@ -118,6 +143,8 @@ class CaptureLog:
         """Per sequence: the routing record, int32 ``[L_moe, T, k]`` in the order of
         ``moe_layers`` (-1 for a layer nothing recorded; None when routing was not kept), and
         the guidance records, rows ``T`` in token order. Empties the log."""
+        if torch.cuda.is_available():  # the host copies of `StepCapture.to_host` must have landed
+            torch.cuda.synchronize()
         steps, offsets = self.steps, [0]
         for n in self.num_rows:
             offsets.append(offsets[-1] + n)

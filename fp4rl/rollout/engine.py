@@ -216,6 +216,8 @@ class Engine:
             h_TH = self.model.hidden_states(tokens_T, attn, capture=capture)
             last_rows = [end - 1 for (_, end), entry in zip(ranges, fed, strict=True) if entry[3]]
             logits_SV = self.model.logits(h_TH[torch.tensor(last_rows, device=device)])
+            if capture is not None and torch.device(device).type == "cuda":
+                capture = capture.to_host()  # as graphed steps' records: off the GPU at once
         self.cache.copy_blocks(step.block_copies)
         scheduler.commit(step)
         if capture is not None:  # a prompt's rows belong to each of its samples

@@ -15,7 +15,8 @@ outputs are dropped.
 
 What a graph writes (logits, and the routing and guidance records when the engine captures
 them) lives in the graph's own memory and is overwritten by the next replay: `run` hands out
-the logits for this step only and copies the records out (`StepCapture` of rows ``0..B``).
+the logits for this step only and queues a copy of the records' rows ``0..B`` to pinned host
+memory behind the replay, on the same stream, so the next replay cannot overwrite them first.
 
 Graphs hold the addresses of the weights and the KV pages they were captured with: a refit
 copies weights in place (`fp4rl.refit`), and the engine drops its graphs with its KV pages
@@ -38,7 +39,6 @@ import numpy as np
 import torch
 
 from fp4rl import ops
-from fp4rl.records import record_cat, record_rows
 from fp4rl.rollout.attention import AttentionMetadata, PagedAttention, Segment
 from fp4rl.rollout.capture import StepCapture
 from fp4rl.rollout.kv_cache import KVCache
@@ -105,18 +105,14 @@ class DecodeGraphs:
         self, segments: list[Segment], tokens: list[int], capture: StepCapture | None
     ) -> tuple[torch.Tensor, StepCapture | None]:
         """Logits ``[B, V]`` of one decode step (one token per segment), valid until the next
-        call, and a copy of the step's records in a fresh `StepCapture` like ``capture``."""
+        call, and the step's records in a fresh `StepCapture` like ``capture``, their copy to
+        pinned host memory queued behind the replay (`StepCapture.to_host`)."""
         B = len(segments)
         b = bucket_for(B)
         graph = self._graph(b, capture)
         self._stage(segments, tokens, b)
         graph.graph.replay()
-        out = _like(capture)
-        if out is not None:
-            out.routing = {layer: ids[:B].clone() for layer, ids in graph.capture.routing.items()}
-            out.sites = {
-                key: record_cat([record_rows(r, 0, B)]) for key, r in graph.capture.sites.items()
-            }
+        out = None if capture is None else graph.capture.to_host(B)
         return graph.logits_bV[:B], out
 
     def _padding_rows(self) -> np.ndarray:

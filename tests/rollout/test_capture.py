@@ -78,3 +78,25 @@ def test_compact_records_are_the_mantissa_bits_of_the_full_ones():
         strict=True,
     ):
         assert torch.equal(a, b)
+
+
+def test_to_host_keeps_the_first_rows_of_every_record():
+    capture = StepCapture(routing=True, guidance="compact", keep={(0, "k")})
+    ids = torch.arange(12, dtype=torch.int32).view(6, 2)
+    capture.record_routing(0, ids)
+    t = quantize(torch.randn(6, 32, generator=torch.Generator().manual_seed(0)), scaling="row")
+    capture.record(0, "k", t)
+    host = capture.to_host(4)
+    assert (host.keep_routing, host.guidance, host.keep) == (True, "compact", capture.keep)
+    assert torch.equal(host.routing[0], ids[:4]) and host.routing[0].device.type == "cpu"
+    want = compact(t)
+    got = host.sites[(0, "k")]
+    assert isinstance(got, CompactCodes)
+    for a, b in zip(
+        (got.mantissa_bits, got.block_scale, got.global_scale),
+        (want.mantissa_bits[:4], want.block_scale[:4], want.global_scale[:4]),
+        strict=True,
+    ):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    whole = capture.to_host()
+    assert whole.routing[0].shape == (6, 2) and whole.sites[(0, "k")].global_scale.shape[0] == 6
