@@ -18,7 +18,8 @@ Each rank holds a colocated engine (the whole packed policy) and a shard of the 
 - `ShardedAdamW`: `MasterAdamW`'s update over those shards (masters and moments sharded).
 - `gathered_records`: the refit stream, each FSDP unit's full weights gathered once in the
   policy's dtype, handed to this rank's engine and freed before the next unit is gathered, so
-  the whole unsharded model never sits on one device.
+  the whole unsharded model never sits on one device; `weights_of`, the trainer's refit stream
+  in one process or sharded.
 - `full_state_dict`: the policy's full weights, one tensor at a time, for rank 0's checkpoint.
 
 Does not own the loop's order (`fp4rl.loop`), the checkpoint layout (`fp4rl.checkpoints`) or the
@@ -39,6 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
+from fp4rl.refit import refit_records
 from fp4rl.refit.protocol import EndOfStream, NamedTensor, Record
 from fp4rl.train.optim import MasterAdamW, OptimConfig, adamw
 
@@ -236,6 +238,14 @@ def gathered_records(model, policy_version: int) -> Iterator[Record]:
         finally:
             unit.reshard()
     yield EndOfStream(policy_version, tuple(sent))
+
+
+def weights_of(policy, policy_version: int, ranks: Ranks | None) -> Iterator[Record]:
+    """The refit stream of the trainer's weights: its parameters as they are in one process
+    (``ranks`` None), gathered one FSDP unit at a time when sharded (`gathered_records`)."""
+    if ranks is None:
+        return refit_records(policy, policy_version=policy_version)
+    return gathered_records(policy, policy_version)
 
 
 def _root_parameters(model):

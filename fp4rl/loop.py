@@ -7,7 +7,13 @@ its config says; ``[align]`` says whether the trainer replays and follows them, 
 the mismatch between the two is measured (`fp4rl.train.observe`). Metrics go to
 ``metrics.jsonl`` in the run directory, one JSON object per step, and a summary line per step
 to ``log``. Every ``run.checkpoint_every`` steps and after the last, the state goes to a
-checkpoint (`fp4rl.checkpoints`); ``resume`` continues a run from its latest one.
+checkpoint; ``resume`` continues a run from its latest one.
+
+This module owns the order of a run and of its steps (`train`, `rollout`, `score`, the observed
+mismatch, the update, the refit) and the step's metrics. It does not own the run directory
+over the run's life (`fp4rl.run_dir`: where a run starts, resume, metrics.jsonl, when and how
+checkpoints are saved), held-out evaluation (`fp4rl.evaluation`, whose `evaluate` and
+`Evaluator` it re-exports) or the numerics of any phase.
 
 With ``ranks`` (`fp4rl.distributed`, a process of a torchrun launch) the same loop runs on
 every rank: each generates on its own engine for its share of the step's prompts, the rewards
@@ -18,31 +24,52 @@ refit gathers one layer at a time, and rank 0 alone logs and writes the run dire
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import hashlib
-import json
-import os
+import io
 import random
 import time
 from pathlib import Path
 
 import torch
 
-from fp4rl import checkpoints
-from fp4rl.config import RunConfig, to_toml
-from fp4rl.distributed import Ranks, ShardedAdamW, gathered_records, shard_policy
+from fp4rl.config import RunConfig
+from fp4rl.distributed import Ranks, ShardedAdamW, shard_policy, weights_of
+from fp4rl.evaluation import Evaluator, evaluate
 from fp4rl.model.weights import load_pretrained
 from fp4rl.progress import Progress
 from fp4rl.records import capture_bytes_per_generated_token as capture_bytes
 from fp4rl.records import collate
-from fp4rl.refit import RefitReceiver, refit_records
-from fp4rl.report import TensorBoardLog, check_tensorboard
+from fp4rl.refit import RefitReceiver
+from fp4rl.report import check_tensorboard
 from fp4rl.rollout import Engine, SamplingParams
+from fp4rl.run_dir import (
+    MetricsLog,
+    checkpoint_due,
+    open_run_dir,
+    restore,
+    resume_point,
+    save,
+)
 from fp4rl.tasks import Task, build_task, step_seed
 from fp4rl.train.grpo import group_advantages
 from fp4rl.train.observe import observe
 from fp4rl.train.optim import MasterAdamW
 from fp4rl.train.step import grpo_update
+
+__all__ = [
+    "DTYPES",
+    "Evaluator",
+    "evaluate",
+    "phase",
+    "progress",
+    "resolve_device",
+    "rollout",
+    "sampling",
+    "score",
+    "setup",
+    "summary_line",
+    "train",
+    "weights_of",
+]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -86,7 +113,7 @@ def train(
         log = log if writer else _silent
         ranks.share(config.rollout.prompts_per_step)  # too few prompts fail before any load
     run_dir = Path(config.run.out_dir)
-    resume_from = _resume_point(run_dir, resume, log, writer)
+    resume_from = resume_point(run_dir, resume, log, writer)
 
     path, precision = config.model.path, config.precision
     task = build_task(config.task, model_dir=path, log=log)  # bad data fails before the model loads
@@ -107,8 +134,10 @@ def train(
     evaluator = Evaluator(engine, config, dtype=dtype, device=device, ranks=ranks)
     start, rng = 0, None
     if resume_from is not None:
-        start, rng = _restore(resume_from, policy, optimizer, receiver, config, task, ranks)
-    history = _open_run_dir(run_dir, config, start, resume, ranks)  # the steps before `start`
+        start, rng = restore(
+            resume_from, policy, optimizer, receiver, config, task, dtype=dtype, ranks=ranks
+        )
+    history = open_run_dir(run_dir, config, start, resume, ranks)  # the steps before `start`
     held_out = task.held_out()
     replay, guided = config.align.resolve(config.engine)
     log(
@@ -116,26 +145,21 @@ def train(
         f"(the engine records guidance={config.engine.guidance})"
     )
 
-    purge_step = start if resume else None  # TensorBoard hides what a killed attempt wrote
-    tensorboard = None
-    if config.run.tensorboard and writer:
-        tensorboard = TensorBoardLog(run_dir, purge_step=purge_step)
+    metrics = MetricsLog(
+        run_dir, start=start, resume=resume, writer=writer, tensorboard=config.run.tensorboard
+    )
     if rng is not None:
         rng.restore()  # last: loading the models above may draw random numbers
-    metrics_path = run_dir / "metrics.jsonl" if writer else Path(os.devnull)
-    with (
-        open(metrics_path, "a" if resume else "w") as metrics_file,
-        tensorboard or contextlib.nullcontext(),
-    ):
+    with metrics:
         for step in range(start, config.run.steps):
             m: dict = {"step": step, "policy_version": engine.policy_version}
             if step % config.run.eval_every == 0:
-                m.update(evaluator(policy, task, held_out))
+                m.update(held_out_metrics(evaluator, policy, task, held_out, config, ranks))
             num = config.rollout.prompts_per_step
             problems = task.train_examples(seed=config.run.seed, step=step, num=num)
             mine = range(num) if ranks is None else ranks.share(num)  # this rank's prompts
             with phase(m, "rollout", device):
-                completions = rollout(engine, task, problems, config, step, mine)
+                completions = rollout(engine, task, problems, config, step, mine, ranks)
             keep, advantages = score(
                 task, problems[mine.start : mine.stop], completions, config, m, ranks
             )
@@ -151,7 +175,7 @@ def train(
                 # the single process's when rank 0's share holds run.micro_batch_seqs samples.
                 m.update(seen if ranks is None else ranks.broadcast(seen))
             engine.release_kv()  # the trainer takes the memory of the pages while it runs
-            with phase(m, "train", device), Progress(len(keep), f"step {step} train") as bar:
+            with phase(m, "train", device), progress(len(keep), f"step {step} train", ranks) as bar:
                 if m["trained_samples"]:  # of every rank: all of them update, or none
                     m.update(
                         grpo_update(
@@ -178,42 +202,37 @@ def train(
                 m.update(ranks.max({k: v for k, v in m.items() if _per_rank(k)}))
             m["rollout_tokens_per_s"] = m["generated_tokens"] / m["rollout_s"]
             history.append(m)
-            metrics_file.write(json.dumps(m) + "\n")
-            metrics_file.flush()
-            if tensorboard:
-                tensorboard.write(m)
+            metrics.write(m)
             log(summary_line(m))
-            if _checkpoint_due(step + 1, config):
-                if writer:  # the metrics a resume keeps are on disk first
-                    os.fsync(metrics_file.fileno())
-                position = _position(config, task, step + 1, engine.policy_version)
-                kept = config.run.keep_checkpoints
-                if ranks is None:
-                    saved = checkpoints.save(
-                        run_dir, position, policy, optimizer, keep=kept, base_model=path
-                    )
-                else:
-                    saved = checkpoints.save_sharded(
-                        run_dir, position, policy, optimizer, keep=kept, base_model=path,
-                        ranks=ranks, dtype=dtype,
-                    )  # fmt: skip
+            if checkpoint_due(step + 1, config):
+                metrics.sync()  # the metrics a resume keeps are on disk first
+                saved = save(
+                    run_dir, config, task, step + 1, engine.policy_version, policy, optimizer,
+                    dtype=dtype, ranks=ranks,
+                )  # fmt: skip
                 log(f"checkpoint {saved}")
         final = {"step": config.run.steps, "policy_version": engine.policy_version}
-        final.update(evaluator(policy, task, held_out))
+        final.update(held_out_metrics(evaluator, policy, task, held_out, config, ranks))
         history.append(final)
-        metrics_file.write(json.dumps(final) + "\n")
-        if tensorboard:
-            tensorboard.write(final)
+        metrics.write(final)
     for key in ("held_out_accuracy", "held_out_greedy"):
         log(f"{key.replace('_', ' ')} {history[0][key]:.3f} -> {final[key]:.3f}")
     return history
 
 
-def rollout(engine: Engine, task: Task, problems: list, config: RunConfig, step: int, mine: range):
+def rollout(
+    engine: Engine,
+    task: Task,
+    problems: list,
+    config: RunConfig,
+    step: int,
+    mine: range,
+    ranks: Ranks | None = None,
+):
     """The completions of ``problems[mine]`` (this rank's share; all of them in one process),
     sampled as one engine given every problem would sample them."""
     total = len(mine) * config.rollout.samples_per_prompt
-    with Progress(total, f"step {step} rollout") as bar:
+    with progress(total, f"step {step} rollout", ranks) as bar:
         prompts = [list(p.prompt_ids) for p in problems[mine.start : mine.stop]]
         params = sampling(config, step, task.stop_token_ids)
         return engine.generate(prompts, params, on_finish=bar.update, first_prompt_index=mine.start)
@@ -268,6 +287,14 @@ def score(
     return mine, adv_GS.flatten().tolist()[first:last]
 
 
+def progress(total: int, label: str, ranks: Ranks | None = None) -> Progress:
+    """A progress bar on the terminal (`fp4rl.progress`); with several ranks, rank 0's alone:
+    the other ranks' bars write to no terminal, so they draw nothing."""
+    if ranks is None or ranks.writer:
+        return Progress(total, label)
+    return Progress(total, label, stream=io.StringIO())
+
+
 @contextlib.contextmanager
 def phase(m: dict, name: str, device: torch.device):
     """Time a phase into ``m[name + "_s"]``; on CUDA also its peak memory (GiB) into
@@ -295,87 +322,12 @@ def sampling(config: RunConfig, step: int, stop_token_ids: tuple[int, ...]) -> S
     )
 
 
-def evaluate(
-    engine: Engine,
-    task: Task,
-    problems: list,
-    config: RunConfig,
-    *,
-    on_finish=None,
-    ranks: Ranks | None = None,
+def held_out_metrics(
+    evaluator: Evaluator, policy, task: Task, problems: list, config: RunConfig, ranks=None
 ) -> dict[str, float]:
-    """Held-out accuracy of the policy as the engine holds it: ``held_out_accuracy``, the share
-    of completions with the full reward 1.0 sampled as the rollout samples (its temperature,
-    ``run.eval_samples`` per problem, the same seed at every evaluation), and
-    ``held_out_greedy``, greedy decoding. ``on_finish(n)`` is told of finished samples. With
-    ``ranks``, each rank's engine takes its share of the problems and the counts are summed."""
-    if ranks is None:
-        mine = range(len(problems))
-    else:
-        mine = ranks.share(len(problems), "the held-out problems (task.num_held_out)")
-    prompts = [list(p.prompt_ids) for p in problems[mine.start : mine.stop]]
-    r = config.rollout
-    params = {
-        "held_out_accuracy": SamplingParams(
-            n=config.run.eval_samples,
-            temperature=r.temperature,
-            max_tokens=r.max_tokens,
-            stop_token_ids=task.stop_token_ids,
-            seed=config.run.seed,
-        ),
-        "held_out_greedy": SamplingParams(
-            temperature=0, max_tokens=r.max_tokens, stop_token_ids=task.stop_token_ids
-        ),
-    }
-    out = {}
-    for key, sampling_params in params.items():
-        done = engine.generate(
-            prompts, sampling_params, on_finish=on_finish, first_prompt_index=mine.start
-        )
-        n = sampling_params.n
-        exact = [
-            task.reward(problems[mine.start + i // n], c.completion_ids) == 1.0
-            for i, c in enumerate(done)
-        ]
-        if ranks is None:
-            out[key] = sum(exact) / len(exact)
-        else:
-            counts = ranks.sum({"exact": sum(exact), "all": len(exact)})
-            out[key] = counts["exact"] / counts["all"]
-    return out
-
-
-class Evaluator:
-    """Held-out evaluation on the engine ``run.eval_precision`` names: the rollout engine
-    itself ("rollout"), or a twin over the same checkpoint with every module in the model's
-    dtype and none FP4 ("bf16": no FP4 experts, BF16 KV, nothing recorded), so runs of any
-    rollout precision are measured by one evaluator. The twin is refit from the trainer when
-    the rollout engine's policy version has moved past its own, and holds KV pages only while
-    it evaluates."""
-
-    def __init__(self, engine: Engine, config: RunConfig, *, dtype, device, ranks=None) -> None:
-        self.rollout_engine, self.config, self.ranks = engine, config, ranks
-        self.engine, self.receiver = engine, None
-        if config.run.eval_precision == "bf16":
-            precision = dataclasses.replace(config.precision, experts="bf16", kv_cache="bf16")
-            engine_config = dataclasses.replace(config.engine, capture_routing=False, guidance=None)
-            self.engine = Engine.from_pretrained(
-                config.model.path, engine_config, precision=precision, dtype=dtype, device=device
-            )
-            self.engine.release_kv()
-            self.receiver = RefitReceiver(self.engine)
-
-    def __call__(self, policy, task: Task, problems: list) -> dict[str, float]:
-        if self.receiver is None:
-            return evaluate(self.engine, task, problems, self.config, ranks=self.ranks)
-        version = self.rollout_engine.policy_version
-        if self.engine.policy_version != version:
-            self.receiver.receive(weights_of(policy, version, self.ranks))
-        self.engine.acquire_kv()
-        try:
-            return evaluate(self.engine, task, problems, self.config, ranks=self.ranks)
-        finally:
-            self.engine.release_kv()
+    """`evaluate` on the evaluator's engine, brought up to the trainer's weights first."""
+    with evaluator.current(policy) as engine:
+        return evaluate(engine, task, problems, config, ranks=ranks)
 
 
 def summary_line(m: dict) -> str:
@@ -397,28 +349,6 @@ def summary_line(m: dict) -> str:
     return " | ".join(parts)
 
 
-def weights_of(policy, policy_version: int, ranks: Ranks | None):
-    """The refit stream of the trainer's weights: its parameters as they are in one process,
-    gathered one FSDP unit at a time when sharded (`fp4rl.distributed.gathered_records`)."""
-    if ranks is None:
-        return refit_records(policy, policy_version=policy_version)
-    return gathered_records(policy, policy_version)
-
-
-def _open_run_dir(
-    run_dir: Path, config: RunConfig, start: int, resume: bool, ranks: Ranks | None
-) -> list[dict]:
-    """Write the run's config and, on a resume, cut its metrics back to ``start``: rank 0's
-    work; the kept metrics, on every rank."""
-
-    def write() -> list[dict]:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        checkpoints.write_atomic(run_dir / "config.toml", to_toml(config))
-        return checkpoints.cut_metrics(run_dir, start) if resume else []
-
-    return write() if ranks is None else ranks.on_writer(write)
-
-
 def _per_rank(key: str) -> bool:
     """Whether a metric is a rank's own (a phase's time or peak memory), to be maxed."""
     return key.endswith("_s") or (key.startswith("peak_") and key.endswith("_gib"))
@@ -426,76 +356,6 @@ def _per_rank(key: str) -> bool:
 
 def _silent(_line: str) -> None:
     """The log of ranks other than 0."""
-
-
-def _resume_point(run_dir: Path, resume: bool, log, writer: bool = True) -> Path | None:
-    """The checkpoint to resume from (None: from step 0); a new run may not overwrite one.
-    Only the ``writer`` (rank 0) removes what killed saves left."""
-    latest = checkpoints.latest_checkpoint(run_dir)
-    if not resume:
-        if latest is not None:
-            raise ValueError(
-                f"{run_dir} holds checkpoints of an earlier run ({latest.name}): continue it "
-                f"with `fp4rl train --resume {run_dir}`, or choose another run.out_dir"
-            )
-        metrics = run_dir / "metrics.jsonl"
-        if metrics.is_file() and metrics.stat().st_size:
-            log(f"replacing {metrics}, left by an earlier run that saved no checkpoint")
-        return None
-    for stale in checkpoints.remove_stale(run_dir) if writer else []:
-        log(f"removed {stale}, the leftover of a save that did not finish")
-    log(f"resuming {run_dir} from " + (str(latest) if latest else "step 0: it has no checkpoint"))
-    return latest
-
-
-def _restore(
-    checkpoint: Path, policy, optimizer, receiver, config: RunConfig, task: Task, ranks=None
-):
-    """Trainer state, then the engine refit from it: ``(start step, random states)``. A
-    checkpoint written by any number of ranks is read by any number."""
-    names = [n for n, p in policy.named_parameters() if p.requires_grad]
-    dtype = DTYPES[config.model.dtype]
-    saved, rng = checkpoints.load(checkpoint, optimizer, names=names, dtype=dtype, ranks=ranks)
-    if saved.step > config.run.steps:
-        raise ValueError(f"{checkpoint} is at step {saved.step}, past run.steps={config.run.steps}")
-    expected = _position(config, task, saved.step, saved.policy_version)
-    differ = [
-        k
-        for k in ("seed", "sampling_seed", "prompts_sha256")
-        if getattr(saved, k) != getattr(expected, k)
-    ]
-    if differ:
-        raise ValueError(
-            f"{checkpoint}: its data position is not this config's: "
-            + ", ".join(
-                f"{k} saved {getattr(saved, k)!r}, now {getattr(expected, k)!r}" for k in differ
-            )
-            + " (another run.seed, rollout.prompts_per_step, task or data file?)"
-        )
-    receiver.receive(weights_of(policy, saved.policy_version, ranks))
-    return saved.step, rng
-
-
-def _checkpoint_due(done: int, config: RunConfig) -> bool:
-    """Whether the state after ``done`` steps is saved: every ``run.checkpoint_every`` steps
-    and after the last."""
-    every = config.run.checkpoint_every
-    return done == config.run.steps or (every > 0 and done % every == 0)
-
-
-def _position(config: RunConfig, task: Task, step: int, policy_version: int):
-    """Where the run stands after ``step`` steps, with the fingerprint of the prompts it sees
-    next (a pure function of the run seed and the step)."""
-    num = config.rollout.prompts_per_step
-    prompts = task.train_examples(seed=config.run.seed, step=step, num=num)
-    digest = hashlib.sha256(json.dumps([list(p.prompt_ids) for p in prompts]).encode())
-    return checkpoints.Position(
-        step=step,
-        policy_version=policy_version,
-        seed=config.run.seed,
-        sampling_seed=step_seed(config.run.seed, step),
-        prompts_sha256=digest.hexdigest(),
-    )
 
 
 def _check_vocab(vocab_size: int, task: Task) -> None:

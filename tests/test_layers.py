@@ -30,6 +30,10 @@ ALLOWED = {
     "report": set(),  # metrics read back, TensorBoard, plots; its extras imported lazily
     # a run's saved state: the HF writer, the optimizer's state, the run's config
     "checkpoints": {"model", "train", "config", "distributed"},
+    # held-out accuracy and the engine it is measured on (the rollout's, or a BF16 twin)
+    "evaluation": {"rollout", "refit", "tasks", "config", "distributed"},
+    # a run directory over the run's life: start or resume, metrics.jsonl, checkpoints saved
+    "run_dir": {"tasks", "config", "report", "checkpoints", "distributed"},
     "loop": {
         "fp4",
         "ops",
@@ -44,6 +48,8 @@ ALLOWED = {
         "report",
         "checkpoints",
         "distributed",
+        "evaluation",
+        "run_dir",
     },  # fmt: skip
     "demo": {"fp4", "ops", "records", "model", "train", "tasks", "config", "loop"},
     # the rollout variants compared: the demo's base policy, the loop's runs, their metrics

@@ -2,7 +2,9 @@
 that does not depend on how it was split into micro-batches."""
 
 import dataclasses
+import io
 import json
+import sys
 
 import pytest
 import torch
@@ -224,3 +226,46 @@ def test_replay_fallbacks_are_counted_on_the_device_and_read_once_per_update(bas
         )  # fmt: skip
         assert type(stats["replay_fallback_tokens"]) is int
         assert stats["replay_fallback_tokens"] == want, micro_batch_seqs
+
+
+class Terminal(io.StringIO):
+    """Standard error as a terminal sees it: progress bars draw on it."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+class CountingEngine:
+    """Generates nothing; tells the caller that every sample of every prompt finished."""
+
+    def generate(self, prompts, params, *, on_finish, first_prompt_index):
+        for _ in prompts:
+            on_finish(params.n)
+        return []
+
+
+def test_progress_bars_draw_on_rank_0_alone(monkeypatch):
+    from fp4rl.distributed import Ranks
+    from fp4rl.loop import progress, rollout
+    from fp4rl.tasks import build_task
+
+    config = run_config.load(demo.CONFIG_FILE, ["rollout.prompts_per_step=4"])
+    task = build_task(config.task)
+    problems = task.train_examples(seed=0, step=0, num=4)
+    for rank in (None, 0, 1):
+        ranks = None
+        if rank is not None:
+            ranks = Ranks(rank=rank, world_size=2, device=torch.device("cpu"), mesh=None)
+        mine = range(4) if ranks is None else ranks.share(4)
+        terminal = Terminal()
+        monkeypatch.setattr(sys, "stderr", terminal)
+        rollout(CountingEngine(), task, problems, config, 0, mine, ranks)
+        with progress(3, "step 0 train", ranks) as bar:
+            bar.update(3)
+        drawn = terminal.getvalue()
+        if rank == 1:  # another rank's bars would draw over rank 0's
+            assert drawn == ""
+        else:
+            samples = len(mine) * config.rollout.samples_per_prompt
+            assert f"step 0 rollout [{'#' * 30}] {samples}/{samples}" in drawn
+            assert f"step 0 train [{'#' * 30}] 3/3" in drawn
