@@ -63,6 +63,15 @@ def placement(backend: str, rank: int) -> dict:
     return {}
 
 
+def arriving_on(device: torch.device, records):
+    """``records``, each tensor checked to have arrived on ``device`` (the engine's GPU under
+    NCCL: the transport allocates there, never on the trainer's)."""
+    for record in records:
+        if isinstance(record, NamedTensor):
+            assert record.tensor.device == device, f"{record.name} on {record.tensor.device}"
+        yield record
+
+
 def failed_refit(receiver: RefitReceiver, transport) -> dict:
     """Receive one stream that must fail: what the refit and then `generate` said."""
     try:
@@ -82,9 +91,9 @@ def failed_refit(receiver: RefitReceiver, transport) -> dict:
 def engine_side(transport, backend: str) -> dict:
     where, atol = placement(backend, 0), LOGPROB_ATOL[backend]
     rollout, results = engine(seed=0, **where), {}
-    receiver = RefitReceiver(rollout)
+    receiver, device = RefitReceiver(rollout), where.get("device", torch.device("cpu"))
     for version in (1, 2):  # fp4rl names, then hub names, of trainer(seed=version)
-        receiver.receive(transport.receive())
+        receiver.receive(arriving_on(device, transport.receive()))
         assert_engine_holds(rollout, trainer(seed=version, **where))
     assert_generates_like(rollout, engine(seed=2, **where), atol=atol)
     results["good"] = rollout.policy_version
