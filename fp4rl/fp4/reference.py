@@ -88,12 +88,17 @@ def global_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(s < MIN_GLOBAL_SCALE, torch.zeros_like(s), s)
 
 
-def block_scale_from_amax(block_amax: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
-    """E4M3 block scales from FP32 block amaxes and their (broadcast) global scales."""
+def block_scale_ratio(block_amax: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """The unrounded block scale ``block_amax / (6 * global_scale)`` in FP32 (0 where the global
+    scale is 0), which `block_scale_from_amax` rounds to E4M3."""
     ratio = block_amax / (global_scale * 6.0)
     # A zero global scale (flushed or all-zero group) would divide by zero: its blocks are zero.
-    ratio = torch.where(global_scale == 0, torch.zeros_like(ratio), ratio)
-    return e4m3_rne_satfinite(ratio)
+    return torch.where(global_scale == 0, torch.zeros_like(ratio), ratio)
+
+
+def block_scale_from_amax(block_amax: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """E4M3 block scales from FP32 block amaxes and their (broadcast) global scales."""
+    return e4m3_rne_satfinite(block_scale_ratio(block_amax, global_scale))
 
 
 def scaled_values(
