@@ -15,6 +15,7 @@ else is still plain PyTorch. The ratios are against the graphed engines.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -50,7 +51,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs (median reported)")
     parser.add_argument("--device", default="cuda", help="cpu runs a smoke check")
     parser.add_argument("--hidden", type=int, default=None, help="override (smoke checks)")
+    parser.add_argument(
+        "--variants", default="all", help=f"rows to run, separated by ;: {'; '.join(VARIANTS)}"
+    )
+    parser.add_argument(
+        "--warmup-tokens", type=int, default=None, help="new tokens of the warm-up call "
+        "(default: --max-tokens; fewer keeps a long rollout's warm-up short)"
+    )  # fmt: skip
+    parser.add_argument("--kv-gib", type=float, default=8.0, help="KV budget of each engine")
     args = parser.parse_args()
+    chosen = list(VARIANTS) if args.variants == "all" else args.variants.split(";")
+    unknown = [v for v in chosen if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"--variants: unknown rows {unknown}; choose from {list(VARIANTS)}")
     cuda = args.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     shrink = (
@@ -60,7 +73,11 @@ def main() -> None:
             hidden_size=args.hidden, vocab_size=1024, num_experts=16, moe_intermediate_size=64
         )
     )
-    config = qwen3_30b_a3b(num_hidden_layers=args.layers, max_position_embeddings=4096, **shrink)
+    config = qwen3_30b_a3b(
+        num_hidden_layers=args.layers,
+        max_position_embeddings=max(4096, args.prompt_len + args.max_tokens),
+        **shrink,
+    )
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, config.vocab_size, (args.prompts, args.prompt_len), generator=g)
     prompts = prompts.tolist()
@@ -74,7 +91,10 @@ def main() -> None:
             p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02)
     weights = source.state_dict()
     rows, base = [], {}
-    for name, (experts, kv, routing, guidance, graphs) in VARIANTS.items():
+    warmup = dataclasses.replace(sampling, max_tokens=args.warmup_tokens or args.max_tokens)
+    max_model_len = -(-(args.prompt_len + args.max_tokens) // 16) * 16
+    for name in chosen:
+        experts, kv, routing, guidance, graphs = VARIANTS[name]
         precision = PrecisionConfig(
             experts=experts, kv_cache=kv, bf16_first_layers=0, bf16_last_layers=0
         )
@@ -83,16 +103,17 @@ def main() -> None:
         engine = Engine(
             model,
             EngineConfig(
-                kv_memory_bytes=8 << 30,
-                max_model_len=1024,
+                kv_memory_bytes=int(args.kv_gib * 2**30),
+                max_model_len=max(1024, max_model_len),
                 max_num_seqs=256,
                 capture_routing=routing,
                 guidance=guidance,
                 cuda_graphs=graphs,
             ),
         )
-        # Warm-up: the very call timed, so every kernel shape is compiled before the clock runs.
-        engine.generate(prompts, sampling)
+        # Warm-up: the call timed (shorter with --warmup-tokens), so kernels compile before the
+        # clock runs.
+        engine.generate(prompts, warmup)
         times = []
         for _ in range(args.repeats):
             sync()
@@ -111,8 +132,8 @@ def main() -> None:
         capture = capture_bytes_per_generated_token(out)
         rows.append(
             f"| {name} | {seconds:.2f} ±{100 * spread / 2:.0f}% | {tok_s:,.0f} | "
-            f"{tok_s / base.get('bf16', tok_s):.3f} | "
-            f"{tok_s / base.get('fp4', tok_s):.3f} | {capture['routing']:,.0f} | "
+            f"{_ratio(tok_s, base.get('bf16'))} | "
+            f"{_ratio(tok_s, base.get('fp4'))} | {capture['routing']:,.0f} | "
             f"{capture['guidance']:,.0f} |"
         )
         del engine, model
@@ -132,6 +153,11 @@ def main() -> None:
             *rows,
         ],
     )
+
+
+def _ratio(tok_s: float, base: float | None) -> str:
+    """Against a baseline row of the same run; a dash when that row was not run before."""
+    return "—" if base is None else f"{tok_s / base:.3f}"
 
 
 if __name__ == "__main__":
