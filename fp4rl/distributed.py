@@ -6,8 +6,9 @@ Each rank holds a colocated engine (the whole packed policy) and a shard of the 
   ``LOCAL_RANK`` / ``MASTER_*`` variables; NCCL on GPUs, gloo on CPUs) and gives the `Ranks`;
   without them it gives None, and the run is the single-process one, unchanged.
 - `Ranks`: this rank's share of a step's prompts (a prompt's samples stay on one rank), the
-  reductions the loop's metrics need, and running a piece of work on rank 0 alone (the run
-  directory, checkpoints) with its outcome, or its error, told to every rank.
+  reductions the loop's metrics need (sums and maxima by key), and running a piece of work on
+  rank 0 alone (the run directory, checkpoints) with its outcome, or its error, told to every
+  rank.
 - `shard_policy` applies FSDP2 (``fully_shard``) per decoder layer and once more for the rest
   (embeddings, final norm, lm_head). The sharded parameters are FP32 and are the optimizer's
   masters; each forward gathers them in the policy's dtype (BF16), which is exactly the BF16
@@ -87,9 +88,10 @@ class Ranks:
         return {k: sum(part.get(k, 0.0) for part in parts) for k in keys}
 
     def max(self, values: dict[str, float]) -> dict[str, float]:
-        """Each key's largest value over the ranks (every rank must hold every key)."""
+        """Each key's largest value over the ranks that hold it; sorted keys."""
         parts = self.gather({k: float(v) for k, v in values.items()})
-        return {k: max(part[k] for part in parts) for k in values}
+        keys = sorted({k for part in parts for k in part})
+        return {k: max(part[k] for part in parts if k in part) for k in keys}
 
     def broadcast(self, obj):
         """Rank 0's ``obj`` (picklable), on every rank."""

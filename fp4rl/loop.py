@@ -36,8 +36,7 @@ from fp4rl.distributed import Ranks, ShardedAdamW, shard_policy, weights_of
 from fp4rl.evaluation import Evaluator, evaluate
 from fp4rl.model.weights import load_pretrained
 from fp4rl.progress import Progress
-from fp4rl.records import capture_bytes_per_generated_token as capture_bytes
-from fp4rl.records import collate
+from fp4rl.records import Completion, collate
 from fp4rl.refit import RefitReceiver
 from fp4rl.report import check_tensorboard
 from fp4rl.rollout import Engine, SamplingParams
@@ -51,7 +50,7 @@ from fp4rl.run_dir import (
 )
 from fp4rl.tasks import Task, build_task, step_seed
 from fp4rl.train.grpo import group_advantages
-from fp4rl.train.observe import observe
+from fp4rl.train.observe import Observed, observe_counts, observed_metrics
 from fp4rl.train.optim import MasterAdamW
 from fp4rl.train.step import grpo_update
 
@@ -59,6 +58,7 @@ __all__ = [
     "DTYPES",
     "Evaluator",
     "evaluate",
+    "observed",
     "phase",
     "progress",
     "resolve_device",
@@ -165,15 +165,8 @@ def train(
             )
             every = config.align.observe_every
             if every and step % every == 0:
-                batch = collate(completions[: config.run.micro_batch_seqs])
-                forward = config.align.trainer_forward
-                seen = observe(policy, batch, replay=replay, guided=guided, forward=forward)
-                seen.update(
-                    {f"{k}_bytes_per_token": v for k, v in capture_bytes(completions).items()}
-                )
-                # Sharded, every rank runs the forward (FSDP gathers in it); rank 0's is kept:
-                # the single process's when rank 0's share holds run.micro_batch_seqs samples.
-                m.update(seen if ranks is None else ranks.broadcast(seen))
+                first = mine.start * config.rollout.samples_per_prompt  # in the step's
+                m.update(observed(policy, completions, config, replay, guided, first, ranks))
             engine.release_kv()  # the trainer takes the memory of the pages while it runs
             with phase(m, "train", device), progress(len(keep), f"step {step} train", ranks) as bar:
                 if m["trained_samples"]:  # of every rank: all of them update, or none
@@ -285,6 +278,49 @@ def score(
     last = first + len(completions)
     mine = [i - first for i in keep if first <= i < last]
     return mine, adv_GS.flatten().tolist()[first:last]
+
+
+def observed(
+    policy,
+    completions: list[Completion],
+    config: RunConfig,
+    replay: bool,
+    guided: bool,
+    first: int = 0,
+    ranks: Ranks | None = None,
+) -> dict[str, float]:
+    """The mismatch metrics (`fp4rl.train.observe`) of the step's first ``run.micro_batch_seqs``
+    completions, and what the records captured cost per generated token over all of them
+    (``routing_bytes_per_token``, ``guidance_bytes_per_token``).
+
+    With ``ranks``, ``completions`` are this rank's, the first of them the step's ``first``-th:
+    each rank observes the part of the batch it holds, the sums, counts and maxima are reduced
+    over the ranks and only then divided, so the metrics are those of one process. A rank that
+    holds none of the batch runs the forward all the same (FSDP gathers in it) on a spare
+    completion, and counts nothing of it."""
+    part = completions[: max(0, config.run.micro_batch_seqs - first)]
+    counts = observe_counts(
+        policy,
+        collate(part or completions[:1]),
+        replay=replay,
+        guided=guided,
+        temperature=config.rollout.temperature,
+        forward=config.align.trainer_forward,
+    )
+    if not part:
+        counts = Observed()
+    cost = {
+        "routing": sum(c.routing_nbytes() for c in completions),
+        "guidance": sum(c.guidance_nbytes() for c in completions),
+        "generated": sum(len(c.completion_ids) for c in completions),
+    }
+    if ranks is not None:
+        counts = Observed(sums=ranks.sum(counts.sums), maxima=ranks.max(counts.maxima))
+        cost = ranks.sum(cost)
+    out = observed_metrics(counts)
+    for key in ("routing", "guidance"):  # records of prompt tokens included in the numerator
+        out[f"{key}_bytes_per_token"] = cost[key] / cost["generated"] if cost["generated"] else 0.0
+    return out
 
 
 def progress(total: int, label: str, ranks: Ranks | None = None) -> Progress:

@@ -13,13 +13,21 @@ What is held equal, and how closely:
   more than 2^16. Micro-batches split elsewhere than the single process's would differ by the
   BF16 rounding of their gradients (docs/scaling.md);
 - the loss, the objective's means and the gradient norm: to 1e-6 relative. They are FP32 sums
-  of the same terms grouped by rank (and, for the norm, by shard) before they are added.
+  of the same terms grouped by rank (and, for the norm, by shard) before they are added;
+- the observed mismatch metrics (`loop.observed`): each rank observes the part of the step's
+  first ``run.micro_batch_seqs`` completions it holds, and the counts, sums and maxima are
+  reduced over the ranks before they are divided. Ratios of counts (code, scale and routing
+  agreement, bytes per token) and the maximum |Δlogp| are then exact; the means of per-token
+  terms (observed_token_mult_prob_error, observed_kl) are sums grouped by rank: to 1e-6
+  relative. In the first test rank 0 holds the whole observed batch; the second spreads it
+  over both ranks.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -49,7 +57,7 @@ def base(tmp_path_factory) -> Path:
     return path
 
 
-def config_of(base: Path, run_dir: Path, steps: int) -> run_config.RunConfig:
+def config_of(base: Path, run_dir: Path, steps: int, *extra: str) -> run_config.RunConfig:
     return run_config.load(
         demo.CONFIG_FILE,
         [
@@ -71,6 +79,7 @@ def config_of(base: Path, run_dir: Path, steps: int) -> run_config.RunConfig:
             "align.observe_every=2",
             "optim.lr=1e-3",
             "optim.warmup_steps=0",
+            *extra,
         ],
     )
 
@@ -111,6 +120,28 @@ EXACT = (
     "skipped",
 )
 CLOSE = ("loss", "entropy", "token_mult_prob_error", "is_ratio_mean", "clip_frac_low")
+# The observed mismatch: ratios of counts and a maximum, exact; means of per-token terms, close.
+OBSERVED_EXACT = (
+    r"code_agreement(/.+)?",
+    r"adjacent_share",
+    r"block_scale_agreement",
+    r"router_agreement/.+",
+    r"observed_max_abs_dlogp",
+    r".+_bytes_per_token",
+)
+OBSERVED_CLOSE = ("observed_token_mult_prob_error", "observed_kl")
+
+
+def assert_same_observed(got: dict, want: dict) -> None:
+    """The observed mismatch metrics of one step, as `OBSERVED_EXACT` and `OBSERVED_CLOSE` say."""
+    exact = [k for k in want if any(re.fullmatch(p, k) for p in OBSERVED_EXACT)]
+    assert "code_agreement" in exact and "guidance_bytes_per_token" in exact, sorted(want)
+    for key in (*exact, *OBSERVED_CLOSE):
+        assert (key in got) == (key in want), (want["step"], key)
+    for key in exact:
+        assert got[key] == want[key], (want["step"], key)
+    for key in OBSERVED_CLOSE:
+        assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-12), (want["step"], key)
 
 
 def assert_same_steps(got: list[dict], want: list[dict]) -> None:
@@ -124,6 +155,8 @@ def assert_same_steps(got: list[dict], want: list[dict]) -> None:
                 assert g[key] == pytest.approx(w[key], rel=1e-6, abs=1e-9), (g["step"], key)
         if "grad_norm" in w:
             assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-6), g["step"]
+        if "code_agreement" in w:
+            assert_same_observed(g, w)
 
 
 def assert_same_checkpoint(got: Path, want: Path) -> None:
@@ -193,6 +226,21 @@ def test_two_ranks_train_as_one_process_and_resume_on_one(tmp_path, base):
     want = load_file(checkpoints.checkpoint_dir(reference_dir, 4) / "model/model.safetensors")
     got = load_file(step4 / "model/model.safetensors")
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_two_ranks_observe_one_batch_across_them_as_one_process(tmp_path, base):
+    """The step's observed batch (its first run.micro_batch_seqs completions: 32 on rank 0, 16
+    on rank 1) spread over both ranks: their counts and sums reduced are the single
+    process's. One step: the observation of step 0 is of the base weights on both sides."""
+    extra = ("run.micro_batch_seqs=48", "align.observe_every=1", "align.rounding=nearest")
+    reference_dir, two_dir = tmp_path / "reference", tmp_path / "two"
+    reference = train(config_of(base, reference_dir, 1, *extra), log=lambda _: None)
+    torchrun(tmp_path, "--config", config_file(config_of(base, two_dir, 1, *extra), tmp_path))
+    two = metrics(two_dir)
+    assert [m["step"] for m in two] == [0, 1]
+    assert_same_observed(two[0], reference[0])
+    assert two[0]["generated_tokens"] == reference[0]["generated_tokens"]
+    assert 0.5 < reference[0]["code_agreement"] < 1.0  # nearest rounding: counts that matter
 
 
 def test_shares_cover_every_prompt_once_in_order():

@@ -269,3 +269,30 @@ def test_progress_bars_draw_on_rank_0_alone(monkeypatch):
             samples = len(mine) * config.rollout.samples_per_prompt
             assert f"step 0 rollout [{'#' * 30}] {samples}/{samples}" in drawn
             assert f"step 0 train [{'#' * 30}] 3/3" in drawn
+
+
+def test_observed_counts_of_a_split_batch_add_up_to_the_whole_batchs_metrics(base):
+    """What a sharded run does with the observed batch: each part counted alone, the counts
+    and sums added, the maxima maxed, then divided: the whole batch's metrics."""
+    from fp4rl.records import collate
+    from fp4rl.train.observe import Observed, observe, observe_counts, observed_metrics
+
+    config, policy, engine = policy_and_engine(base, "model.dtype=bfloat16")
+    completions, _ = rollout_and_advantages(config, engine, step=0)
+    batch = completions[:40]
+    kwargs = {"replay": False, "guided": False}  # live routing: router agreement too
+    whole = observe(policy, collate(batch), **kwargs)
+    total = Observed()
+    for part in (batch[:24], batch[24:]):
+        counts = observe_counts(policy, collate(part), **kwargs)
+        for key, value in counts.sums.items():
+            total.sums[key] = total.sums.get(key, 0.0) + value
+        for key, value in counts.maxima.items():
+            total.maxima[key] = max(total.maxima.get(key, value), value)
+    merged = observed_metrics(total)
+    assert merged.keys() == whole.keys()
+    assert {"router_agreement/layer1", "adjacent_share", "observed_kl"} <= whole.keys()
+    assert whole["code_agreement"] < 1.0  # nearest rounding: the counts matter
+    for key, value in whole.items():
+        # Per-token terms summed in FP64 in another grouping: equal to its last bits.
+        assert merged[key] == pytest.approx(value, rel=1e-12, abs=1e-15), key

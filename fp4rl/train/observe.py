@@ -21,10 +21,17 @@ and routing, and compares them with the rollout's records in the batch:
 - without replay: per layer, the share of tokens whose trainer top-k expert set equals the
   rollout's.
 
+Every metric is a ratio of sums over the batch (or, for ``observed_max_abs_dlogp``, a
+maximum): `observe_counts` returns those sums and maxima (`Observed`), which add up over
+batches (the shares of several ranks), and `observed_metrics` turns them into the metrics.
+`observe` is the two in one.
+
 It does not own the metrics of the update itself (`fp4rl.train.grpo`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
@@ -42,7 +49,16 @@ def signed_index(codes: torch.Tensor) -> torch.Tensor:
     return torch.where((codes & 8) != 0, -magnitude, magnitude)
 
 
-@torch.no_grad()
+@dataclass
+class Observed:
+    """What the metrics of `observe` are made of: ``sums`` (counts, and sums of per-token
+    terms, as floats), added up over batches, and ``maxima``, whose largest is kept. Keys are
+    ``"<metric> <part>"``."""
+
+    sums: dict[str, float] = field(default_factory=dict)
+    maxima: dict[str, float] = field(default_factory=dict)
+
+
 def observe(
     policy,
     batch: TrainBatch,
@@ -58,6 +74,23 @@ def observe(
     ``sparse_bit_agreement``, ``sparse_recorded_share``, ``observed_token_mult_prob_error``,
     ``observed_kl``, ``observed_max_abs_dlogp``, ``router_agreement/layer<i>``. ``forward``:
     the trainer's attention, as the update runs it (`policy_logprobs`)."""
+    counts = observe_counts(
+        policy, batch, replay=replay, guided=guided, temperature=temperature, forward=forward
+    )
+    return observed_metrics(counts)
+
+
+@torch.no_grad()
+def observe_counts(
+    policy,
+    batch: TrainBatch,
+    *,
+    replay: bool,
+    guided: bool,
+    temperature: float = 1.0,
+    forward: str = "packed",
+) -> Observed:
+    """The sums and maxima the metrics of `observe` are computed from (its arguments)."""
     rec = SiteRecords()
     logp_N = policy_logprobs(
         policy,
@@ -68,22 +101,52 @@ def observe(
         temperature=temperature,
         forward=forward,
     )
-    out: dict[str, float] = {}
+    out = Observed()
     if batch.sampling_logprobs_N is not None:
         d_N = logp_N.cpu() - batch.sampling_logprobs_N
-        out["observed_token_mult_prob_error"] = float(d_N.abs().exp().mean())
-        out["observed_kl"] = float((d_N.exp() - d_N - 1).mean())
-        out["observed_max_abs_dlogp"] = float(d_N.abs().max())
-    out.update(_codes(rec, batch))
+        # Each token's term in FP32, their sums in FP64: any grouping of the tokens adds up to
+        # the same sums but for the last FP64 bits.
+        out.sums["gap tokens"] = float(d_N.numel())
+        out.sums["gap exp_abs_sum"] = float(d_N.abs().exp().double().sum())
+        out.sums["gap k3_sum"] = float((d_N.exp() - d_N - 1).double().sum())
+        out.maxima["gap max_abs"] = float(d_N.abs().max())
+    out.sums.update(_codes(rec, batch))
     if not replay and batch.routing is not None:
         for i, layer in enumerate(policy.moe_layers):
             ours = rec.routing[layer].sort(-1).values.cpu()
             theirs = batch.routing[i].sort(-1).values.cpu().to(ours.dtype)
-            out[f"router_agreement/layer{layer}"] = float((ours == theirs).all(-1).float().mean())
+            key = f"router_agreement/layer{layer}"
+            out.sums[f"{key} agree"] = float((ours == theirs).all(-1).sum())
+            out.sums[f"{key} total"] = float(ours.shape[0])
+    return out
+
+
+def observed_metrics(counts: Observed) -> dict[str, float]:
+    """The metrics of `observe` from its sums and maxima (of one batch or of several)."""
+    s, out = counts.sums, {}
+    if s.get("gap tokens"):
+        out["observed_token_mult_prob_error"] = s["gap exp_abs_sum"] / s["gap tokens"]
+        out["observed_kl"] = s["gap k3_sum"] / s["gap tokens"]
+        out["observed_max_abs_dlogp"] = counts.maxima["gap max_abs"]
+    for key, total in s.items():
+        metric, part = key.rsplit(" ", 1)
+        if part != "total" or not total:
+            continue
+        agree = s[f"{metric} agree"]
+        if metric == "sparse_bit_agreement":
+            recorded = s[f"{metric} recorded"]
+            out[metric] = agree / recorded if recorded else 1.0
+            out["sparse_recorded_share"] = recorded / total
+        else:
+            out[metric] = agree / total
+        if metric == "code_agreement":
+            adjacent = s["code_agreement adjacent"]
+            out["adjacent_share"] = adjacent / (total - agree) if total > agree else 1.0
     return out
 
 
 def _codes(rec: SiteRecords, batch: TrainBatch) -> dict[str, float]:
+    """The counts of the code, scale and bit agreements at the captured sites."""
     counts: dict[str, list[int]] = {}  # key -> [agree, total, adjacent disagreements]
     bits, sparse_bits, scales = [0, 0], [0, 0, 0], [0, 0]
     for (layer, site), rollout in (batch.guidance or {}).items():
@@ -114,16 +177,19 @@ def _codes(rec: SiteRecords, batch: TrainBatch) -> dict[str, float]:
         for key in ("", f"/{site}", f"/layer{layer}"):
             c = counts.setdefault(key, [0, 0, 0])
             c[0], c[1], c[2] = c[0] + agree, c[1] + total, c[2] + adjacent
-    out = {f"code_agreement{key}": agree / total for key, (agree, total, _) in counts.items()}
-    if "" in counts:
-        agree, total, adjacent = counts[""]
-        out["adjacent_share"] = adjacent / (total - agree) if total > agree else 1.0
+    out: dict[str, float] = {}
+    for key, (agree, total, adjacent) in counts.items():
+        out[f"code_agreement{key} agree"] = float(agree)
+        out[f"code_agreement{key} total"] = float(total)
+        if not key:
+            out["code_agreement adjacent"] = float(adjacent)
     if scales[1]:
-        out["block_scale_agreement"] = scales[0] / scales[1]
+        out["block_scale_agreement agree"] = float(scales[0])
+        out["block_scale_agreement total"] = float(scales[1])
     if bits[1]:
-        out["mantissa_agreement"] = bits[0] / bits[1]
+        out["mantissa_agreement agree"] = float(bits[0])
+        out["mantissa_agreement total"] = float(bits[1])
     if sparse_bits[2]:
-        agree, recorded, total = sparse_bits
-        out["sparse_bit_agreement"] = agree / recorded if recorded else 1.0
-        out["sparse_recorded_share"] = recorded / total
+        for part, value in zip(("agree", "recorded", "total"), sparse_bits, strict=True):
+            out[f"sparse_bit_agreement {part}"] = float(value)
     return out
