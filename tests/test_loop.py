@@ -296,3 +296,18 @@ def test_observed_counts_of_a_split_batch_add_up_to_the_whole_batchs_metrics(bas
     for key, value in whole.items():
         # Per-token terms summed in FP64 in another grouping: equal to its last bits.
         assert merged[key] == pytest.approx(value, rel=1e-12, abs=1e-15), key
+
+
+def test_the_observed_gap_is_taken_at_the_rollout_temperature(base):
+    """The observed batch is scored as the update scores it, under softmax(logits / T): with
+    full guidance and replay on the CPU, the trainer reproduces the rollout to FP32 rounding
+    at any temperature."""
+    from fp4rl.loop import observed
+
+    config, policy, engine = policy_and_engine(base, "rollout.temperature=0.5")
+    completions, _ = rollout_and_advantages(config, engine, step=0)
+    replay, guided = config.align.resolve(config.engine)
+    m = observed(policy, completions, config, replay, guided)
+    assert m["code_agreement"] == 1.0
+    assert 1.0 <= m["observed_token_mult_prob_error"] < 1.0 + 1e-5
+    assert m["observed_max_abs_dlogp"] < 1e-4
