@@ -125,9 +125,10 @@ def main() -> None:
         spread = (max(times) - min(times)) / seconds
         generated = sum(len(c.completion_ids) for c in out)
         tok_s = generated / seconds
-        if graphs or not cuda:
-            base.setdefault("bf16", tok_s)
-            if experts == "nvfp4" and not routing:
+        if graphs or not cuda:  # the baselines: graphed engines (on a GPU), uncaptured
+            if experts == "bf16":
+                base.setdefault("bf16", tok_s)
+            elif not routing and guidance is None:
                 base["fp4"] = tok_s
         capture = capture_bytes_per_generated_token(out)
         rows.append(
