@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp4rl.fp4 import NVFP4Tensor
-from fp4rl.model.layers import RMSNorm, apply_rope, rope_cos_sin
+from fp4rl.model.layers import RMSNorm, RopeTables, apply_rope
 from fp4rl.model.sites import Capture, Fp4Site
 from fp4rl.records import GuidanceMap
 
@@ -148,16 +148,24 @@ class Attention(nn.Module):
         self,
         x_TH: torch.Tensor,
         backend: AttentionBackend,
+        rope: RopeTables,
         guidance: GuidanceMap | None = None,
         capture: Capture | None = None,
     ) -> torch.Tensor:
+        """``rope``: the forward's RoPE tables of ``backend.positions``, built once by the
+        model's forward and shared by its layers."""
         T = x_TH.shape[0]
         q = self.q_norm(self.q_proj(x_TH).view(T, self.num_heads, self.head_dim))
         k = self.k_norm(self.k_proj(x_TH).view(T, self.num_kv_heads, self.head_dim))
         v = self.v_proj(x_TH).view(T, self.num_kv_heads, self.head_dim)
-        cos, sin = rope_cos_sin(backend.positions, self.head_dim, self.rope_theta, x_TH.dtype)
-        kv = NewKV(apply_rope(k, cos, sin), v, self.kv_format, guidance, capture)
-        o = backend.attend(self.layer, apply_rope(q, cos, sin), kv)
+        if (rope.head_dim, rope.theta) != (self.head_dim, self.rope_theta):
+            raise ValueError(
+                f"layers.{self.layer}: RoPE tables of head_dim {rope.head_dim}, theta "
+                f"{rope.theta}; the layer has head_dim {self.head_dim}, theta {self.rope_theta}"
+            )
+        cos, signed_sin = rope(x_TH.dtype)
+        kv = NewKV(apply_rope(k, cos, signed_sin), v, self.kv_format, guidance, capture)
+        o = backend.attend(self.layer, apply_rope(q, cos, signed_sin), kv)
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
 
 

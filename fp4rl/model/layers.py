@@ -3,6 +3,12 @@
 Numerics follow the Qwen reference implementation so that checkpoints load to the same
 function: norms compute in FP32 and cast back before the weight multiply; RoPE tables are FP32
 and cast to the activation dtype.
+
+A decode step runs these a few times per layer on a handful of rows, where each kernel launch
+costs more than its arithmetic. So the RoPE tables are computed once per forward
+(`RopeTables`) and shared by every layer, and the formulations below are chosen for the
+fewest kernels among those that give the Qwen reference's bits
+(`tests/model/test_fewer_kernels.py` holds each to the reference formulation).
 """
 
 from __future__ import annotations
@@ -20,8 +26,19 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * mul_to(x32, inv_rms, x.dtype)
+
+
+def mul_to(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(a * b).to(dtype)``. Where autograd records nothing (the engine, evaluation) it is one
+    kernel: ``out=`` in ``dtype`` computes each product in the inputs' dtype and rounds it once
+    to ``dtype`` as it is stored, the rounding the cast applies (on the GPU the same conversion
+    in the product's kernel; on the CPU a temporary copied out). Autograd takes no ``out=``."""
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        return (a * b).to(dtype)
+    shape = torch.broadcast_shapes(a.shape, b.shape)
+    return torch.mul(a, b, out=torch.empty(shape, dtype=dtype, device=a.device))
 
 
 def rope_cos_sin(
@@ -35,10 +52,34 @@ def rope_cos_sin(
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def apply_rope(x_THD: torch.Tensor, cos_TD: torch.Tensor, sin_TD: torch.Tensor) -> torch.Tensor:
+class RopeTables:
+    """The RoPE tables of one forward's positions, shared by its layers: ``(cos, signed_sin)``
+    ``[T, head_dim]`` in the dtype asked for, computed on first use per dtype -- the values of
+    `rope_cos_sin`, with the first half of ``sin`` negated for `apply_rope`. Built by the
+    model's forward from the attention backend's positions; nothing outlives the forward."""
+
+    def __init__(self, positions_T: torch.Tensor, head_dim: int, theta: float) -> None:
+        self.positions_T, self.head_dim, self.theta = positions_T, head_dim, theta
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if dtype not in self._tables:
+            cos, sin = rope_cos_sin(self.positions_T, self.head_dim, self.theta, dtype)
+            half = self.head_dim // 2
+            self._tables[dtype] = (cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1))
+        return self._tables[dtype]
+
+
+def apply_rope(
+    x_THD: torch.Tensor, cos_TD: torch.Tensor, signed_sin_TD: torch.Tensor
+) -> torch.Tensor:
+    """Rotate-half RoPE, ``x * cos + cat(-x2, x1) * sin``, computed as ``x * cos + cat(x2, x1)
+    * signed_sin`` where ``signed_sin = cat(-sin1, sin2)`` (`RopeTables`): negation is exact
+    and a rounded product only changes sign with a factor, so the bits are the same, zeros'
+    signs included, without a negation per call."""
     half = x_THD.shape[-1] // 2
-    rotated = torch.cat((-x_THD[..., half:], x_THD[..., :half]), dim=-1)
-    return x_THD * cos_TD[:, None, :] + rotated * sin_TD[:, None, :]
+    swapped = torch.cat((x_THD[..., half:], x_THD[..., :half]), dim=-1)
+    return x_THD * cos_TD[:, None, :] + swapped * signed_sin_TD[:, None, :]
 
 
 class MLP(nn.Module):

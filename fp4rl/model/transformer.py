@@ -17,7 +17,7 @@ from torch import nn
 from fp4rl.model.attention import Attention, AttentionBackend
 from fp4rl.model.experts import Experts, PackedExperts, QatExperts, QatWeightExperts
 from fp4rl.model.inputs import check_inputs
-from fp4rl.model.layers import MLP, RMSNorm
+from fp4rl.model.layers import MLP, RMSNorm, RopeTables
 from fp4rl.model.moe import SparseMoeBlock
 from fp4rl.model.precision import LayerPlan, PrecisionConfig, PrecisionPlan, resolve_plan
 from fp4rl.model.sites import Capture
@@ -35,8 +35,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
 
-    def forward(self, x_TH, backend, *, replay_Tk, guidance, capture, stats):
-        x_TH = x_TH + self.self_attn(self.input_layernorm(x_TH), backend, guidance, capture)
+    def forward(self, x_TH, backend, *, rope, replay_Tk, guidance, capture, stats):
+        x_TH = x_TH + self.self_attn(self.input_layernorm(x_TH), backend, rope, guidance, capture)
         h_TH = self.post_attention_layernorm(x_TH)
         if isinstance(self.mlp, SparseMoeBlock):
             h_TH = self.mlp(
@@ -109,10 +109,13 @@ class MoETransformer(nn.Module):
         check_inputs(self, tokens_T, attn, routing, guidance)
         replay = dict(zip(self.moe_layers, routing, strict=True)) if routing is not None else {}
         x_TH = self.embed_tokens(tokens_T)
+        # One set of RoPE tables for every layer: they depend on the positions alone.
+        rope = RopeTables(attn.positions, self.config.head_dim, self.config.rope_theta)
         for layer in self.layers:
             x_TH = layer(
                 x_TH,
                 attn,
+                rope=rope,
                 replay_Tk=replay.get(layer.layer),
                 guidance=guidance,
                 capture=capture,

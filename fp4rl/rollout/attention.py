@@ -46,7 +46,8 @@ class AttentionMetadata:
 
     positions_T: torch.Tensor  # long: position of each token in its own sequence
     slots_T: torch.Tensor  # long: cache slot each token's K/V is written to
-    # Decode segments, batched: their token rows, positions, padded context slots and lengths.
+    # Decode segments, batched: their token rows (increasing, so a step of decodes alone has
+    # rows 0..T-1), padded context slots, and int32 context lengths (the kernel's type).
     decode_rows_B: torch.Tensor
     decode_slots_BC: torch.Tensor
     decode_context_B: torch.Tensor
@@ -95,7 +96,7 @@ class AttentionMetadata:
             slots_T=slots_T.to(device),
             decode_rows_B=torch.tensor([first_row[i] for i in decodes], device=device),
             decode_slots_BC=decode_slots.to(device),
-            decode_context_B=context[decodes].to(device),
+            decode_context_B=context[decodes].to(torch.int32).to(device),
             decode_table_BN=table_SN[decodes].to(torch.int32).to(device),
             prefills=tuple((r, n, c.to(device)) for r, n, c in prefills),
         )
@@ -116,29 +117,13 @@ class PagedAttention:
     def attend(self, layer: int, q_THD: torch.Tensor, kv: NewKV) -> torch.Tensor:
         m = self.meta
         self.cache.write(layer, m.slots_T, *kv.packed())
+        if m.decode_rows_B.shape[0] == q_THD.shape[0]:
+            # Decodes alone (a graphed step): their rows are all rows, in order, so the
+            # queries and outputs need no gather and no scatter.
+            return self._decode(layer, q_THD)
         o_THD = torch.empty_like(q_THD)
-        fused = None
         if m.decode_rows_B.numel():
-            # On the GPU one kernel reads the pages where they lie (`fp4rl.ops`); elsewhere
-            # the context is gathered and attended in plain PyTorch, the kernel's spec.
-            fused = ops.paged_decode_attention(
-                q_THD[m.decode_rows_B],
-                *self.cache.pages(layer),
-                m.decode_table_BN,
-                m.decode_context_B.to(torch.int32),
-            )
-        if fused is not None:
-            o_THD[m.decode_rows_B] = fused
-        elif m.decode_rows_B.numel():
-            k_BCKD, v_BCKD = self.cache.read(layer, m.decode_slots_BC, q_THD.dtype)
-            o = attend_fp32(
-                q_THD[m.decode_rows_B][:, None],
-                k_BCKD,
-                v_BCKD,
-                m.positions_T[m.decode_rows_B][:, None],
-                m.decode_context_B,
-            )
-            o_THD[m.decode_rows_B] = o[:, 0].to(q_THD.dtype)
+            o_THD[m.decode_rows_B] = self._decode(layer, q_THD[m.decode_rows_B])
         for row, num, slots_C in m.prefills:
             k_CKD, v_CKD = self.cache.read(layer, slots_C, q_THD.dtype)
             o = attend_fp32(
@@ -150,3 +135,18 @@ class PagedAttention:
             )
             o_THD[row : row + num] = o[0].to(q_THD.dtype)
         return o_THD
+
+    def _decode(self, layer: int, q_BHD: torch.Tensor) -> torch.Tensor:
+        """Attention ``[B, Hq, D]`` of the decode rows' queries over their cached contexts."""
+        m = self.meta
+        # On the GPU one kernel reads the pages where they lie (`fp4rl.ops`); elsewhere the
+        # context is gathered and attended in plain PyTorch, the kernel's spec.
+        fused = ops.paged_decode_attention(
+            q_BHD, *self.cache.pages(layer), m.decode_table_BN, m.decode_context_B
+        )
+        if fused is not None:
+            return fused
+        k_BCKD, v_BCKD = self.cache.read(layer, m.decode_slots_BC, q_BHD.dtype)
+        positions_B1 = m.positions_T[m.decode_rows_B][:, None]
+        o = attend_fp32(q_BHD[:, None], k_BCKD, v_BCKD, positions_B1, m.decode_context_B)
+        return o[:, 0].to(q_BHD.dtype)

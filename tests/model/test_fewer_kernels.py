@@ -1,0 +1,327 @@
+"""Formulations that launch fewer kernels per decoder layer give the bits of the ones they replace.
+
+The previous formulations are written out here as the references: RMSNorm with its cast after
+the multiply, RoPE tables computed by every layer and applied with a negation, the paged
+attention's gather and scatter of decode rows. Each new one is held to its reference bitwise
+on many random inputs (special values included), outputs and gradients, and the whole model
+-- the engine's generation with its records, the trainer's logprobs and gradients under its
+three attention backends -- is held to the model running the references.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+from tiny_models import FP4_EVERYWHERE, engine_config, packed_twin, qat_model, tiny_precision
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fp4rl import ops
+from fp4rl.model.attention import (
+    Attention,
+    Bf16KV,
+    CausalAttention,
+    NewKV,
+    Nvfp4KV,
+    attend_fp32,
+)
+from fp4rl.model.layers import RMSNorm, RopeTables, apply_rope, mul_to, rope_cos_sin
+from fp4rl.model.precision import PrecisionConfig
+from fp4rl.records import collate
+from fp4rl.rollout import Engine, SamplingParams
+from fp4rl.rollout.attention import AttentionMetadata, PagedAttention, Segment
+from fp4rl.rollout.kv_cache import KVCache, KVCacheSpec
+from fp4rl.train.policy import policy_logprobs
+
+DTYPES = (torch.bfloat16, torch.float32, torch.float16)
+
+
+# -- the previous formulations ---------------------------------------------------------------
+
+
+def reference_rmsnorm(self, x):
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+    return self.weight * x32.to(x.dtype)
+
+
+def reference_apply_rope(x_THD, cos_TD, sin_TD):
+    half = x_THD.shape[-1] // 2
+    rotated = torch.cat((-x_THD[..., half:], x_THD[..., :half]), dim=-1)
+    return x_THD * cos_TD[:, None, :] + rotated * sin_TD[:, None, :]
+
+
+def reference_attention(self, x_TH, backend, rope, guidance=None, capture=None):
+    """Every layer computing its own tables from the positions, RoPE with a negation."""
+    T = x_TH.shape[0]
+    q = self.q_norm(self.q_proj(x_TH).view(T, self.num_heads, self.head_dim))
+    k = self.k_norm(self.k_proj(x_TH).view(T, self.num_kv_heads, self.head_dim))
+    v = self.v_proj(x_TH).view(T, self.num_kv_heads, self.head_dim)
+    cos, sin = rope_cos_sin(backend.positions, self.head_dim, self.rope_theta, x_TH.dtype)
+    kv = NewKV(reference_apply_rope(k, cos, sin), v, self.kv_format, guidance, capture)
+    o = backend.attend(self.layer, reference_apply_rope(q, cos, sin), kv)
+    return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
+
+
+def reference_paged_attend(self, layer, q_THD, kv):
+    """Decode rows gathered from the queries and scattered into the output, in every step."""
+    m = self.meta
+    self.cache.write(layer, m.slots_T, *kv.packed())
+    o_THD = torch.empty_like(q_THD)
+    fused = None
+    if m.decode_rows_B.numel():
+        fused = ops.paged_decode_attention(
+            q_THD[m.decode_rows_B],
+            *self.cache.pages(layer),
+            m.decode_table_BN,
+            m.decode_context_B.to(torch.int32),
+        )
+    if fused is not None:
+        o_THD[m.decode_rows_B] = fused
+    elif m.decode_rows_B.numel():
+        k_BCKD, v_BCKD = self.cache.read(layer, m.decode_slots_BC, q_THD.dtype)
+        o = attend_fp32(
+            q_THD[m.decode_rows_B][:, None],
+            k_BCKD,
+            v_BCKD,
+            m.positions_T[m.decode_rows_B][:, None],
+            m.decode_context_B.long(),
+        )
+        o_THD[m.decode_rows_B] = o[:, 0].to(q_THD.dtype)
+    for row, num, slots_C in m.prefills:
+        k_CKD, v_CKD = self.cache.read(layer, slots_C, q_THD.dtype)
+        o = attend_fp32(
+            q_THD[None, row : row + num],
+            k_CKD[None],
+            v_CKD[None],
+            m.positions_T[None, row : row + num],
+            torch.tensor([slots_C.numel()], device=q_THD.device),
+        )
+        o_THD[row : row + num] = o[0].to(q_THD.dtype)
+    return o_THD
+
+
+@pytest.fixture
+def references(monkeypatch):
+    """Run the model with the previous formulations while the fixture is active."""
+
+    def use():
+        monkeypatch.setattr(RMSNorm, "forward", reference_rmsnorm)
+        monkeypatch.setattr(Attention, "forward", reference_attention)
+        monkeypatch.setattr(PagedAttention, "attend", reference_paged_attend)
+
+    return use
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bits, zeros' signs included; every NaN as one canonical NaN: IEEE leaves
+    the sign and payload of an arithmetic NaN open (x86 passes an operand's on, CUDA gives a
+    canonical one), so a NaN is held to be a NaN, not to a sign bit."""
+    t = t.detach()
+    if t.is_floating_point():
+        t = torch.where(t.isnan(), torch.full_like(t, float("nan")), t)
+    return t.contiguous().view(torch.uint8)
+
+
+def assert_bitwise(a, b):
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert_bitwise(a[key], b[key])
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_bitwise(x, y)
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(bits(a), bits(b))
+    elif dataclasses.is_dataclass(a):
+        assert_bitwise(dataclasses.astuple(a), dataclasses.astuple(b))
+    else:
+        assert a == b
+
+
+def awkward(shape, dtype, g) -> torch.Tensor:
+    """Random values over many binades, with zeros of both signs, ties and extremes."""
+    x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-30, 30, shape, generator=g))
+    flat = x.view(-1)
+    n = flat.numel()
+    picks = torch.randperm(n, generator=g)
+    flat[picks[: n // 16]] = 0.0
+    flat[picks[n // 16 : n // 8]] = -0.0
+    flat[picks[n // 8 : n // 8 + 4]] = torch.tensor([1.0, -1.0, 3.0e4, -1.0e-30])
+    return x.to(dtype)
+
+
+# -- the pieces ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 64), (7, 96), (5, 4, 16), (3, 2, 128)])
+def test_rmsnorm_matches_its_reference_bitwise(dtype, shape):
+    g = torch.Generator().manual_seed(shape[-1] + len(shape))
+    norm = RMSNorm(shape[-1], 1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(shape[-1], generator=g))
+    for trial in range(20):
+        x = awkward(shape, dtype, g)
+        if trial == 0:
+            x[0] = 0.0  # a row of zeros: eps alone under the root
+        if trial == 1:
+            x.view(-1)[::7] = float("inf")
+        with torch.no_grad():  # out= rounds in the product's kernel
+            assert_bitwise(norm(x), reference_rmsnorm(norm, x))
+        with torch.inference_mode():
+            assert_bitwise(norm(x), reference_rmsnorm(norm, x))
+        # Recorded by autograd: values and gradients.
+        outs, grads = [], []
+        for forward in (RMSNorm.forward, reference_rmsnorm):
+            xg = x.clone().requires_grad_(True)
+            norm.weight.grad = None
+            y = forward(norm, xg)
+            y.backward(torch.ones_like(y) + 0.5 * (x != 0))
+            outs.append(y)
+            grads.append((xg.grad, norm.weight.grad))
+        assert_bitwise(outs[0], outs[1])
+        assert_bitwise(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mul_to_is_the_product_cast(dtype):
+    g = torch.Generator().manual_seed(1)
+    for a_shape, b_shape in [((8, 64), (8, 1)), ((3, 4, 16), (16,)), ((5,), (5,))]:
+        a, b = awkward(a_shape, torch.float32, g), awkward(b_shape, torch.float32, g)
+        with torch.no_grad():
+            assert_bitwise(mul_to(a, b, dtype), (a * b).to(dtype))
+        ag = a.clone().requires_grad_(True)
+        out = mul_to(ag, b, dtype)
+        assert out.requires_grad and out.dtype == dtype
+        assert_bitwise(out, (a * b).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim, theta", [(16, 1e4), (64, 1e6), (128, 1e6)])
+def test_rope_tables_and_apply_match_their_reference_bitwise(dtype, head_dim, theta):
+    g = torch.Generator().manual_seed(head_dim)
+    T, H = 37, 3
+    positions = torch.cat([torch.arange(9), torch.randint(0, 40000, (T - 9,), generator=g)])
+    tables = RopeTables(positions, head_dim, theta)
+    cos, signed_sin = tables(dtype)
+    ref_cos, ref_sin = rope_cos_sin(positions, head_dim, theta, dtype)
+    assert_bitwise(cos, ref_cos)
+    half = head_dim // 2
+    assert_bitwise(signed_sin, torch.cat((-ref_sin[:, :half], ref_sin[:, half:]), -1))
+    assert tables(dtype)[0] is cos  # computed once, then shared
+    for _ in range(10):
+        x = awkward((T, H, head_dim), dtype, g)
+        upstream = awkward((T, H, head_dim), dtype, g)
+        with torch.no_grad():
+            new = apply_rope(x, cos, signed_sin)
+            assert_bitwise(new, reference_apply_rope(x, ref_cos, ref_sin))
+        outs, grads = [], []
+        for rope, args in (
+            (apply_rope, (cos, signed_sin)),
+            (reference_apply_rope, (ref_cos, ref_sin)),
+        ):
+            xg = x.clone().requires_grad_(True)
+            y = rope(xg, *args)
+            y.backward(upstream)
+            outs.append(y)
+            grads.append(xg.grad)
+        assert_bitwise(outs[0], outs[1])
+        assert_bitwise(grads[0], grads[1])
+
+
+def attention_steps():
+    """Steps of three sequences: prefills beside decodes, then decodes alone."""
+    tables = {"a": [9, 2, 14, 5], "b": [0, 11, 7, 3], "c": [12, 1, 8, 15]}
+    steps = [
+        [("a", 0, 6), ("b", 0, 3)],
+        [("a", 6, 1), ("c", 0, 5), ("b", 3, 1)],
+        [("a", 7, 1), ("b", 4, 1), ("c", 5, 1)],
+        [("b", 5, 1)],
+        [("c", 6, 1), ("a", 8, 1)],
+    ]
+    return [[Segment(tables[s], start, n) for s, start, n in step] for step in steps]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_paged_attention_of_decodes_alone_matches_gather_and_scatter(dtype):
+    g = torch.Generator().manual_seed(3)
+    spec = KVCacheSpec(layer_formats=("bf16", "nvfp4"), num_kv_heads=2, head_dim=32, dtype=dtype)
+    caches = [KVCache(spec, num_blocks=16, block_size=4, device="cpu") for _ in range(2)]
+    formats = (Bf16KV(), Nvfp4KV(1, ()))
+    for segments in attention_steps():
+        meta = AttentionMetadata.build(segments, 4, "cpu")
+        T = meta.positions_T.numel()
+        rows = [i for i, s in enumerate(segments) if s.num_new == 1]
+        if len(rows) == len(segments):  # decodes alone: rows 0..T-1, in order
+            assert torch.equal(meta.decode_rows_B, torch.arange(T))
+        assert meta.decode_context_B.dtype == torch.int32
+        for layer in range(2):
+            q, k, v = (awkward((T, h, 32), dtype, g) for h in (4, 2, 2))
+            new = PagedAttention(caches[0], meta).attend(layer, q, NewKV(k, v, formats[layer]))
+            ref = reference_paged_attend(
+                PagedAttention(caches[1], meta), layer, q, NewKV(k, v, formats[layer])
+            )
+            assert_bitwise(new, ref)
+    for a, b in zip(caches[0].layers, caches[1].layers, strict=True):
+        assert_bitwise(list(a.tensors()), list(b.tensors()))
+
+
+# -- the whole model -------------------------------------------------------------------------
+
+
+def generate_and_score(qat, precision, guidance):
+    """The engine's completions and records, then the trainer's logprobs and gradients under
+    each of its attention backends (replayed routing, guided rounding)."""
+    packed = packed_twin(qat, precision)
+    engine = Engine(packed, engine_config(guidance=guidance, capture_routing=True))
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [3] * 11]
+    completions = engine.generate(prompts, SamplingParams(n=2, max_tokens=10, seed=3))
+    out = {"completions": completions}
+    batch = collate(completions)
+    for forward in ("packed", "packed_fp32", "engine"):
+        qat.zero_grad(set_to_none=True)
+        logp = policy_logprobs(qat, batch, forward=forward)
+        logp.sum().backward()
+        grads = {n: p.grad for n, p in qat.named_parameters() if p.grad is not None}
+        out[forward] = (logp, grads)
+    return out
+
+
+@pytest.mark.parametrize(
+    "dtype, precision, guidance",
+    [
+        (torch.bfloat16, FP4_EVERYWHERE, "full"),
+        (torch.bfloat16, tiny_precision("nvfp4"), "compact"),
+        (torch.float32, tiny_precision("bf16"), "full"),
+    ],
+)
+def test_model_matches_the_previous_formulations(references, dtype, precision, guidance):
+    qat = qat_model(precision, dtype=dtype)
+    new = generate_and_score(qat, precision, guidance)
+    references()
+    ref = generate_and_score(qat, precision, guidance)
+    assert_bitwise(new, ref)
+
+
+class Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_rope_tables_are_computed_once_per_forward():
+    model = qat_model(PrecisionConfig(experts="bf16"), dtype=torch.bfloat16)
+    assert len(model.layers) > 1
+    with torch.no_grad(), Ops() as seen:
+        model.hidden_states(torch.tensor([1, 2, 3, 4, 5, 6]), CausalAttention([4, 2]))
+    # One cos, one sin, one negation (the signed sin) per forward; none per layer.
+    assert [seen.names.count(f"aten::{op}") for op in ("cos", "sin", "neg")] == [1, 1, 1]
