@@ -38,6 +38,36 @@ def test_a_smoke_benchmark_runs_through_the_command_with_its_arguments(capfd):
     assert {r[0] for r in rows} == {"w13", "w2"} and all("128" in r[1:] for r in rows)
 
 
+def test_the_transformers_comparison_smoke_run_has_its_table(capfd):
+    """hf_generate at tiny shapes: a row per generator and batch, every transformers setup
+    timed, and tokens mostly equal to the engine's (the same weights: a wrong name mapping
+    would leave ~1/vocab equal; near-ties in BF16 may still part a row, so not all)."""
+    pytest.importorskip("transformers", minversion="5.0")
+    argv = ["bench", "hf_generate", "--device", "cpu", "--layers", "2", "--hidden", "64"]
+    argv += ["--prompt-len", "16", "--max-tokens", "4", "--batches", "1", "3", "--repeats", "1"]
+    assert main(argv) == 0
+    out = capfd.readouterr().out
+    table = [line.strip("| ") for line in out.splitlines() if re.match(r"\| \d+ \| ", line)]
+    rows = [line.split(" | ") for line in table]
+    generators = [(r[0], r[1].split(" (")[0]) for r in rows]
+    per_batch = [
+        "fp4rl engine",
+        *(f"transformers generate, {c} cache" for c in ("dynamic", "static")),
+    ]
+    assert generators == [(b, g) for b in ("1", "3") for g in per_batch]
+    first_equal = 0
+    for batch, _, _, tok_s, ratio, equal, first, prefix in (
+        r for r in rows if "transformers" in r[1]
+    ):
+        assert float(tok_s.replace(",", "")) > 0 and ratio.endswith("x")
+        assert 50 <= float(equal.rstrip("%")) <= 100
+        agreed, of = map(int, first.split("/"))
+        assert of == int(batch) and 0 <= float(prefix) <= 4
+        first_equal += agreed
+    assert first_equal >= 4  # of 8 rows
+    assert re.search(r"^batch 3: engine [\d.]+x transformers \((dynamic|static) cache", out, re.M)
+
+
 def test_the_benchmarks_exit_status_is_the_commands(capfd):
     assert main(["bench", "attention", "--no-such-option"]) == 2  # the script's argparse
     assert "attention.py: error: unrecognized arguments: --no-such-option" in capfd.readouterr().err
