@@ -13,7 +13,29 @@ policy an importance ratio needs. ``raw_logprob`` is ``log_softmax`` of the unpr
 greedy choice comes from a point mass, whose logprob (0) says nothing, so greedy rows report
 the raw logprob in both fields.
 
-Legend: B rows (sequences), V vocab.
+The definition sorts each row (stable: ties keep the lower id first), masks it and walks its
+CDF (`_draw_sorted`, `_walk`). Sorting the whole vocabulary is the expensive part, and two
+kinds of rows do without it, with results bitwise equal to the definition's:
+
+- greedy rows: an argmax, whose ties go to the lowest id as the stable sort's rank 0 does;
+- top-k rows: the k largest values by partial selection (``torch.topk``), ordered as the sort
+  would order them, ties included (`_candidates`), fill the definition's masked sorted row
+  (which holds -inf past rank k), and `_walk` runs on it. Same operations on the same tensor,
+  so the same bits on any device.
+
+Rows without top-k keep the sort. Their top-p masses and logprobs are normalized by a float32
+sum over the sorted vocabulary, whose rounding depends on that order: summed in any other
+order (without a sort), the normalizer differs in its last bits, which moves CDF boundaries
+and, with them, some tokens (on the CPU at V = 151936, `sum` in token order instead of sorted
+order changes about one draw in twenty of randn * 4 logits, as the sorted float32 sum is off
+by ~3e-5 there). Equal results rule that out. No step reads anything back to the host: which
+rows take which path follows from their SamplingParams.
+
+Outside the contract, as before: NaN logits (the engine refuses them) and the relative order
+of -0.0 and +0.0 (a GPU radix sort puts +0.0 first; the CPU sort and the tie repair here treat
+them as equal).
+
+Legend: B rows (sequences), V vocab, K top-k candidates per row.
 """
 
 from __future__ import annotations
@@ -53,21 +75,6 @@ class SampleOutput:
     raw_logprobs_B: torch.Tensor  # float32, of the unprocessed logits
 
 
-def _processed_sorted(logits_BV, temperature_B, top_k_B, top_p_B):
-    """Scaled logits sorted descending (stable: ties keep the lower id first), with the mask
-    of the tokens top-k and top-p keep."""
-    scaled = logits_BV / temperature_B[:, None]
-    sorted_BV, order_BV = torch.sort(scaled, dim=-1, descending=True, stable=True)
-    rank_V = torch.arange(logits_BV.shape[1], device=logits_BV.device)
-    keep_BV = rank_V[None, :] < top_k_B[:, None]
-    probs_BV = torch.softmax(sorted_BV.masked_fill(~keep_BV, float("-inf")), dim=-1)
-    # Top-p keeps the smallest prefix whose mass reaches top_p: a token stays when the mass
-    # strictly before it is still short of top_p (so the top token always stays).
-    mass_before_BV = probs_BV.cumsum(-1) - probs_BV
-    keep_BV &= mass_before_BV < top_p_B[:, None]
-    return sorted_BV, order_BV, keep_BV
-
-
 def sample(
     logits_BV: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
 ) -> SampleOutput:
@@ -86,25 +93,99 @@ def sample(
     temperature_B = torch.tensor(
         [1.0 if p.greedy else p.temperature for p in params], dtype=torch.float32, device=device
     )
-    top_k_B = torch.tensor([p.top_k or V for p in params], device=device)
+    top_k = [min(p.top_k or V, V) for p in params]
+    top_k_B = torch.tensor(top_k, device=device)
     top_p_B = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
 
     raw_logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
-    sorted_BV, order_BV, keep_BV = _processed_sorted(logits_BV, temperature_B, top_k_B, top_p_B)
-    logprobs_sorted_BV = torch.log_softmax(sorted_BV.masked_fill(~keep_BV, float("-inf")), -1)
-    cdf_BV = logprobs_sorted_BV.double().exp().cumsum(-1)
-    # First rank whose CDF exceeds u * total: never a zero-probability rank, except through
-    # rounding at the very top, which the clamp to the last positive rank (the positive ranks
-    # are a prefix, as the logits are sorted) removes.
-    rank_B = torch.searchsorted(cdf_BV, (u_B * cdf_BV[:, -1])[:, None], right=True)[:, 0]
-    rank_B = torch.minimum(rank_B, (logprobs_sorted_BV > float("-inf")).sum(-1) - 1)
-    rank_B = torch.where(greedy_B, torch.zeros_like(rank_B), rank_B)
+    token_B = logits_BV.argmax(-1)  # greedy rows: the first maximum, as the stable sort's
+    processed_B = torch.zeros(B, device=device)
+    by_top_k = [b for b, p in enumerate(params) if not p.greedy and top_k[b] < V]
+    by_sort = [b for b, p in enumerate(params) if not p.greedy and top_k[b] == V]
+    if by_top_k or by_sort:
+        scaled_BV = logits_BV / temperature_B[:, None]
+    if by_top_k:
+        K = max(top_k[b] for b in by_top_k)  # from the host's params: nothing read back
+        pick = _pick(by_top_k, B, device)
+        token_B[pick], processed_B[pick] = _draw_top_k(
+            scaled_BV[pick], K, top_k_B[pick], top_p_B[pick], u_B[pick]
+        )
+    if by_sort:
+        pick = _pick(by_sort, B, device)
+        token_B[pick], processed_B[pick] = _draw_sorted(
+            scaled_BV[pick], top_k_B[pick], top_p_B[pick], u_B[pick]
+        )
 
-    token_B = order_BV.gather(1, rank_B[:, None])[:, 0]
     raw_B = raw_logprobs_BV.gather(1, token_B[:, None])[:, 0]
-    processed_B = logprobs_sorted_BV.gather(1, rank_B[:, None])[:, 0]
     return SampleOutput(
         token_ids_B=token_B,
         logprobs_B=torch.where(greedy_B, raw_B, processed_B),
         raw_logprobs_B=raw_B,
     )
+
+
+def _pick(rows: list[int], B: int, device):
+    """Index of ``rows`` among B: a plain slice when they are all of them (no copy)."""
+    return slice(None) if len(rows) == B else torch.tensor(rows, device=device)
+
+
+def _draw_sorted(scaled_BV, top_k_B, top_p_B, u_B):
+    """The definition: ``(token, logprob)`` per row of temperature-scaled logits."""
+    sorted_BV, order_BV = torch.sort(scaled_BV, dim=-1, descending=True, stable=True)
+    rank_B, logprob_B = _walk(sorted_BV, top_k_B, top_p_B, u_B)
+    return order_BV.gather(1, rank_B[:, None])[:, 0], logprob_B
+
+
+def _draw_top_k(scaled_BV, K, top_k_B, top_p_B, u_B):
+    """`_draw_sorted` for rows with top-k < V (K: the largest), without the sort: `_walk` masks
+    the ranks from k on to -inf before anything else, so the sorted row may hold -inf there."""
+    values_BK, ids_BK = _candidates(scaled_BV, K)
+    in_top_k_BK = torch.arange(K, device=scaled_BV.device)[None, :] < top_k_B[:, None]
+    sorted_BV = torch.full_like(scaled_BV, float("-inf"))
+    sorted_BV[:, :K] = values_BK.masked_fill(~in_top_k_BK, float("-inf"))
+    rank_B, logprob_B = _walk(sorted_BV, top_k_B, top_p_B, u_B)
+    return ids_BK.gather(1, rank_B[:, None])[:, 0], logprob_B
+
+
+def _walk(sorted_BV, top_k_B, top_p_B, u_B):
+    """``(rank, logprob)`` drawn from each sorted row: top-k and top-p masks, ``log_softmax`` of
+    what they keep, and the first rank whose float64 CDF exceeds ``u * total``."""
+    rank_V = torch.arange(sorted_BV.shape[1], device=sorted_BV.device)
+    keep_BV = rank_V[None, :] < top_k_B[:, None]
+    probs_BV = torch.softmax(sorted_BV.masked_fill(~keep_BV, float("-inf")), dim=-1)
+    # Top-p keeps the smallest prefix whose mass reaches top_p: a token stays when the mass
+    # strictly before it is still short of top_p (so the top token always stays).
+    mass_before_BV = probs_BV.cumsum(-1) - probs_BV
+    keep_BV &= mass_before_BV < top_p_B[:, None]
+    logprobs_BV = torch.log_softmax(sorted_BV.masked_fill(~keep_BV, float("-inf")), -1)
+    cdf_BV = logprobs_BV.double().exp().cumsum(-1)
+    # First rank whose CDF exceeds u * total: never a zero-probability rank, except through
+    # rounding at the very top, which the clamp to the last positive rank (the positive ranks
+    # are a prefix, as the logits are sorted) removes.
+    rank_B = torch.searchsorted(cdf_BV, (u_B * cdf_BV[:, -1])[:, None], right=True)[:, 0]
+    rank_B = torch.minimum(rank_B, (logprobs_BV > float("-inf")).sum(-1) - 1)
+    return rank_B, logprobs_BV.gather(1, rank_B[:, None])[:, 0]
+
+
+def _candidates(scaled_BV, K):
+    """Each row's K largest values and their ids, in the stable sort's order: value descending,
+    the lower id first among equals. ``torch.topk`` guarantees neither the order of equal values
+    nor, where the K-th value is tied with tokens left out, which of the tied ids it took; the
+    sort takes the lowest. So the ranks holding the K-th value get the lowest ids of all tokens
+    in the row with that value."""
+    V = scaled_BV.shape[1]
+    values_BK, ids_BK = torch.topk(scaled_BV, K, dim=-1)
+    ids_BK, by_id_BK = ids_BK.sort(dim=-1)
+    values_BK, order_BK = values_BK.gather(1, by_id_BK).sort(dim=-1, descending=True, stable=True)
+    ids_BK = ids_BK.gather(1, order_BK)
+    if K == V:
+        return values_BK, ids_BK
+    last_B1 = values_BK[:, -1:]
+    tied_BK = values_BK == last_B1
+    first_tied_B1 = (~tied_BK).sum(-1, keepdim=True)
+    # The j-th token (j from 1) of the row with the K-th value: the first id where the running
+    # count of such tokens reaches j. Rank first_tied + j - 1 holds it.
+    count_BV = (scaled_BV == last_B1).cumsum(-1, dtype=torch.int32)
+    j_BK = torch.arange(1, K + 1, device=scaled_BV.device, dtype=torch.int32) - first_tied_B1
+    tied_ids_BK = torch.searchsorted(count_BV, j_BK.clamp(min=1).to(torch.int32))
+    return values_BK, torch.where(tied_BK, tied_ids_BK, ids_BK)
