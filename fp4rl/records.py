@@ -22,38 +22,59 @@ from dataclasses import dataclass
 import torch
 
 from fp4rl.fp4 import CompactCodes, NVFP4Tensor, SparseCodes
+from fp4rl.fp4.rounding import PackedSparse
 
 SiteKey = tuple[int, str]  # (decoder layer, site): "expert_input", "expert_hidden", "k", "v"
-# Full codes, compact mantissa bits or sparse near-boundary bits, each with the rollout's scales.
-SiteRecord = NVFP4Tensor | CompactCodes | SparseCodes
+# Full codes or compact mantissa bits, each with the rollout's scales; or sparse near-boundary
+# bits with the row maxima the scales follow from, as the engine cuts and the trainer reads them
+# (SparseCodes) or as a completion carries them (PackedSparse: `record_pack`, `record_unpack`).
+SiteRecord = NVFP4Tensor | CompactCodes | SparseCodes | PackedSparse
 # A None value means "round this site to nearest" on purpose (compact guidance leaves out the
 # earlier FP4 layers); a missing key is an error.
 GuidanceMap = Mapping[SiteKey, SiteRecord | None]
 
 
 def _members(r: SiteRecord) -> tuple[torch.Tensor, ...]:
-    """The record's tensors in field order; all but sparse entries have one row per token."""
-    if isinstance(r, NVFP4Tensor | SparseCodes):
+    """The record's tensors in field order, the first with one row per token (sparse entries
+    and packed streams have not)."""
+    if isinstance(r, NVFP4Tensor | SparseCodes | PackedSparse):
         return r.tensors()
     return r.mantissa_bits, r.block_scale, r.global_scale
 
 
 def _rebuild(r: SiteRecord, members) -> SiteRecord:
+    if isinstance(r, SparseCodes | PackedSparse):
+        return type(r)(*members, r.columns)
     return type(r)(*members)
+
+
+def record_pack(r: SiteRecord) -> SiteRecord:
+    """The form a completion carries: sparse records packed (`SparseCodes.pack`), others as
+    they are."""
+    return r.pack() if isinstance(r, SparseCodes) else r
+
+
+def record_unpack(r: SiteRecord) -> SiteRecord:
+    """The form the trainer reads: packed sparse records unpacked, others as they are."""
+    return r.unpack() if isinstance(r, PackedSparse) else r
 
 
 def record_rows(r: SiteRecord, start: int, end: int) -> SiteRecord:
     """Rows ``[start, end)`` of a token-major record (per-row scales make this exact)."""
     if isinstance(r, SparseCodes):  # its entries are ragged: found through the row counts
         return r.rows(start, end)
+    if isinstance(r, PackedSparse):
+        return r.unpack().rows(start, end).pack()
     return _rebuild(r, [m[start:end] for m in _members(r)])
 
 
 def record_gather(r: SiteRecord, spans: Sequence[tuple[int, int]]) -> SiteRecord:
     """The rows of ``spans`` (``[start, end)`` ranges, in order) of a token-major record, as
     one record: one gather per member (sparse records: a slice per span, then one concat)."""
+    if isinstance(r, PackedSparse):
+        return record_gather(r.unpack(), spans).pack()
     if isinstance(r, SparseCodes):
-        return record_cat([r.rows(a, b) for a, b in spans])
+        return SparseCodes.cat([r.rows(a, b) for a, b in spans])
     rows = [i for a, b in spans for i in range(a, b)]
     index = torch.tensor(rows, dtype=torch.long).to(_members(r)[0].device, non_blocking=True)
     return _rebuild(r, [m[index] for m in _members(r)])
@@ -65,6 +86,9 @@ def record_cat(records: Sequence[SiteRecord]) -> SiteRecord:
     kinds = {type(r) for r in records}
     if len(kinds) != 1:
         raise ValueError(f"cannot concatenate records of kinds {sorted(k.__name__ for k in kinds)}")
+    if isinstance(records[0], SparseCodes | PackedSparse):
+        cat = SparseCodes.cat([record_unpack(r) for r in records])
+        return cat.pack() if isinstance(records[0], PackedSparse) else cat
     return _rebuild(records[0], [torch.cat(ms) for ms in zip(*map(_members, records), strict=True)])
 
 
@@ -100,7 +124,7 @@ class Completion:
     # them to its device when it uses them.
     routing: torch.Tensor | None = None  # int32 [L_moe, T, top_k], -1 = no record
     # (layer, site) -> record with leading dim T: NVFP4Tensor ("full"), CompactCodes or
-    # SparseCodes; None for the FP4 layers compact guidance leaves out (the trainer rounds
+    # PackedSparse; None for the FP4 layers compact guidance leaves out (the trainer rounds
     # those to nearest).
     guidance: dict[SiteKey, SiteRecord | None] | None = None
 
@@ -149,7 +173,8 @@ class TrainBatch:
     rollout_logprobs_N: torch.Tensor | None
     sampling_logprobs_N: torch.Tensor | None
     routing: torch.Tensor | None  # int32 [L_moe, T, k], on the CPU (`Completion`)
-    guidance: dict[SiteKey, SiteRecord | None] | None  # records with leading dim T
+    # Records with leading dim T; sparse ones unpacked (SparseCodes), as the trainer reads them.
+    guidance: dict[SiteKey, SiteRecord | None] | None
     prompt_index: tuple[int, ...]  # per sequence
     sample_index: tuple[int, ...]
     policy_version: tuple[int, ...]
@@ -272,7 +297,7 @@ def _cat_guidance(completions: Sequence[Completion]) -> dict[SiteKey, SiteRecord
                 f"{_name(completions[0])}'s {sorted(first)}"
             )
     for key, r in first.items():
-        records = [c.guidance[key] for c in completions]
+        records = [_unpacked(c, key) for c in completions]
         if r is None or any(x is None for x in records):
             if any(x is not None for x in records):
                 raise ValueError(
@@ -283,3 +308,14 @@ def _cat_guidance(completions: Sequence[Completion]) -> dict[SiteKey, SiteRecord
         else:
             out[key] = record_cat(records)
     return out
+
+
+def _unpacked(c: Completion, key: SiteKey) -> SiteRecord | None:
+    """A completion's record as the trainer reads it; a malformed one names its site."""
+    r = c.guidance[key]
+    try:
+        return None if r is None else record_unpack(r)
+    except ValueError as err:
+        raise ValueError(
+            f"{_name(c)}: guidance for layers.{key[0]} site '{key[1]}': {err}"
+        ) from err

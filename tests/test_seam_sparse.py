@@ -2,14 +2,17 @@
 
 The engine generates the same completions twice (same seed), recording full codes and sparse
 guidance, so the sparse run can be held to the rollout's codes. Claims:
-- the sparse records carry the full records' scales bitwise, and at each recorded value the
-  mantissa bit of the rollout's code; their rows follow the completions through `collate`
-  (a prompt's rows repeated for each of its samples);
-- BF16 (where nearest rounding disagrees with the rollout): at every recorded value the trainer
-  takes the rollout's codeword, and sparse guidance agrees with the rollout at least as often
-  as nearest rounding under the trainer's own scales, by a margin;
+- completions carry the sparse records packed; unpacked, their row maxima give the full
+  records' global scales bitwise, and they hold the lowest bit of the rollout's E4M3 byte at
+  each recorded block and the mantissa bit of its code at each recorded value; their rows
+  follow the completions through `collate` (a prompt's rows repeated for each of its samples);
+- BF16 (where nearest rounding disagrees with the rollout): the trainer's derived block scales
+  are the rollout's at every recorded block and more often than its own; at every recorded
+  value in a block with the rollout's scale it takes the rollout's codeword, and sparse guidance
+  agrees with the rollout more often than nearest rounding under the trainer's own scales;
 - FP32: the guided trainer's codes and logprobs do not depend on what else is in the batch;
-- a missing, misshapen or malformed record fails naming the site.
+- a missing, misshapen or malformed record fails naming the site (a malformed packed one, in
+  `collate`, also the completion).
 """
 
 import dataclasses
@@ -20,8 +23,9 @@ from tiny_models import engine_config, rollout_model
 
 from fp4rl.fp4 import SparseCodes
 from fp4rl.fp4.reference import unpack_e2m1
+from fp4rl.fp4.rounding import PackedSparse
 from fp4rl.model.sites import SiteRecords
-from fp4rl.records import collate, record_rows
+from fp4rl.records import collate, record_rows, record_unpack
 from fp4rl.rollout import Engine, SamplingParams
 from fp4rl.train.observe import observe, signed_index
 from fp4rl.train.policy import policy_logprobs
@@ -65,12 +69,14 @@ def test_sparse_records_follow_rows_and_the_trainer_follows_them(bf16_models):
     full_out, sparse_out = twice(packed)
     full, batch = collate(full_out), collate(sparse_out)
     assert batch.guidance.keys() == full.guidance.keys() == qat.plan.guided_keys()
+    assert all(isinstance(r, PackedSparse) for c in sparse_out for r in c.guidance.values())
     recorded_share = []
     for key, r in batch.guidance.items():
         f = full.guidance[key]
         assert isinstance(r, SparseCodes)
-        assert torch.equal(r.block_scale.view(torch.uint8), f.block_scale.view(torch.uint8)), key
-        assert torch.equal(r.global_scale, f.global_scale), key
+        assert torch.equal(r.global_scale().view(torch.int32), f.global_scale.view(torch.int32))
+        blocks, block_bit = r.expand_blocks()
+        assert torch.equal(block_bit[blocks], f.block_scale.view(torch.uint8)[blocks] & 1), key
         recorded, bit = r.expand()
         assert torch.equal(bit[recorded], unpack_e2m1(f.codes)[recorded] & 1), key
         recorded_share.append(float(recorded.float().mean()))
@@ -83,7 +89,8 @@ def test_sparse_records_follow_rows_and_the_trainer_follows_them(bf16_models):
         for key, r in c.guidance.items():
             piece = record_rows(batch.guidance[key], start, start + c.num_fed_tokens)
             assert all(
-                torch.equal(a, b) for a, b in zip(piece.tensors(), r.tensors(), strict=True)
+                torch.equal(a, b)
+                for a, b in zip(piece.tensors(), record_unpack(r).tensors(), strict=True)
             ), key
         start += c.num_fed_tokens
     P, key, seq1 = len(PROMPTS[0]), (1, "expert_hidden"), sparse_out[0].num_fed_tokens
@@ -91,23 +98,35 @@ def test_sparse_records_follow_rows_and_the_trainer_follows_them(bf16_models):
     second = record_rows(batch.guidance[key], seq1, seq1 + P)  # sample 1 of the same prompt
     assert all(torch.equal(a, b) for a, b in zip(first.tensors(), second.tensors(), strict=True))
 
-    # The trainer: the rollout's codeword at every recorded value; overall agreement above
-    # nearest rounding with the trainer's own scales.
+    # The trainer: the rollout's block scale at every recorded block, its codeword at every
+    # recorded value of a block with the rollout's scale; overall agreement above nearest
+    # rounding with the trainer's own scales.
     rec = SiteRecords()
     policy_logprobs(qat, batch, capture=rec)
-    agree = total = 0
+    agree = total = same_scales = blocks_total = 0
     for key, r in batch.guidance.items():
-        mine, theirs = signed(rec.sites[key].codes), signed(full.guidance[key].codes)
+        f, t = full.guidance[key], rec.sites[key]
+        assert torch.equal(t.global_scale.view(torch.int32), f.global_scale.view(torch.int32))
+        same_scale = t.block_scale.view(torch.uint8) == f.block_scale.view(torch.uint8)
+        blocks, _ = r.expand_blocks()
+        assert same_scale[blocks].all(), key
+        same_scales, blocks_total = (
+            same_scales + int(same_scale.sum()),
+            blocks_total + blocks.numel(),
+        )
+        mine, theirs = signed(t.codes), signed(f.codes)
         recorded, _ = r.expand()
-        assert torch.equal(mine[recorded], theirs[recorded]), key
+        followed = recorded & same_scale.repeat_interleave(16, -1)
+        assert torch.equal(mine[followed], theirs[followed]), key
         agree, total = agree + int((mine == theirs).sum()), total + mine.numel()
     own = observe(qat, full, replay=True, guided=False)
     nearest = own["code_agreement"]
     assert nearest < 0.995  # BF16: the two sides round differently somewhere
     # ... and compute other block scales somewhere (the trainer's own scales).
     assert 0.5 < own["block_scale_agreement"] < 1.0
+    assert same_scales / blocks_total > own["block_scale_agreement"]
     # Observed on this batch: nearest 0.892 (its own block scales differ in 12 % of blocks),
-    # sparse (delta 0.1) 1.0 of 53,760 values.
+    # sparse (delta 0.1) 1.0 of 53,760 values, its derived block scales all 3,360 the rollout's.
     assert agree / total >= 0.999
     metrics = observe(qat, batch, replay=True, guided=True)
     assert metrics["sparse_bit_agreement"] == 1.0
@@ -148,15 +167,34 @@ def test_missing_misshapen_or_malformed_records_name_the_site(fp32_models):
     half = SparseCodes(
         counts=torch.zeros(r.counts.shape, dtype=torch.uint8),
         entries=r.entries[:0],
-        block_scale=r.block_scale[:, :2],
-        global_scale=r.global_scale,
+        block_counts=torch.zeros(r.counts.shape, dtype=torch.uint8),
+        block_entries=r.block_entries[:0],
+        row_amax=r.row_amax,
+        columns=r.columns // 2,
     )
     with pytest.raises(ValueError, match=r"layers.1 site 'expert_input' has shape \(\d+, 32\)"):
         policy_logprobs(qat, with_record((1, "expert_input"), half))
     h = batch.guidance[(2, "expert_hidden")]
-    truncated = SparseCodes(h.counts, h.entries[:-1], h.block_scale, h.global_scale)
-    with pytest.raises(ValueError, match="layers.2 site 'expert_hidden': sparse guidance counts"):
+    truncated = SparseCodes(
+        h.counts, h.entries[:-1], h.block_counts, h.block_entries, h.row_amax, h.columns
+    )
+    with pytest.raises(
+        ValueError, match="layers.2 site 'expert_hidden': sparse guidance value counts"
+    ):
         policy_logprobs(qat, with_record((2, "expert_hidden"), truncated))
+
+
+def test_a_malformed_packed_record_fails_in_collate_naming_completion_and_site(fp32_models):
+    packed, _ = fp32_models
+    out = generate(packed, "sparse", n=1)
+    c = out[1]
+    p = c.guidance[(2, "k")]
+    cut = PackedSparse(p.row_amax, torch.full((3,), 0x80, dtype=torch.uint8), p.blocks, p.columns)
+    broken = dataclasses.replace(c, guidance={**c.guidance, (2, "k"): cut})
+    with pytest.raises(
+        ValueError, match=r"prompt 1, sample 0\): guidance for layers.2 site 'k': .*ends inside"
+    ):
+        collate([out[0], broken, out[2]])
 
 
 @pytest.mark.gpu
@@ -173,11 +211,15 @@ def test_sparse_guidance_on_gpu():
     torch.testing.assert_close(got.cpu(), batch.rollout_logprobs_N, rtol=0, atol=0.03)
     agree = total = 0
     for key, r in batch.guidance.items():
-        f = full.guidance[key]
-        assert torch.equal(r.block_scale.view(torch.uint8), f.block_scale.view(torch.uint8)), key
-        recorded, bit = (t.cpu() for t in r.expand())
+        f, t = full.guidance[key], rec.sites[key]
+        assert torch.equal(t.global_scale.cpu(), f.global_scale.cpu()), key
+        same_scale = (t.block_scale.view(torch.uint8) == f.block_scale.view(torch.uint8)).cpu()
+        blocks, _ = (b.cpu() for b in r.expand_blocks())
+        assert same_scale[blocks].all(), key
+        recorded, bit = (b.cpu() for b in r.expand())
         assert torch.equal(bit[recorded], unpack_e2m1(f.codes.cpu())[recorded] & 1), key
-        mine, theirs = signed(rec.sites[key].codes), signed(f.codes)
-        assert torch.equal(mine[recorded], theirs[recorded]), key
+        followed = recorded & same_scale.repeat_interleave(16, -1)
+        mine, theirs = signed(t.codes), signed(f.codes)
+        assert torch.equal(mine[followed], theirs[followed]), key
         agree, total = agree + int((mine == theirs).sum()), total + mine.numel()
     assert agree / total >= 0.999

@@ -1,7 +1,7 @@
 """Rollout-guided rounding (TRACE): quantize with the rollout's scales, round toward its codes.
 
-Rollout and trainer compute slightly different high-precision values for the same site. All
-guided modes take the rollout's block and global scales, scale the local value ``x`` by them
+Rollout and trainer compute slightly different high-precision values for the same site. Guided
+modes take the rollout's block and global scales (sparse: derives them, below), scale ``x`` by them
 exactly as `reference.quantize` would (``y = x * (1 / (f32(sf) * s))``), and then choose between
 the two E2M1 codewords that bracket ``y`` on the signed grid:
 
@@ -19,8 +19,11 @@ the two E2M1 codewords that bracket ``y`` on the signed grid:
 - **guided-sparse** (`round_guided_sparse`, from `SparseCodes`): the rollout records only the
   values it computed within ``delta`` grid units of a rounding boundary (`boundary_distance`),
   each with its mantissa bit. There the trainer takes the compact choice; everywhere else it
-  rounds to nearest under the rollout's scales. A trainer value that crosses a boundary the
-  rollout was farther than ``delta`` from stays a disagreement.
+  rounds to nearest. A trainer value that crosses a boundary the rollout was farther than
+  ``delta`` from stays a disagreement. Its scales are not recorded whole: the global scale
+  follows bitwise from the rollout's row maximum, and each block scale is the recipe's from the
+  trainer's own block maximum, except at the blocks the rollout found near an E4M3 rounding
+  boundary, which record the side it took (`sparse_block_scales`).
 
 Zero crossing: when ``|y| < 0.5`` the bracket is ``{0, 0.5}`` with the sign of ``y``. If the
 rollout chose a non-zero codeword of the *other* sign, guided-full returns (signed) zero, the
@@ -35,12 +38,31 @@ poisoned group in `reference.quantize`.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from fp4rl.fp4.format import BLOCK_SIZE, E2M1_VALUES, MAGNITUDE_MASK, MANTISSA_BIT, SIGN_BIT
-from fp4rl.fp4.reference import check_input, e2m1_rne, pack_e2m1, scaled_values, unpack_e2m1
+from fp4rl.fp4.format import (
+    BLOCK_SIZE,
+    E2M1_VALUES,
+    E4M3_NAN_BYTE,
+    MAGNITUDE_MASK,
+    MANTISSA_BIT,
+    SIGN_BIT,
+)
+from fp4rl.fp4.reference import (
+    SUPPORTED_DTYPES,
+    block_scale_from_amax,
+    block_scale_ratio,
+    check_input,
+    e2m1_rne,
+    e4m3_rne_satfinite,
+    global_scale_from_amax,
+    pack_e2m1,
+    scaled_values,
+    unpack_e2m1,
+)
 from fp4rl.fp4.tensor import NVFP4Tensor
 
 
@@ -157,6 +179,14 @@ def round_guided_compact(x: torch.Tensor, guidance: CompactCodes) -> NVFP4Tensor
 
 # ---- sparse guidance ----------------------------------------------------------------------
 
+# A value recorded within delta E2M1 grid units of a boundary m is one whose relative distance
+# from m is at most delta * w / m, and w / m >= 2 / 7 at every boundary (0.5 / 1.75, 1 / 3.5).
+# The block scales' relative window is that floor: a relative trainer-vs-rollout difference the
+# values' delta covers at every boundary is covered at the block scales' boundaries too.
+SCALE_DELTA_PER_GRID_UNIT = 2 / 7
+E4M3_MAX_BYTE = E4M3_NAN_BYTE - 1  # 448: positive E4M3 bytes 0x00..0x7E are in value order
+VARINT_MAX_BYTES = 5  # positions (index << 1 | bit) below 2**35 in the wire form
+
 
 def boundary_distance(y: torch.Tensor) -> torch.Tensor:
     """Distance of each scaled value ``y`` from the nearest rounding boundary, in grid units.
@@ -177,6 +207,29 @@ def boundary_distance(y: torch.Tensor) -> torch.Tensor:
     return torch.where(width > 0, between, on_codeword)
 
 
+def e4m3_bracket(ratio: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bytes ``(lo, hi)`` of the E4M3 values just below and above each non-negative FP32
+    ``ratio`` (equal when it is an E4M3 value, both 448 beyond it, both NaN for NaN). One of them
+    is the recipe's rounding of it (`reference.e4m3_rne_satfinite`); adjacent E4M3 values differ
+    in the byte's lowest bit, as adjacent E2M1 magnitudes do in the mantissa bit."""
+    nearest = e4m3_rne_satfinite(ratio)
+    byte, value = nearest.view(torch.uint8), nearest.float()
+    lo = torch.where(value > ratio, byte - 1, byte)
+    hi = torch.where((value < ratio) & (byte < E4M3_MAX_BYTE), byte + 1, byte)
+    return lo, hi
+
+
+def scale_boundary_distance(ratio: torch.Tensor) -> torch.Tensor:
+    """Relative distance ``|ratio - m| / m`` of each unrounded block scale
+    (`reference.block_scale_ratio`) from the E4M3 rounding boundary ``m`` between the two E4M3
+    values around it; infinite where there is none (an E4M3 value, beyond 448, NaN)."""
+    lo, hi = e4m3_bracket(ratio)
+    as_f32 = [t.view(torch.float8_e4m3fn).float() for t in (lo, hi)]
+    middle = (as_f32[0] + as_f32[1]) * 0.5  # exact: two 4-bit significands a step apart
+    distance = (ratio - middle).abs() / torch.where(lo != hi, middle, 1.0)
+    return torch.where(lo != hi, distance, math.inf)
+
+
 def _index_dtype(limit: int) -> torch.dtype:
     """The narrowest integer dtype holding 0..limit."""
     for dtype, top in ((torch.uint8, 255), (torch.int16, 2**15 - 1), (torch.int32, 2**31 - 1)):
@@ -185,144 +238,398 @@ def _index_dtype(limit: int) -> torch.dtype:
     raise ValueError(f"sparse guidance needs rows of fewer than 2**30 values, got {limit}")
 
 
+# A ragged record: ``counts [R]`` entries per row and ``entries [n]`` = ``index << 1 | bit``,
+# rows in order and indices increasing within a row, indices below ``width``.
+
+
+def _ragged_from_mask(near_RW: torch.Tensor, bit_RW: torch.Tensor):
+    width = near_RW.shape[-1]
+    row, index = near_RW.nonzero(as_tuple=True)  # row-major: rows in order, indices increasing
+    bits = bit_RW[row, index].long() & 1
+    counts = near_RW.sum(-1).to(_index_dtype(width))
+    return counts, (index << 1 | bits).to(_index_dtype(2 * width - 1))
+
+
+def _ragged_check(counts: torch.Tensor, entries: torch.Tensor, width: int, what: str) -> None:
+    total = int(counts.sum(dtype=torch.int64))
+    if total != entries.shape[0]:
+        raise ValueError(
+            f"sparse guidance {what} counts sum to {total} but it holds {entries.shape[0]} entries"
+        )
+    index = entries.long() >> 1
+    if total and not bool(((index >= 0) & (index < width)).all()):
+        raise ValueError(f"sparse guidance has a {what} index outside [0, {width})")
+
+
+def _ragged_select(counts: torch.Tensor, entries: torch.Tensor, index: torch.Tensor):
+    counts_R = counts.flatten().long()
+    starts = counts_R.cumsum(0) - counts_R
+    picked = counts_R[index]
+    num = int(picked.sum())
+    row = torch.repeat_interleave(torch.arange(len(index), device=index.device), picked)
+    offset = torch.arange(num, device=index.device) - (picked.cumsum(0) - picked)[row]
+    return counts.flatten()[index], entries[starts[index][row] + offset]
+
+
+def _ragged_expand(counts: torch.Tensor, entries: torch.Tensor, width: int):
+    counts_R = counts.flatten().long()
+    entries = entries.long()
+    row = torch.repeat_interleave(torch.arange(len(counts_R), device=counts.device), counts_R)
+    recorded = torch.zeros(len(counts_R), width, dtype=torch.bool, device=counts.device)
+    bit = torch.zeros(len(counts_R), width, dtype=torch.uint8, device=counts.device)
+    recorded[row, entries >> 1] = True
+    bit[row, entries >> 1] = (entries & 1).to(torch.uint8)
+    return recorded.view(*counts.shape, width), bit.view(*counts.shape, width)
+
+
 @dataclass(frozen=True, slots=True)
 class SparseCodes:
-    """Sparse guidance for one site ``[..., K]``: the values the rollout computed within
-    ``delta`` grid units of a rounding boundary (`boundary_distance`), one bit each, plus the
-    rollout's scales.
+    """Sparse guidance for one site ``[..., K]``, per-row scaled (``scaling="row"``).
 
-    - ``counts``       ``[...]``           how many values of each row (of K) are recorded
-    - ``entries``      ``[n]``             ``column << 1 | mantissa_bit`` of each recorded value:
-      rows in order, columns increasing within a row, ``n == counts.sum()``
-    - ``block_scale``, ``global_scale``    as in `NVFP4Tensor`
+    The rollout records, for each row, its maximum ``row_amax`` (a value of the site's dtype:
+    2 bytes for BF16), from which the global scale follows bitwise by the recipe
+    (`reference.global_scale_from_amax`); the blocks whose unrounded scale lay within
+    ``scale_delta`` (relative) of an E4M3 rounding boundary, with the lowest bit of the E4M3
+    byte the rollout chose; and the values it computed within ``delta`` grid units of an E2M1
+    rounding boundary, with the mantissa bit of its code. The trainer derives the scales from
+    its own values by the recipe, taking the rollout's side at the recorded blocks
+    (`round_guided_sparse`).
 
-    ``counts`` and ``entries`` take the narrowest integer type holding ``K`` and ``2K - 1``
-    (uint8 up to K = 128, then int16, then int32). The mantissa bit of the rollout's code names
-    the side of the boundary it took: the two codewords around a boundary always differ in it.
+    - ``counts``        ``[...]``       recorded values per row
+    - ``entries``       ``[n]``         ``column << 1 | mantissa_bit`` per recorded value: rows in
+      order, columns increasing, ``n == counts.sum()``
+    - ``block_counts``  ``[...]``       recorded blocks per row
+    - ``block_entries`` ``[m]``         ``block << 1 | scale_bit`` per recorded block, likewise
+    - ``row_amax``      ``[..., 1]``    the rollout's ``max |x|`` of each row, in the site's dtype
+    - ``columns``                       ``K``
+
+    Counts and entries take the narrowest of uint8 / int16 / int32 that holds the row width and
+    ``2 * width - 1`` (values: K; blocks: K / 16). This is the form the engine cuts and the
+    trainer reads; completions carry `PackedSparse` (`pack`), without the row counts.
     """
 
     counts: torch.Tensor
     entries: torch.Tensor
-    block_scale: torch.Tensor
-    global_scale: torch.Tensor
+    block_counts: torch.Tensor
+    block_entries: torch.Tensor
+    row_amax: torch.Tensor
+    columns: int
 
     def __post_init__(self) -> None:
-        lead = tuple(self.block_scale.shape[:-1])
-        if tuple(self.counts.shape) != lead or self.entries.dim() != 1:
+        lead = tuple(self.counts.shape)
+        if (
+            tuple(self.block_counts.shape) != lead
+            or tuple(self.row_amax.shape) != (*lead, 1)
+            or self.entries.dim() != 1
+            or self.block_entries.dim() != 1
+        ):
             raise ValueError(
-                f"sparse guidance: counts {tuple(self.counts.shape)} and entries "
-                f"{tuple(self.entries.shape)} do not match block_scale "
-                f"{tuple(self.block_scale.shape)} (counts [...], entries [n])"
+                f"sparse guidance: counts {lead}, block_counts {tuple(self.block_counts.shape)}, "
+                f"row_amax {tuple(self.row_amax.shape)}, entries {tuple(self.entries.shape)} and "
+                f"block_entries {tuple(self.block_entries.shape)} do not describe rows "
+                "(counts [...], block_counts [...], row_amax [..., 1], entries [n], block_entries "
+                "[m])"
             )
-        if self.global_scale.dim() != self.block_scale.dim():
+        K = self.columns
+        if not isinstance(K, int) or isinstance(K, bool) or K <= 0 or K % BLOCK_SIZE:
             raise ValueError(
-                f"sparse guidance: global_scale {tuple(self.global_scale.shape)} must have one "
-                f"entry per dim of block_scale {tuple(self.block_scale.shape)}"
+                f"sparse guidance columns must be a positive multiple of 16, got {K!r}"
             )
-        dtypes = (self.block_scale.dtype, self.global_scale.dtype)
-        if dtypes != (torch.float8_e4m3fn, torch.float32):
-            raise TypeError(f"sparse guidance scales must be float8_e4m3fn, float32; got {dtypes}")
-        K = self.shape[-1]
-        want = (_index_dtype(K), _index_dtype(2 * K - 1))
-        if (self.counts.dtype, self.entries.dtype) != want:
+        if self.row_amax.dtype not in SUPPORTED_DTYPES:
             raise TypeError(
-                f"sparse guidance of rows of {K}: counts and entries must be {want}, got "
-                f"{(self.counts.dtype, self.entries.dtype)}"
+                f"sparse guidance row_amax must be one of {SUPPORTED_DTYPES}, got "
+                f"{self.row_amax.dtype}"
             )
+        nb = K // BLOCK_SIZE
+        for what, width, got in (
+            ("counts and entries", K, (self.counts.dtype, self.entries.dtype)),
+            ("block counts and entries", nb, (self.block_counts.dtype, self.block_entries.dtype)),
+        ):
+            want = (_index_dtype(width), _index_dtype(2 * width - 1))
+            if got != want:
+                raise TypeError(f"sparse guidance of rows of {K}: {what} must be {want}, got {got}")
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size((*self.block_scale.shape[:-1], self.block_scale.shape[-1] * BLOCK_SIZE))
+        return torch.Size((*self.counts.shape, self.columns))
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.counts, self.entries, self.block_scale, self.global_scale
+        return self.counts, self.entries, self.block_counts, self.block_entries, self.row_amax
+
+    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> SparseCodes:
+        return SparseCodes(
+            *(t.to(device, non_blocking=non_blocking) for t in self.tensors()), self.columns
+        )
+
+    def global_scale(self) -> torch.Tensor:
+        """The rollout's FP32 global scales ``[..., 1]``, by the recipe from its row maxima."""
+        return global_scale_from_amax(self.row_amax)
 
     def check(self) -> None:
         """Raise ValueError unless the counts and entries describe the record's rows: as many
-        entries as the counts say, each column inside the row (reads the values: one sync)."""
-        total = int(self.counts.sum(dtype=torch.int64))
-        if total != self.entries.shape[0]:
-            raise ValueError(
-                f"sparse guidance counts sum to {total} but it holds {self.entries.shape[0]} "
-                "entries"
-            )
-        K = self.shape[-1]
-        column = self.entries.long() >> 1
-        if total and not bool(((column >= 0) & (column < K)).all()):
-            raise ValueError(f"sparse guidance has a column outside [0, {K})")
+        entries as the counts say, each index inside its row (reads the values: a sync)."""
+        _ragged_check(self.counts, self.entries, self.columns, "value")
+        _ragged_check(self.block_counts, self.block_entries, self.columns // BLOCK_SIZE, "block")
 
     def rows(self, start: int, end: int) -> SparseCodes:
         """Rows ``[start, end)`` along the first dim (each with its recorded values)."""
-        per_row = self.counts[start:end]
-        before = self.counts[:start].sum(dtype=torch.int64)
-        first, num = torch.stack((before, per_row.sum(dtype=torch.int64))).tolist()  # one sync
+        counts = (self.counts[:start], self.counts[start:end])
+        blocks = (self.block_counts[:start], self.block_counts[start:end])
+        sums = [c.sum(dtype=torch.int64) for c in (*counts, *blocks)]
+        first, num, block_first, block_num = torch.stack(sums).tolist()  # one sync
         return SparseCodes(
-            counts=per_row,
+            counts=counts[1],
             entries=self.entries[first : first + num],
-            block_scale=self.block_scale[start:end],
-            global_scale=self.global_scale[start:end],
+            block_counts=blocks[1],
+            block_entries=self.block_entries[block_first : block_first + block_num],
+            row_amax=self.row_amax[start:end],
+            columns=self.columns,
         )
 
     def select_rows(self, index: torch.Tensor) -> SparseCodes:
         """Rows ``index`` (long ``[R]``) of the record with its leading dims flattened."""
         self.check()
-        counts = self.counts.flatten().long()
-        starts = counts.cumsum(0) - counts
-        picked = counts[index]
-        num = int(picked.sum())
-        row = torch.repeat_interleave(torch.arange(len(index), device=index.device), picked)
-        offset = torch.arange(num, device=index.device) - (picked.cumsum(0) - picked)[row]
+        counts, entries = _ragged_select(self.counts, self.entries, index)
+        block_counts, block_entries = _ragged_select(self.block_counts, self.block_entries, index)
         return SparseCodes(
-            counts=self.counts.flatten()[index],
-            entries=self.entries[starts[index][row] + offset],
-            block_scale=self.block_scale.reshape(-1, self.block_scale.shape[-1])[index],
-            global_scale=self.global_scale.reshape(-1, self.global_scale.shape[-1])[index],
+            counts=counts,
+            entries=entries,
+            block_counts=block_counts,
+            block_entries=block_entries,
+            row_amax=self.row_amax.reshape(-1, 1)[index],
+            columns=self.columns,
         )
+
+    @staticmethod
+    def cat(records: Sequence[SparseCodes]) -> SparseCodes:
+        """Records of rows of one width concatenated along the first dim."""
+        widths = {r.columns for r in records}
+        if len(widths) != 1:
+            raise ValueError(f"cannot concatenate sparse guidance of rows of {sorted(widths)}")
+        members = zip(*(r.tensors() for r in records), strict=True)
+        return SparseCodes(*(torch.cat(m) for m in members), widths.pop())
 
     def expand(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(recorded, bit)``: bool and uint8 ``[..., K]``, the bit 0 where nothing is recorded."""
         self.check()
-        K = self.shape[-1]
-        counts = self.counts.flatten().long()
-        entries = self.entries.long()
-        column = entries >> 1
-        row = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts)
-        recorded = torch.zeros(len(counts), K, dtype=torch.bool, device=counts.device)
-        bit = torch.zeros(len(counts), K, dtype=torch.uint8, device=counts.device)
-        recorded[row, column] = True
-        bit[row, column] = (entries & 1).to(torch.uint8)
-        return recorded.view(self.shape), bit.view(self.shape)
+        return _ragged_expand(self.counts, self.entries, self.columns)
+
+    def expand_blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(recorded, bit)`` of the blocks, bool and uint8 ``[..., K / 16]``."""
+        self.check()
+        return _ragged_expand(self.block_counts, self.block_entries, self.columns // BLOCK_SIZE)
+
+    def pack(self) -> PackedSparse:
+        """The wire form: the positions as gaps in a byte code, without the row counts."""
+        return PackedSparse(
+            row_amax=self.row_amax,
+            values=_pack_positions(self.counts, self.entries, self.columns),
+            blocks=_pack_positions(
+                self.block_counts, self.block_entries, self.columns // BLOCK_SIZE
+            ),
+            columns=self.columns,
+        )
 
 
-def sparse(x: torch.Tensor, t: NVFP4Tensor, delta: float) -> SparseCodes:
-    """Sparse guidance from the rollout's values ``x [..., K]`` and their quantization ``t``:
-    the values within ``delta`` grid units of a rounding boundary under ``t``'s scales
+@dataclass(frozen=True, slots=True)
+class PackedSparse:
+    """`SparseCodes` as a completion carries it from the rollout to the trainer.
+
+    - ``row_amax`` ``[T, ..., 1]`` as in `SparseCodes`
+    - ``values``   uint8 ``[Lv]``: for each recorded value, in row-major order, the code
+      ``gap << 1 | mantissa_bit``, where ``gap`` counts the unrecorded values since the previous
+      recorded one (over the rows laid end to end), written 7 bits per byte, low bits first, the
+      top bit set on every byte but an entry's last
+    - ``blocks``   uint8 ``[Lb]``: the recorded blocks likewise (``gap << 1 | scale_bit``)
+    - ``columns``  ``K``
+
+    A recorded position costs one byte while fewer than 64 positions separate it from the
+    previous one, and no row pays for a count. `unpack` restores the `SparseCodes` bitwise.
+    """
+
+    row_amax: torch.Tensor
+    values: torch.Tensor
+    blocks: torch.Tensor
+    columns: int
+
+    def __post_init__(self) -> None:
+        if self.values.dtype != torch.uint8 or self.blocks.dtype != torch.uint8:
+            raise TypeError(
+                "packed sparse guidance streams must be uint8, got "
+                f"{self.values.dtype} and {self.blocks.dtype}"
+            )
+        if self.values.dim() != 1 or self.blocks.dim() != 1 or self.row_amax.shape[-1:] != (1,):
+            raise ValueError(
+                f"packed sparse guidance: values {tuple(self.values.shape)} and blocks "
+                f"{tuple(self.blocks.shape)} must be 1-D and row_amax "
+                f"{tuple(self.row_amax.shape)} [..., 1]"
+            )
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((*self.row_amax.shape[:-1], self.columns))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.row_amax, self.values, self.blocks
+
+    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> PackedSparse:
+        return PackedSparse(
+            *(t.to(device, non_blocking=non_blocking) for t in self.tensors()), self.columns
+        )
+
+    def unpack(self) -> SparseCodes:
+        """The `SparseCodes` this was packed from; ValueError for a stream that does not
+        describe positions inside the rows."""
+        lead = self.row_amax.shape[:-1]
+        nb = self.columns // BLOCK_SIZE
+        counts, entries = _unpack_positions(self.values, lead, self.columns, "value")
+        block_counts, block_entries = _unpack_positions(self.blocks, lead, nb, "block")
+        return SparseCodes(
+            counts, entries, block_counts, block_entries, self.row_amax, self.columns
+        )
+
+
+def encode_varint(codes: torch.Tensor) -> torch.Tensor:
+    """Non-negative int64 codes ``[n]`` -> uint8 ``[L]``: 7 bits per byte, low bits first, the
+    top bit set on every byte of a code but its last."""
+    if codes.numel() == 0:
+        return torch.zeros(0, dtype=torch.uint8, device=codes.device)
+    codes = codes.long()
+    j = torch.arange(VARINT_MAX_BYTES, device=codes.device)
+    length = 1 + (codes.unsqueeze(-1) >= (1 << (7 * j[1:]))).sum(-1)
+    top = int(codes.max())  # one sync (an engine step syncs for the positions anyway)
+    if int(codes.min()) < 0 or top >= 1 << (7 * VARINT_MAX_BYTES):
+        raise ValueError(f"sparse guidance positions must lie in [0, 2**35), got up to {top}")
+    groups = (codes.unsqueeze(-1) >> (7 * j)) & 0x7F
+    more = j < (length.unsqueeze(-1) - 1)
+    return (groups | (more.long() << 7))[j < length.unsqueeze(-1)].to(torch.uint8)
+
+
+def decode_varint(stream: torch.Tensor) -> torch.Tensor:
+    """Inverse of `encode_varint`; ValueError for a stream cut inside a code or a code longer
+    than ``VARINT_MAX_BYTES``."""
+    if stream.numel() == 0:
+        return torch.zeros(0, dtype=torch.long, device=stream.device)
+    last = (stream & 0x80) == 0
+    if not bool(last[-1]):
+        raise ValueError("packed sparse guidance ends inside a position")
+    entry = last.long().cumsum(0) - last.long()
+    ends = last.nonzero().squeeze(-1)
+    starts = torch.cat((ends.new_zeros(1), ends[:-1] + 1))
+    place = torch.arange(len(stream), device=stream.device) - starts[entry]
+    if int(place.max()) >= VARINT_MAX_BYTES:
+        raise ValueError(f"packed sparse guidance has a position longer than {VARINT_MAX_BYTES} B")
+    parts = (stream & 0x7F).long() << (7 * place)
+    return torch.zeros(len(ends), dtype=torch.long, device=stream.device).index_add_(
+        0, entry, parts
+    )
+
+
+def _pack_positions(counts: torch.Tensor, entries: torch.Tensor, width: int) -> torch.Tensor:
+    counts_R = counts.flatten().long()
+    row = torch.repeat_interleave(torch.arange(len(counts_R), device=counts.device), counts_R)
+    entries = entries.long()
+    flat = row * width + (entries >> 1)
+    gap = flat - torch.cat((flat.new_full((1,), -1), flat[:-1])) - 1
+    return encode_varint(gap << 1 | (entries & 1))
+
+
+def _unpack_positions(stream: torch.Tensor, lead: torch.Size, width: int, what: str):
+    codes = decode_varint(stream)
+    flat = torch.cumsum((codes >> 1) + 1, 0) - 1
+    num_rows = math.prod(lead)
+    if len(flat) and int(flat[-1]) >= num_rows * width:
+        raise ValueError(
+            f"packed sparse guidance has {what} positions past its {num_rows} rows of {width}"
+        )
+    row = flat // width
+    counts = torch.bincount(row, minlength=num_rows).to(_index_dtype(width)).view(lead)
+    entries = ((flat % width) << 1 | (codes & 1)).to(_index_dtype(2 * width - 1))
+    return counts, entries
+
+
+def _check_fraction(name: str, value, top: float) -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not 0 <= value <= top:
+        raise ValueError(f"sparse guidance {name} must be in [0, {top}], got {value!r}")
+
+
+def sparse(
+    x: torch.Tensor, t: NVFP4Tensor, delta: float, scale_delta: float | None = None
+) -> SparseCodes:
+    """Sparse guidance from the rollout's values ``x [..., K]`` and their row-scaled
+    quantization ``t``: the row maxima; the blocks whose unrounded scale lies within
+    ``scale_delta`` (relative; ``delta * SCALE_DELTA_PER_GRID_UNIT`` by default) of an E4M3
+    rounding boundary (`scale_boundary_distance`), with the lowest bit of their E4M3 byte; and
+    the values within ``delta`` grid units of an E2M1 rounding boundary under ``t``'s scales
     (`boundary_distance`), with the mantissa bit of the code ``t`` gave each."""
     check_input(x)
     if t.shape != x.shape:
         raise ValueError(f"codes of shape {tuple(t.shape)} for values {tuple(x.shape)}")
-    if not isinstance(delta, int | float) or isinstance(delta, bool) or not 0 <= delta <= 0.5:
-        raise ValueError(f"sparse guidance delta must be in [0, 0.5] grid units, got {delta!r}")
-    y, live = scaled_values(x.unflatten(-1, (-1, BLOCK_SIZE)), t.block_scale, t.global_scale)
-    near = ((boundary_distance(y) <= delta) & live.unsqueeze(-1)).flatten(-2)
+    _check_fraction("delta", delta, 0.5)
+    if scale_delta is None:
+        scale_delta = delta * SCALE_DELTA_PER_GRID_UNIT
+    _check_fraction("scale_delta", scale_delta, 1.0)
     K = x.shape[-1]
-    near_RK = near.reshape(-1, K)
-    row, column = near_RK.nonzero(as_tuple=True)  # row-major: rows in order, columns increasing
-    bit = (unpack_e2m1(t.codes).reshape(-1, K)[row, column] & MANTISSA_BIT).long()
+    lead = x.shape[:-1]
+    if tuple(t.global_scale.shape) != (*lead, 1):
+        raise ValueError(
+            f"sparse guidance needs one global scale per row (scaling='row'), got "
+            f"{tuple(t.global_scale.shape)} for values {tuple(x.shape)}"
+        )
+    row_amax = x.abs().amax(-1, keepdim=True)  # a value of x's dtype: exact
+    derived = global_scale_from_amax(row_amax)
+    if not torch.equal(derived.view(torch.int32), t.global_scale.view(torch.int32)):
+        raise ValueError(
+            "sparse guidance derives each row's global scale from its maximum, but these codes "
+            "were quantized with other global scales"
+        )
+    x_blocks = x.unflatten(-1, (-1, BLOCK_SIZE))
+    ratio = block_scale_ratio(x_blocks.float().abs().amax(-1), t.global_scale)
+    near_blocks = scale_boundary_distance(ratio) <= scale_delta
+    nb = K // BLOCK_SIZE
+    block_counts, block_entries = _ragged_from_mask(
+        near_blocks.reshape(-1, nb), t.block_scale.view(torch.uint8).reshape(-1, nb)
+    )
+    y, live = scaled_values(x_blocks, t.block_scale, t.global_scale)
+    near = ((boundary_distance(y) <= delta) & live.unsqueeze(-1)).flatten(-2)
+    counts, entries = _ragged_from_mask(near.reshape(-1, K), unpack_e2m1(t.codes).reshape(-1, K))
     return SparseCodes(
-        counts=near.sum(-1).to(_index_dtype(K)),
-        entries=(column << 1 | bit).to(_index_dtype(2 * K - 1)),
-        block_scale=t.block_scale,
-        global_scale=t.global_scale,
+        counts=counts.view(lead),
+        entries=entries,
+        block_counts=block_counts.view(lead),
+        block_entries=block_entries,
+        row_amax=row_amax,
+        columns=K,
     )
 
 
+def sparse_block_scales(x: torch.Tensor, guidance: SparseCodes) -> torch.Tensor:
+    """The block scales the trainer uses for ``x [..., K]``: the recipe's
+    (`reference.block_scale_from_amax`) from its own block maxima and the rollout's global
+    scales, except at the recorded blocks, where the member of the E4M3 bracket around its own
+    unrounded scale whose lowest bit is the rollout's."""
+    s = guidance.global_scale()
+    block_amax = x.unflatten(-1, (-1, BLOCK_SIZE)).float().abs().amax(-1)
+    ratio = block_scale_ratio(block_amax, s)
+    nearest = block_scale_from_amax(block_amax, s)
+    recorded, bit = guidance.expand_blocks()
+    lo, hi = e4m3_bracket(ratio)
+    followed = torch.where((lo & 1) == bit, lo, hi)
+    byte = torch.where(recorded, followed, nearest.view(torch.uint8))
+    return byte.view(torch.float8_e4m3fn)
+
+
 def round_guided_sparse(x: torch.Tensor, guidance: SparseCodes) -> NVFP4Tensor:
-    """Quantize ``x`` with the rollout's scales: at the recorded values the neighbour with the
+    """Quantize ``x`` with the rollout's global scales (from its row maxima) and block scales
+    derived from ``x`` (`sparse_block_scales`): at the recorded values the neighbour with the
     rollout's mantissa bit (as compact guidance), elsewhere the nearest codeword."""
     if guidance.shape != x.shape:
         raise ValueError(f"sparse guidance of shape {tuple(guidance.shape)} for x {tuple(x.shape)}")
@@ -332,4 +639,5 @@ def round_guided_sparse(x: torch.Tensor, guidance: SparseCodes) -> NVFP4Tensor:
         followed = torch.where((lo & MANTISSA_BIT) == bit, lo, hi)
         return torch.where(recorded, followed, e2m1_rne(y) & MAGNITUDE_MASK)
 
-    return _guided(x, guidance.block_scale, guidance.global_scale, choose)
+    block_scale = sparse_block_scales(x, guidance)
+    return _guided(x, block_scale, guidance.global_scale(), choose)

@@ -11,8 +11,9 @@ records over all ``T = len(prompt) + len(completion) - 1`` fed tokens at the end
 Guidance modes: "full" keeps each `NVFP4Tensor`; "compact" keeps `fp4rl.fp4.compact(t)`
 (mantissa bits and scales) for the latter ``fraction`` of the FP4 layers only and drops the
 rest (the trainer rounds those to nearest); "sparse" keeps `fp4rl.fp4.sparse(x, t, delta)` in
-every FP4 layer: the scales, and a position and a bit for each value the site computed within
-``delta`` grid units of a rounding boundary (so it asks the sites for their values too).
+every FP4 layer: the row maxima, and a position and a bit for each block scale near an E4M3
+rounding boundary and each value the site computed within ``delta`` grid units of an E2M1 one
+(so it asks the sites for their values too), packed per sequence (`fp4rl.records.record_pack`).
 
 Legend: T tokens, k experts per token, L_moe MoE layers.
 """
@@ -30,6 +31,7 @@ from fp4rl.records import (
     SiteRecord,
     record_cat,
     record_gather,
+    record_pack,
     record_rows,
     record_to,
 )
@@ -142,7 +144,7 @@ class CaptureLog:
     ) -> list[tuple[torch.Tensor | None, dict[SiteKey, SiteRecord]]]:
         """Per sequence: the routing record, int32 ``[L_moe, T, k]`` in the order of
         ``moe_layers`` (-1 for a layer nothing recorded; None when routing was not kept), and
-        the guidance records, rows ``T`` in token order. Empties the log."""
+        the guidance records, rows ``T`` in token order (sparse ones packed). Empties the log."""
         if torch.cuda.is_available():  # the host copies of `StepCapture.to_host` must have landed
             torch.cuda.synchronize()
         steps, offsets = self.steps, [0]
@@ -168,7 +170,8 @@ class CaptureLog:
             if routing_LRk is not None:
                 index = torch.tensor([i for a, b in spans for i in range(a, b)], dtype=torch.long)
                 routing = routing_LRk[:, index.to(routing_LRk.device, non_blocking=True)]
-            out.append((routing, {key: record_gather(r, spans) for key, r in sites.items()}))
+            guidance = {key: record_pack(record_gather(r, spans)) for key, r in sites.items()}
+            out.append((routing, guidance))
         return out
 
 
