@@ -39,6 +39,7 @@ import argparse
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable
 
 import torch
@@ -50,6 +51,13 @@ from fp4rl.model.presets import qwen3_30b_a3b
 from fp4rl.model.transformer import build_model
 from fp4rl.rollout import Engine, EngineConfig, SamplingParams
 from fp4rl.rollout.model_layout import ModelLayout
+
+try:
+    import transformers
+except ImportError:
+    raise SystemExit(
+        "hf_generate.py compares against transformers: pip install 'fp4rl[dev]'"
+    ) from None
 
 BLOCK = 16  # KV tokens per engine block
 HF_CACHES = ("dynamic", "static")
@@ -75,8 +83,6 @@ def hf_twin(model: torch.nn.Module, device: str) -> torch.nn.Module:
     checkpoint's. Loaded on the CPU, then moved: placing it straight on the GPU would take
     ``device_map``, which needs the accelerate package.
     """
-    import transformers
-
     config = model.config
     hf_config = transformers.Qwen3MoeConfig.from_dict(config.to_hf_dict())
     hf, info = transformers.Qwen3MoeForCausalLM.from_pretrained(
@@ -126,8 +132,6 @@ def engine_generate(engine: Engine, prompts_BP: torch.Tensor, new: int) -> Calla
 
 
 def hf_generate(hf: torch.nn.Module, prompts_BP: torch.Tensor, new: int, cache: str) -> Callable:
-    import transformers
-
     ids_BP = prompts_BP.to(hf.device)
     generation = transformers.GenerationConfig(
         do_sample=False,
@@ -206,49 +210,11 @@ def main() -> None:
     rows, summary = [], []
     for batch in args.batches:
         prompts_BP = torch.randint(0, config.vocab_size, (batch, args.prompt_len), generator=g)
-        engine = make_engine(model, batch, max_len)
-        times, engine_BN = time_calls(
-            engine_generate(engine, prompts_BP, args.max_tokens), args.repeats, sync
-        )
-        graphs = "CUDA graphs" if engine.graphs_off is None else f"eager: {engine.graphs_off}"
-        del engine
-        check_shape("engine", engine_BN, batch, args.max_tokens)
-        engine_tok_s = engine_BN.numel() / statistics.median(times)
-        rows.append(table_row(batch, f"fp4rl engine ({graphs})", *timing(times, engine_tok_s)))
-        progress(rows[-1])
-        best = None
-        for cache in args.hf_cache:
-            name = f"transformers generate, {cache} cache"
-            try:
-                times, hf_BN = time_calls(
-                    hf_generate(hf, prompts_BP, args.max_tokens, cache), args.repeats, sync
-                )
-            except Exception as error:  # a setup this model or version does not support
-                first_line = (str(error).splitlines() or [""])[0]
-                rows.append(table_row(batch, name, f"failed: {type(error).__name__}: {first_line}"))
-                progress(rows[-1])
-                continue
-            check_shape(name, hf_BN, batch, args.max_tokens)
-            tok_s = hf_BN.numel() / statistics.median(times)
-            equal, first, prefix = agreement(hf_BN, engine_BN)
-            rows.append(
-                table_row(
-                    batch,
-                    name,
-                    *timing(times, tok_s),
-                    f"{engine_tok_s / tok_s:.2f}x",
-                    f"{100 * equal:.1f}%",
-                    f"{first}/{batch}",
-                    f"{prefix:.1f}",
-                )
-            )
-            progress(rows[-1])
-            if best is None or tok_s > best[1]:
-                best = (cache, tok_s)
+        batch_rows, best = compare(model, hf, prompts_BP, args, sync)
+        rows += batch_rows
         if best is not None:
             summary.append(
-                f"batch {batch}: engine {engine_tok_s / best[1]:.2f}x transformers "
-                f"({best[0]} cache, the faster)"
+                f"batch {batch}: engine {best[1]:.2f}x transformers ({best[0]} cache, the faster)"
             )
         if args.device == "cuda":
             torch.cuda.empty_cache()
@@ -259,7 +225,7 @@ def main() -> None:
             "",
             f"{args.layers} layers, prompts of {args.prompt_len} tokens, {args.max_tokens} new "
             "tokens each, greedy; transformers "
-            f"{__import__('transformers').__version__}, experts grouped_mm, attention "
+            f"{transformers.__version__}, experts grouped_mm, attention "
             f"{hf.config._attn_implementation}",
             "",
             "| batch | generator | seconds | generated tok/s | engine speed-up "
@@ -270,6 +236,49 @@ def main() -> None:
             *summary,
         ],
     )
+
+
+def compare(model, hf, prompts_BP: torch.Tensor, args, sync) -> tuple[list[str], tuple | None]:
+    """One batch's table rows: the engine, then each transformers cache setup against it; and
+    ``(cache, engine speed-up)`` of the fastest transformers setup (None if every one failed)."""
+    batch, new = prompts_BP.shape[0], args.max_tokens
+    engine = make_engine(model, batch, prompts_BP.shape[1] + new)
+    times, engine_BN = time_calls(engine_generate(engine, prompts_BP, new), args.repeats, sync)
+    graphs = "CUDA graphs" if engine.graphs_off is None else f"eager: {engine.graphs_off}"
+    del engine
+    check_shape("engine", engine_BN, batch, new)
+    engine_tok_s = engine_BN.numel() / statistics.median(times)
+    rows = [table_row(batch, f"fp4rl engine ({graphs})", *timing(times, engine_tok_s))]
+    progress(rows[-1])
+    best = None
+    for cache in args.hf_cache:
+        name = f"transformers generate, {cache} cache"
+        try:
+            times, hf_BN = time_calls(hf_generate(hf, prompts_BP, new, cache), args.repeats, sync)
+        except Exception as error:  # a setup this model or version does not support
+            traceback.print_exc()
+            first_line = (str(error).splitlines() or [""])[0]
+            rows.append(table_row(batch, name, f"failed: {type(error).__name__}: {first_line}"))
+            progress(rows[-1])
+            continue
+        check_shape(name, hf_BN, batch, new)
+        speedup = engine_tok_s / (hf_BN.numel() / statistics.median(times))
+        equal, first, prefix = agreement(hf_BN, engine_BN)
+        rows.append(
+            table_row(
+                batch,
+                name,
+                *timing(times, hf_BN.numel() / statistics.median(times)),
+                f"{speedup:.2f}x",
+                f"{100 * equal:.1f}%",
+                f"{first}/{batch}",
+                f"{prefix:.1f}",
+            )
+        )
+        progress(rows[-1])
+        if best is None or speedup < best[1]:
+            best = (cache, speedup)
+    return rows, best
 
 
 def timing(times: list[float], tok_s: float) -> tuple[str, str]:
