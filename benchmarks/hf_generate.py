@@ -22,7 +22,9 @@ transformers setup. transformers runs under ``torch.inference_mode`` with each c
 ``--hf-cache``: ``dynamic`` (its default) and ``static`` (on CUDA its generate then compiles
 the decode step with torch.compile, CUDA graphs included); the engine's ratio is quoted against
 the faster one. A setup that raises is reported as failed with its error; the others still run.
-The engine returns no logprobs here, as greedy ``generate`` computes none.
+The engine returns no logprobs here, as greedy ``generate`` computes none, and keeps its
+default step budget (8192 tokens: 64 prompts of 512 are prefilled in four steps);
+transformers prefills the whole batch in one forward.
 
 Correctness, beside the speed: the share of generated tokens equal to the engine's at the same
 row and position, whether each row's first generated token agrees, and the mean length of the
