@@ -1,10 +1,61 @@
-"""Sampler: greedy, temperature, top-k / top-p masks, per-sequence seeds, logprob meaning."""
+"""Sampler: greedy, temperature, top-k / top-p masks, per-sequence seeds, logprob meaning; and
+its results bitwise equal to the full-sort sampler it replaced (`reference_sample`, kept here
+verbatim), which ``benchmarks/sampler.py`` also times and compares against on the GPU."""
+
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+from fp4rl.rollout import sampler
 from fp4rl.rollout.config import SamplingParams
 from fp4rl.rollout.sampler import make_generator, sample, sequence_seed
+
+
+def _reference_sorted(logits_BV, temperature_B, top_k_B, top_p_B):
+    scaled = logits_BV / temperature_B[:, None]
+    sorted_BV, order_BV = torch.sort(scaled, dim=-1, descending=True, stable=True)
+    rank_V = torch.arange(logits_BV.shape[1], device=logits_BV.device)
+    keep_BV = rank_V[None, :] < top_k_B[:, None]
+    probs_BV = torch.softmax(sorted_BV.masked_fill(~keep_BV, float("-inf")), dim=-1)
+    mass_before_BV = probs_BV.cumsum(-1) - probs_BV
+    keep_BV &= mass_before_BV < top_p_B[:, None]
+    return sorted_BV, order_BV, keep_BV
+
+
+def reference_sample(logits_BV, params, generators):
+    """The sampler as it was before the sort-free paths (every row sorted), verbatim: the
+    definition the tests and ``benchmarks/sampler.py`` hold `sample` to."""
+    B, V = logits_BV.shape
+    device = logits_BV.device
+    logits_BV = logits_BV.float()
+    u_B = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
+    u_B = u_B.to(device)
+    greedy_B = torch.tensor([p.greedy for p in params], device=device)
+    temperature_B = torch.tensor(
+        [1.0 if p.greedy else p.temperature for p in params], dtype=torch.float32, device=device
+    )
+    top_k_B = torch.tensor([p.top_k or V for p in params], device=device)
+    top_p_B = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+
+    raw_logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
+    sorted_BV, order_BV, keep_BV = _reference_sorted(logits_BV, temperature_B, top_k_B, top_p_B)
+    logprobs_sorted_BV = torch.log_softmax(sorted_BV.masked_fill(~keep_BV, float("-inf")), -1)
+    cdf_BV = logprobs_sorted_BV.double().exp().cumsum(-1)
+    rank_B = torch.searchsorted(cdf_BV, (u_B * cdf_BV[:, -1])[:, None], right=True)[:, 0]
+    rank_B = torch.minimum(rank_B, (logprobs_sorted_BV > float("-inf")).sum(-1) - 1)
+    rank_B = torch.where(greedy_B, torch.zeros_like(rank_B), rank_B)
+
+    token_B = order_BV.gather(1, rank_B[:, None])[:, 0]
+    raw_B = raw_logprobs_BV.gather(1, token_B[:, None])[:, 0]
+    processed_B = logprobs_sorted_BV.gather(1, rank_B[:, None])[:, 0]
+    return sampler.SampleOutput(
+        token_ids_B=token_B,
+        logprobs_B=torch.where(greedy_B, raw_B, processed_B),
+        raw_logprobs_B=raw_B,
+    )
 
 
 def _gens(n, seed=0):
@@ -97,3 +148,120 @@ def test_sequence_seeds_differ_across_samples_and_prompts():
 def test_mismatched_lengths_raise():
     with pytest.raises(ValueError, match="2 logit rows, 1 params"):
         sample(torch.zeros(2, 4), [SamplingParams()], _gens(2))
+
+
+# --- The sort-free paths equal the full sort bitwise ---------------------------------------
+
+_SETTINGS = [
+    SamplingParams(),
+    SamplingParams(temperature=0.7),
+    SamplingParams(top_p=0.95),
+    SamplingParams(top_p=0.5, temperature=1.3),
+    SamplingParams(top_k=50),
+    SamplingParams(top_k=20, top_p=0.8),
+    SamplingParams(top_k=3, temperature=2.0),
+    SamplingParams(top_k=1),
+    SamplingParams(top_k=300, top_p=0.99),
+    SamplingParams(top_k=4095),  # V - 1
+    SamplingParams(top_k=10**6),  # beyond V: no cut, the sorted path
+    SamplingParams(temperature=0),
+]
+
+
+def _logits(kind: str, B: int, V: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, V, generator=g)
+    if kind == "peaked":  # like a trained LM's
+        x *= 4
+    elif kind == "tiny":  # most tokens have probability far below 2^-53
+        x *= 40
+    elif kind == "ties":  # a few distinct values, so the k-th is tied with many left out
+        x = (x * 1.5).round()
+    elif kind == "-inf":
+        x[torch.rand(B, V, generator=g) < 0.6] = float("-inf")
+    return x
+
+
+def _assert_same(out, ref):
+    assert torch.equal(out.token_ids_B, ref.token_ids_B)
+    assert torch.equal(out.logprobs_B, ref.logprobs_B)
+    assert torch.equal(out.raw_logprobs_B, ref.raw_logprobs_B)
+
+
+@pytest.mark.parametrize("kind", ["flat", "peaked", "tiny", "ties", "-inf"])
+def test_results_equal_the_full_sort_bitwise_for_mixed_settings_in_one_batch(kind):
+    B, V = 48, 4096
+    for seed in range(6):
+        logits = _logits(kind, B, V, seed)
+        params = [_SETTINGS[(b + seed) % len(_SETTINGS)] for b in range(B)]
+        out = sample(logits, params, _gens(B, seed))
+        _assert_same(out, reference_sample(logits, params, _gens(B, seed)))
+
+
+def test_results_equal_the_full_sort_at_qwen3s_vocabulary():
+    B, V = 12, 151936
+    logits = _logits("peaked", B, V, 7)
+    out = sample(logits, _SETTINGS, _gens(B, 7))
+    _assert_same(out, reference_sample(logits, _SETTINGS, _gens(B, 7)))
+
+
+def test_a_top_k_of_tied_values_takes_the_lowest_ids_as_the_stable_sort():
+    # Row 0: every logit equal, so any 3 of them are the 3 largest; the sort's are ids 0-2.
+    # Row 1: the 2nd largest value is shared by ids 5 and 900-999; top-k 30 keeps 5, 900-927.
+    logits = torch.zeros(2, 1000)
+    logits[1, 5] = logits[1, 900:] = 1.0
+    logits[1, 700] = 2.0
+    params = [SamplingParams(top_k=3), SamplingParams(top_k=30)]
+    for seed in range(40):
+        out = sample(logits, params, _gens(2, seed))
+        _assert_same(out, reference_sample(logits, params, _gens(2, seed)))
+        assert out.token_ids_B[0] < 3
+        assert out.token_ids_B[1].item() in {700, 5, *range(900, 928)}
+
+
+def test_candidates_are_the_stable_sorts_prefix_values_and_ids():
+    g = torch.Generator().manual_seed(3)
+    for _ in range(100):
+        V = int(torch.randint(2, 300, (), generator=g))
+        K = int(torch.randint(1, V + 1, (), generator=g))
+        x = torch.randint(-3, 3, (4, V), generator=g).float()  # many ties
+        x[torch.rand(4, V, generator=g) < 0.2] = float("-inf")
+        values, ids = sampler._candidates(x, K)
+        sorted_values, order = x.sort(dim=-1, descending=True, stable=True)
+        assert torch.equal(values, sorted_values[:, :K]) and torch.equal(ids, order[:, :K])
+
+
+def test_a_rows_result_does_not_depend_on_the_other_rows_top_k():
+    """The top-k path selects as many candidates as the batch's largest top-k."""
+    logits = _logits("peaked", 3, 2000, 5)
+    params = [SamplingParams(top_k=7), SamplingParams(top_k=1500), SamplingParams()]
+    batch = sample(logits, params, _gens(3, 9))
+    alone = sample(logits[:1], params[:1], _gens(1, 9))
+    assert batch.token_ids_B[0] == alone.token_ids_B[0]
+    assert batch.logprobs_B[0] == alone.logprobs_B[0]
+
+
+def test_sampling_reads_nothing_back_from_the_device(monkeypatch):
+    """A value read back to the host (item, tolist, bool, int of a tensor) would synchronize a
+    GPU step; which row takes which path must follow from the SamplingParams alone."""
+
+    def refuse(*args):
+        raise AssertionError("the sampler read a tensor back to the host")
+
+    logits = _logits("peaked", len(_SETTINGS), 3000, 1)
+    gens = _gens(len(_SETTINGS))
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    out = sample(logits, _SETTINGS, gens)
+    monkeypatch.undo()
+    _assert_same(out, reference_sample(logits, _SETTINGS, _gens(len(_SETTINGS))))
+
+
+def test_the_benchmark_smoke_run_finds_equal_outputs():
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "sampler.py"
+    argv = ["--device", "cpu", "--vocab", "3000", "--batch", "1,5", "--repeats", "1"]
+    run = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = [line for line in run.stdout.splitlines() if line.startswith("| rand")]
+    assert len(rows) == 2 * 2 * 4  # logits kinds x batches x settings
+    assert all(row.endswith("| bitwise equal |") for row in rows), run.stdout

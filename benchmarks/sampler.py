@@ -1,0 +1,119 @@
+"""Sampling one token per row at Qwen3's vocabulary: today's full-sort sampler against the
+sampler that skips the sort for greedy and top-k rows, with their outputs checked for equality.
+
+One H200 (about a minute): ``python benchmarks/sampler.py``; a CPU smoke check:
+``python benchmarks/sampler.py --device cpu --vocab 4096 --batch 1,8 --repeats 2``. Prints a
+markdown table and writes it to ``$OUT/sampler.md`` when OUT is set; exits 1 if any output
+differs.
+
+V = 151936 tokens, B in (1, 8, 64, 256) rows, four settings (temperature 1; top_k 50; top_p
+0.95; greedy) over two kinds of logits: randn (flat) and randn * 4 (peaked, closer to a trained
+LM's). "today" is the reference kept in tests/rollout/test_sampler.py (every row sorted), "new"
+is `fp4rl.rollout.sampler.sample`. A call is timed together with what the engine does right
+after it, ``.tolist()`` of the three outputs (the step's readback), so host launch time counts:
+CUDA events, median over repeats, logits rotated over enough buffers to exceed the L2. The same
+run draws once more with fresh generators of the same seeds and compares tokens, logprobs and
+raw logprobs bitwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import torch
+from _timing import median_ms, report, run_header
+
+from fp4rl.rollout.config import SamplingParams
+from fp4rl.rollout.sampler import make_generator, sample
+
+REFERENCE = Path(__file__).resolve().parents[1] / "tests" / "rollout" / "test_sampler.py"
+SETTINGS = {
+    "temperature 1": SamplingParams(),
+    "top_k 50": SamplingParams(top_k=50),
+    "top_p 0.95": SamplingParams(top_p=0.95),
+    "greedy": SamplingParams(temperature=0),
+}
+LOGITS = {"randn": 1.0, "randn * 4": 4.0}
+
+
+def today_sampler():
+    """`reference_sample` of the test file: today's sampler, kept there verbatim."""
+    spec = importlib.util.spec_from_file_location("sampler_reference", REFERENCE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.reference_sample
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda", help="cpu runs a smoke check")
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--batch", default="1,8,64,256", help="rows per call, comma-separated")
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU; --device cpu runs a smoke check")
+    V = args.vocab
+    samplers = {"today": today_sampler(), "new": sample}
+
+    lines = [
+        run_header(" ".join(["python", *sys.argv])),
+        "",
+        "| logits | B | sampling | today ms | new ms | today / new | outputs |",
+        "|---|---:|---|---:|---:|---:|---|",
+    ]
+    all_equal = True
+    for kind, scale in LOGITS.items():
+        for B in [int(b) for b in args.batch.split(",")]:
+            # Enough distinct buffers that no call finds its logits in L2 (2x 64 MB).
+            count = (
+                min(256, max(2, math.ceil(2 * 64e6 / (B * V * 4)))) if device.type == "cuda" else 2
+            )
+            g = torch.Generator(device="cpu").manual_seed(B)
+            inputs = [(torch.randn(B, V, generator=g) * scale).to(device) for _ in range(count)]
+            for name, params in SETTINGS.items():
+                times = {k: time_ms(fn, inputs, params, args.repeats) for k, fn in samplers.items()}
+                verdict = compare(samplers, inputs[0], params)
+                all_equal &= verdict == "bitwise equal"
+                lines.append(
+                    f"| {kind} | {B} | {name} | {times['today']:.3f} | {times['new']:.3f} | "
+                    f"{times['today'] / times['new']:.2f}x | {verdict} |"
+                )
+    report("sampler.md", lines)
+    return 0 if all_equal else 1
+
+
+def time_ms(sampler, inputs, params, repeats: int) -> float:
+    B = inputs[0].shape[0]
+    generators = [make_generator(0, 0, j) for j in range(B)]
+
+    def step(logits_BV):
+        out = sampler(logits_BV, [params] * B, generators)
+        return out.token_ids_B.tolist(), out.logprobs_B.tolist(), out.raw_logprobs_B.tolist()
+
+    return median_ms(step, inputs, warmup=2, repeats=repeats)
+
+
+def compare(samplers, logits_BV, params) -> str:
+    """Both samplers on the same logits and seeds: "bitwise equal", or what differs."""
+    B = logits_BV.shape[0]
+    outs = [
+        fn(logits_BV, [params] * B, [make_generator(1, 0, j) for j in range(B)])
+        for fn in samplers.values()
+    ]
+    today, new = ([t.cpu() for t in (o.token_ids_B, o.logprobs_B, o.raw_logprobs_B)] for o in outs)
+    if all(torch.equal(a, b) for a, b in zip(today, new, strict=True)):
+        return "bitwise equal"
+    differ = int((today[0] != new[0]).sum())
+    same = today[0] == new[0]
+    gap = (today[1] - new[1])[same].abs().max().item() if same.any() else float("nan")
+    return f"DIFFER: {differ}/{B} tokens, max logprob gap {gap:.3g} where equal"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
