@@ -58,6 +58,7 @@ __all__ = [
     "DTYPES",
     "Evaluator",
     "evaluate",
+    "held_out_metrics",
     "observed",
     "phase",
     "progress",
@@ -165,7 +166,7 @@ def train(
             )
             every = config.align.observe_every
             if every and step % every == 0:
-                first = mine.start * config.rollout.samples_per_prompt  # in the step's
+                first = mine.start * config.rollout.samples_per_prompt  # this rank's first
                 m.update(observed(policy, completions, config, replay, guided, first, ranks))
             engine.release_kv()  # the trainer takes the memory of the pages while it runs
             with phase(m, "train", device), progress(len(keep), f"step {step} train", ranks) as bar:
