@@ -11,10 +11,13 @@ trainer's forward of the first ``run.micro_batch_seqs`` completions, with router
 every FP4 site to nearest (its own scales), to nearest under the rollout's scales, and guided by
 full codes, compact bits, and sparse guidance for each delta; each result is compared with the
 rollout's full codes: agreement over all values (signed codewords, +0 and -0 as one), over the
-values nearest rounding gets wrong, and guidance bytes per generated token over the whole batch
-(prompt rows included, as `capture_bytes_per_generated_token` counts them), split for sparse
-guidance into scales and positions. ``token_mult_prob_error`` is mean exp|logp_train -
-logp_sampled| over the scored tokens.
+values nearest rounding gets wrong, block scales equal to the rollout's, and guidance bytes per
+generated token over the whole batch (prompt rows included, as
+`capture_bytes_per_generated_token` counts them), split for sparse guidance into scales (row
+maxima and recorded blocks) and value positions. "nearest, derived scales" is sparse guidance
+with its value positions left out: nearest rounding under the scales the trainer derives from
+the first delta's records. ``token_mult_prob_error`` is mean exp|logp_train - logp_sampled| over
+the scored tokens. The recorded shares of values and blocks are printed per site kind.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ from collections import defaultdict
 import torch
 from _seam import load_seam
 
-from fp4rl.fp4 import NVFP4Tensor, SparseCodes
+from fp4rl.fp4 import NVFP4Tensor
 from fp4rl.fp4.reference import unpack_e2m1
+from fp4rl.fp4.rounding import PackedSparse
 from fp4rl.loop import sampling
 from fp4rl.model.sites import SiteRecords
 from fp4rl.records import TrainBatch, capture_bytes_per_generated_token, collate
@@ -51,44 +55,42 @@ def signed(t: NVFP4Tensor) -> torch.Tensor:
 
 
 def scales_only(batch: TrainBatch) -> TrainBatch:
-    """Sparse records with nothing recorded: nearest rounding under the rollout's scales."""
+    """Sparse records without their values: nearest rounding under the derived scales."""
     guidance = {
-        key: SparseCodes(
-            counts=torch.zeros_like(r.counts),
-            entries=r.entries[:0],
-            block_scale=r.block_scale,
-            global_scale=r.global_scale,
-        )
+        key: dataclasses.replace(r, counts=torch.zeros_like(r.counts), entries=r.entries[:0])
         for key, r in batch.guidance.items()
     }
     return dataclasses.replace(batch, guidance=guidance)
 
 
-def trainer_codes(policy, batch: TrainBatch, guided: bool, scales: dict | None = None):
-    """The trainer's signed codes per site and its token_mult_prob_error; with ``scales``, also
-    counts how many of its own block and global scales equal the rollout's full records'."""
+def trainer_codes(policy, batch: TrainBatch, guided: bool, rollout: TrainBatch):
+    """The trainer's signed codes per site, its token_mult_prob_error, and how many of its block
+    and global scales equal those of ``rollout``'s full records: ``{name: [equal, total]}``."""
     rec = SiteRecords()
     with torch.no_grad():
         logp_N = policy_logprobs(policy, batch, replay=True, guided=guided, capture=rec)
     d_N = logp_N.cpu() - batch.sampling_logprobs_N
-    if scales is not None:
-        for key, t in rec.sites.items():
-            want = batch.guidance[key]
-            for name in ("block_scale", "global_scale"):
-                a, b = getattr(t, name).cpu(), getattr(want, name).cpu()
-                equal = a.view(torch.uint8) == b.view(torch.uint8)
-                scales[name][0] += int(equal.view(*a.shape, -1).all(-1).sum())
-                scales[name][1] += a.numel()
-    return {key: signed(t) for key, t in rec.sites.items()}, float(d_N.abs().exp().mean())
+    scales = {"block_scale": [0, 0], "global_scale": [0, 0]}
+    for key, t in rec.sites.items():
+        want = rollout.guidance[key]
+        for name in scales:
+            a, b = getattr(t, name).cpu(), getattr(want, name).cpu()
+            equal = a.view(torch.uint8) == b.view(torch.uint8)
+            scales[name][0] += int(equal.view(*a.shape, -1).all(-1).sum())
+            scales[name][1] += a.numel()
+    codes = {key: signed(t) for key, t in rec.sites.items()}
+    return codes, float(d_N.abs().exp().mean()), scales
 
 
 def sparse_bytes(completions) -> tuple[int, int]:
-    """(scale bytes, position bytes) of the sparse records of a batch."""
+    """(scale bytes, position bytes) of the packed sparse records of a batch: row maxima and
+    recorded blocks, recorded values."""
     scales = positions = 0
     for c in completions:
         for r in c.guidance.values():
-            scales += r.block_scale.nbytes + r.global_scale.nbytes
-            positions += r.counts.nbytes + r.entries.nbytes
+            assert isinstance(r, PackedSparse)
+            scales += r.row_amax.nbytes + r.blocks.nbytes
+            positions += r.values.nbytes
     return scales, positions
 
 
@@ -99,7 +101,7 @@ def main() -> None:
     modes = {"full": ("full", None), "compact": ("compact", None)}
     modes |= {f"sparse {d:g}": ("sparse", d) for d in args.deltas}
     totals = defaultdict(lambda: defaultdict(float))
-    own_scales = {"block_scale": [0, 0], "global_scale": [0, 0]}
+    shares = defaultdict(lambda: [0, 0, 0, 0])  # (mode, site): values, recorded, blocks, recorded
     for step in args.steps:
         num = config.rollout.prompts_per_step
         problems = task.train_examples(seed=config.run.seed, step=step, num=num)
@@ -120,14 +122,16 @@ def main() -> None:
         num = config.run.micro_batch_seqs
         full = collate(runs["full"][:num])
         want = {key: signed(t) for key, t in full.guidance.items()}
-        nearest, tmpe = trainer_codes(policy, full, guided=False, scales=own_scales)
+        variants = {"nearest": trainer_codes(policy, full, guided=False, rollout=full)}
+        nearest = variants["nearest"][0]
         wrong = {key: nearest[key] != want[key] for key in want}
-        variants = {"nearest": (nearest, tmpe)}
         first_sparse = collate(runs[f"sparse {args.deltas[0]:g}"][:num])
-        variants["nearest, rollout scales"] = trainer_codes(policy, scales_only(first_sparse), True)
+        variants["nearest, derived scales"] = trainer_codes(
+            policy, scales_only(first_sparse), True, full
+        )
         for name in modes:
-            variants[name] = trainer_codes(policy, collate(runs[name][:num]), guided=True)
-        for name, (codes, tmpe) in variants.items():
+            variants[name] = trainer_codes(policy, collate(runs[name][:num]), True, full)
+        for name, (codes, tmpe, scales) in variants.items():
             t = totals[name]
             for key, w in want.items():
                 t["agree"] += int((codes[key] == w).sum())
@@ -135,6 +139,9 @@ def main() -> None:
                 t["fixed"] += int((codes[key] == w)[wrong[key]].sum())
                 t["wrong"] += int(wrong[key].sum())
             t["tmpe"] += tmpe / len(args.steps)
+            for part, (equal, total) in scales.items():
+                t[f"{part} equal"] += equal
+                t[f"{part} total"] += total
             if name in runs:
                 bytes_ = capture_bytes_per_generated_token(runs[name])["guidance"]
                 t["bytes"] += bytes_ / len(args.steps)
@@ -143,21 +150,40 @@ def main() -> None:
                     scales, positions = sparse_bytes(runs[name])
                     t["scale_bytes"] += scales / generated / len(args.steps)
                     t["position_bytes"] += positions / generated / len(args.steps)
-                    for r in collate(runs[name][:num]).guidance.values():
+                    for c in runs[name]:
+                        for r in c.guidance.values():
+                            for part in ("values", "blocks"):
+                                stream = getattr(r, part)
+                                t[f"{part} entries"] += int(((stream & 0x80) == 0).sum())
+                                t[f"{part} bytes"] += stream.numel()
+                    for (_, site), r in collate(runs[name][:num]).guidance.items():
+                        share = shares[(name, site)]
+                        share[0] += r.shape.numel()
+                        share[1] += int(r.counts.sum(dtype=torch.int64))
+                        share[2] += r.block_counts.numel() * (r.columns // 16)
+                        share[3] += int(r.block_counts.sum(dtype=torch.int64))
                         t["recorded"] += int(r.counts.sum(dtype=torch.int64))
         print(f"step {step} done", flush=True)
     compact = totals["compact"]["bytes"]
     print(f"values compared per mode: {int(totals['full']['total'])}")
     for name, t in totals.items():
         if "recorded" in t:
-            print(f"{name}: {100 * t['recorded'] / t['total']:.2f} % of the values recorded")
-    for name, (equal, total) in own_scales.items():
-        print(f"trainer's own {name}s equal to the rollout's: {100 * equal / total:.2f} %")
+            print(
+                f"{name}: {100 * t['recorded'] / t['total']:.2f} % of the values recorded; "
+                f"packed, {8 * t['values bytes'] / t['values entries']:.2f} bits per recorded "
+                f"value, {8 * t['blocks bytes'] / max(t['blocks entries'], 1):.2f} per block"
+            )
+    for (name, site), (values, recorded, blocks, recorded_blocks) in shares.items():
+        print(
+            f"{name}, {site}: {100 * recorded / values:.3f} % of {values} values, "
+            f"{100 * recorded_blocks / blocks:.3f} % of {blocks} blocks recorded"
+        )
     print(
-        "| trainer rounding | agreement | of nearest's misses | token_mult_prob_error "
-        "| guidance B / generated token | vs compact |"
+        "| trainer rounding | agreement | of nearest's misses | block scales equal "
+        "| global scales equal | token_mult_prob_error | guidance B / generated token "
+        "| vs compact |"
     )
-    print("|---|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, t in totals.items():
         bytes_ = t.get("bytes")
         split = ""
@@ -165,7 +191,10 @@ def main() -> None:
             split = f" ({t['scale_bytes']:.0f} scales + {t['position_bytes']:.0f} positions)"
         print(
             f"| {name} | {100 * t['agree'] / t['total']:.3f} % "
-            f"| {100 * t['fixed'] / max(t['wrong'], 1):.1f} % | {t['tmpe']:.5f} "
+            f"| {100 * t['fixed'] / max(t['wrong'], 1):.1f} % "
+            f"| {100 * t['block_scale equal'] / t['block_scale total']:.3f} % "
+            f"| {100 * t['global_scale equal'] / t['global_scale total']:.3f} % "
+            f"| {t['tmpe']:.5f} "
             f"| {'—' if bytes_ is None else f'{bytes_:.0f}{split}'} "
             f"| {'—' if bytes_ is None else f'{bytes_ / compact:.2f}'} |"
         )
