@@ -158,12 +158,13 @@ class Attention(nn.Module):
         q = self.q_norm(self.q_proj(x_TH).view(T, self.num_heads, self.head_dim))
         k = self.k_norm(self.k_proj(x_TH).view(T, self.num_kv_heads, self.head_dim))
         v = self.v_proj(x_TH).view(T, self.num_kv_heads, self.head_dim)
-        if (rope.head_dim, rope.theta) != (self.head_dim, self.rope_theta):
+        made = (rope.head_dim, rope.theta, rope.cos.dtype)
+        if made != (self.head_dim, self.rope_theta, x_TH.dtype):
             raise ValueError(
-                f"layers.{self.layer}: RoPE tables of head_dim {rope.head_dim}, theta "
-                f"{rope.theta}; the layer has head_dim {self.head_dim}, theta {self.rope_theta}"
+                f"layers.{self.layer}: RoPE tables of (head_dim, theta, dtype) {made}; the "
+                f"layer needs {(self.head_dim, self.rope_theta, x_TH.dtype)}"
             )
-        cos, signed_sin = rope(x_TH.dtype)
+        cos, signed_sin = rope.cos, rope.signed_sin
         kv = NewKV(apply_rope(k, cos, signed_sin), v, self.kv_format, guidance, capture)
         o = backend.attend(self.layer, apply_rope(q, cos, signed_sin), kv)
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))

@@ -53,21 +53,18 @@ def rope_cos_sin(
 
 
 class RopeTables:
-    """The RoPE tables of one forward's positions, shared by its layers: ``(cos, signed_sin)``
-    ``[T, head_dim]`` in the dtype asked for, computed on first use per dtype -- the values of
-    `rope_cos_sin`, with the first half of ``sin`` negated for `apply_rope`. Built by the
-    model's forward from the attention backend's positions; nothing outlives the forward."""
+    """The RoPE tables of one forward's positions, shared by its layers: ``cos`` and
+    ``signed_sin`` ``[T, head_dim]`` in ``dtype`` -- the values of `rope_cos_sin`, with the
+    first half of ``sin`` negated for `apply_rope`. Built by the model's forward from the
+    attention backend's positions; nothing outlives the forward."""
 
-    def __init__(self, positions_T: torch.Tensor, head_dim: int, theta: float) -> None:
-        self.positions_T, self.head_dim, self.theta = positions_T, head_dim, theta
-        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def __call__(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if dtype not in self._tables:
-            cos, sin = rope_cos_sin(self.positions_T, self.head_dim, self.theta, dtype)
-            half = self.head_dim // 2
-            self._tables[dtype] = (cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1))
-        return self._tables[dtype]
+    def __init__(
+        self, positions_T: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+    ) -> None:
+        self.head_dim, self.theta = head_dim, theta
+        self.cos, sin = rope_cos_sin(positions_T, head_dim, theta, dtype)
+        half = head_dim // 2
+        self.signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
 
 
 def apply_rope(

@@ -110,7 +110,8 @@ class MoETransformer(nn.Module):
         replay = dict(zip(self.moe_layers, routing, strict=True)) if routing is not None else {}
         x_TH = self.embed_tokens(tokens_T)
         # One set of RoPE tables for every layer: they depend on the positions alone.
-        rope = RopeTables(attn.positions, self.config.head_dim, self.config.rope_theta)
+        c = self.config
+        rope = RopeTables(attn.positions, c.head_dim, c.rope_theta, x_TH.dtype)
         for layer in self.layers:
             x_TH = layer(
                 x_TH,

@@ -137,15 +137,17 @@ class PagedAttention:
         return o_THD
 
     def _decode(self, layer: int, q_BHD: torch.Tensor) -> torch.Tensor:
-        """Attention ``[B, Hq, D]`` of the decode rows' queries over their cached contexts."""
+        """Attention ``[B, Hq, D]`` of the decode rows' queries over their cached contexts: on
+        the GPU one kernel reads the pages where they lie (`fp4rl.ops`), elsewhere the
+        context is gathered and attended in plain PyTorch, the kernel's spec."""
         m = self.meta
-        # On the GPU one kernel reads the pages where they lie (`fp4rl.ops`); elsewhere the
-        # context is gathered and attended in plain PyTorch, the kernel's spec.
         fused = ops.paged_decode_attention(
             q_BHD, *self.cache.pages(layer), m.decode_table_BN, m.decode_context_B
         )
-        if fused is not None:
-            return fused
+        return fused if fused is not None else self._gathered_decode(layer, q_BHD)
+
+    def _gathered_decode(self, layer: int, q_BHD: torch.Tensor) -> torch.Tensor:
+        m = self.meta
         k_BCKD, v_BCKD = self.cache.read(layer, m.decode_slots_BC, q_BHD.dtype)
         positions_B1 = m.positions_T[m.decode_rows_B][:, None]
         o = attend_fp32(q_BHD[:, None], k_BCKD, v_BCKD, positions_B1, m.decode_context_B)
