@@ -85,33 +85,36 @@ def sample(
         raise ValueError(f"{B} logit rows, {len(params)} params, {len(generators)} generators")
     device = logits_BV.device
     logits_BV = logits_BV.float()
-    # One draw per row from its own generator, in float64 so tokens of tiny probability keep
-    # their chance; drawn on the CPU, then moved in one copy.
-    u_B = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
-    u_B = u_B.to(device)
-    greedy_B = torch.tensor([p.greedy for p in params], device=device)
-    temperature_B = torch.tensor(
-        [1.0 if p.greedy else p.temperature for p in params], dtype=torch.float32, device=device
-    )
     top_k = [min(p.top_k or V, V) for p in params]
-    top_k_B = torch.tensor(top_k, device=device)
-    top_p_B = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+    by_top_k = [b for b, p in enumerate(params) if not p.greedy and top_k[b] < V]
+    by_sort = [b for b, p in enumerate(params) if not p.greedy and top_k[b] == V]
+    # One draw per row from its own generator, in float64 so tokens of tiny probability keep
+    # their chance; drawn on the CPU. What the rows need crosses to the device in two copies
+    # (each waits for the device's queue: a copy from pageable memory synchronizes).
+    u_B = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
+    temperature = [1.0 if p.greedy else p.temperature for p in params]
+    floats = torch.cat(
+        [u_B, torch.tensor(temperature + [p.top_p for p in params], dtype=torch.float64)]
+    )
+    u_B, temperature_B, top_p_B = floats.to(device).view(3, B)
+    temperature_B, top_p_B = temperature_B.float(), top_p_B.float()
+    ints = torch.tensor([p.greedy for p in params] + top_k + by_top_k + by_sort).to(device)
+    greedy_B, top_k_B = ints[:B].bool(), ints[B : 2 * B]
+    top_k_rows, sort_rows = ints[2 * B :].split([len(by_top_k), len(by_sort)])
 
     raw_logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
     token_B = logits_BV.argmax(-1)  # greedy rows: the first maximum, as the stable sort's
     processed_B = torch.zeros(B, device=device)
-    by_top_k = [b for b, p in enumerate(params) if not p.greedy and top_k[b] < V]
-    by_sort = [b for b, p in enumerate(params) if not p.greedy and top_k[b] == V]
     if by_top_k or by_sort:
         scaled_BV = logits_BV / temperature_B[:, None]
     if by_top_k:
         K = max(top_k[b] for b in by_top_k)  # from the host's params: nothing read back
-        pick = _pick(by_top_k, B, device)
+        pick = _pick(top_k_rows, B)
         token_B[pick], processed_B[pick] = _draw_top_k(
             scaled_BV[pick], K, top_k_B[pick], top_p_B[pick], u_B[pick]
         )
     if by_sort:
-        pick = _pick(by_sort, B, device)
+        pick = _pick(sort_rows, B)
         token_B[pick], processed_B[pick] = _draw_sorted(
             scaled_BV[pick], top_k_B[pick], top_p_B[pick], u_B[pick]
         )
@@ -124,9 +127,9 @@ def sample(
     )
 
 
-def _pick(rows: list[int], B: int, device):
-    """Index of ``rows`` among B: a plain slice when they are all of them (no copy)."""
-    return slice(None) if len(rows) == B else torch.tensor(rows, device=device)
+def _pick(rows_b: torch.Tensor, B: int):
+    """Index of some of B rows: a plain slice when they are all of them (no copy)."""
+    return slice(None) if rows_b.shape[0] == B else rows_b
 
 
 def _draw_sorted(scaled_BV, top_k_B, top_p_B, u_B):
