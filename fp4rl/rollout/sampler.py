@@ -20,16 +20,17 @@ kinds of rows do without it, with results bitwise equal to the definition's:
 - greedy rows: an argmax, whose ties go to the lowest id as the stable sort's rank 0 does;
 - top-k rows: the k largest values by partial selection (``torch.topk``), ordered as the sort
   would order them, ties included (`_candidates`), fill the definition's masked sorted row
-  (which holds -inf past rank k), and `_walk` runs on it. Same operations on the same tensor,
-  so the same bits on any device.
+  (which holds -inf past rank k), and `_walk` runs on it. Same operations on the same row, so
+  the same bits on any device (given, as the reproducibility above already does, that torch's
+  kernels compute a row alike whatever other rows share the tensor).
 
 Rows without top-k keep the sort. Their top-p masses and logprobs are normalized by a float32
 sum over the sorted vocabulary, whose rounding depends on that order: summed in any other
 order (without a sort), the normalizer differs in its last bits, which moves CDF boundaries
 and, with them, some tokens (on the CPU at V = 151936, `sum` in token order instead of sorted
 order changes about one draw in twenty of randn * 4 logits, as the sorted float32 sum is off
-by ~3e-5 there). Equal results rule that out. No step reads anything back to the host: which
-rows take which path follows from their SamplingParams.
+by ~3e-5 there). Equal results rule that out. Nothing is read back from the device: which rows
+take which path follows from their SamplingParams.
 
 Outside the contract, as before: NaN logits (the engine refuses them) and the relative order
 of -0.0 and +0.0 (a GPU radix sort puts +0.0 first; the CPU sort and the tie repair here treat
@@ -90,7 +91,7 @@ def sample(
     by_sort = [b for b, p in enumerate(params) if not p.greedy and top_k[b] == V]
     # One draw per row from its own generator, in float64 so tokens of tiny probability keep
     # their chance; drawn on the CPU. What the rows need crosses to the device in two copies
-    # (each waits for the device's queue: a copy from pageable memory synchronizes).
+    # (torch waits for the device's queue to finish a blocking copy from the host).
     u_B = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
     temperature = [1.0 if p.greedy else p.temperature for p in params]
     floats = torch.cat(
