@@ -265,3 +265,24 @@ def test_the_benchmark_smoke_run_finds_equal_outputs():
     rows = [line for line in run.stdout.splitlines() if line.startswith("| rand")]
     assert len(rows) == 2 * 2 * 4  # logits kinds x batches x settings
     assert all(row.endswith("| bitwise equal |") for row in rows), run.stdout
+
+
+@pytest.mark.parametrize("params", [SamplingParams(top_k=5), SamplingParams()])
+def test_a_token_of_small_probability_is_drawn_where_the_full_sort_draws_it(params):
+    """Token 77 holds ~8e-5 of the mass, the last sliver of the CDF: of 40000 sample streams,
+    the few whose draw lands at the top must pick it, as the reference does, and its neighbours
+    by the draw must not."""
+    logits = torch.full((1, 3000), -40.0)
+    logits[0, [900, 10, 2000, 5]] = 0.0
+    logits[0, 77] = -8.0
+    logits[0, 1000:1100] = float("-inf")
+    u = [
+        torch.rand((), generator=make_generator(0, 0, j), dtype=torch.float64) for j in range(40000)
+    ]
+    streams = [j for j in range(40000) if u[j] > 1 - 3e-4]
+    gens = lambda: [make_generator(0, 0, j) for j in streams]  # noqa: E731
+    n = len(streams)
+    out = sample(logits.expand(n, -1), [params] * n, gens())
+    _assert_same(out, reference_sample(logits.expand(n, -1), [params] * n, gens()))
+    drawn = out.token_ids_B.tolist()
+    assert 77 in drawn and set(drawn) - {77}, drawn
