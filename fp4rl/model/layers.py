@@ -27,18 +27,19 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * mul_to(x32, inv_rms, x.dtype)
+        return self.weight * op_to(torch.mul, x32, inv_rms, x.dtype)
 
 
-def mul_to(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``(a * b).to(dtype)``. Where autograd records nothing (the engine, evaluation) it is one
-    kernel: ``out=`` in ``dtype`` computes each product in the inputs' dtype and rounds it once
-    to ``dtype`` as it is stored, the rounding the cast applies (on the GPU the same conversion
-    in the product's kernel; on the CPU a temporary copied out). Autograd takes no ``out=``."""
+def op_to(op, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``op(a, b).to(dtype)`` for ``op`` `torch.mul` or `torch.div`. Where autograd records
+    nothing (the engine, evaluation) it is one kernel: ``out=`` in ``dtype`` computes each
+    result in the inputs' dtype and rounds it once to ``dtype`` as it is stored, the rounding
+    the cast applies (on the GPU the same conversion in the op's kernel; on the CPU a temporary
+    copied out). Autograd takes no ``out=``."""
     if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
-        return (a * b).to(dtype)
+        return op(a, b).to(dtype)
     shape = torch.broadcast_shapes(a.shape, b.shape)
-    return torch.mul(a, b, out=torch.empty(shape, dtype=dtype, device=a.device))
+    return op(a, b, out=torch.empty(shape, dtype=dtype, device=a.device))
 
 
 def rope_cos_sin(

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp4rl.model.layers import MLP
+from fp4rl.model.layers import MLP, op_to
 
 
 class Router(nn.Module):
@@ -24,7 +24,8 @@ class Router(nn.Module):
     def forward(
         self, x_TH: torch.Tensor, replay_Tk: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, int | torch.Tensor]:
-        """Return ``(weights [T, k] FP32, ids [T, k] int64, number of tokens routed live)``.
+        """Return ``(weights [T, k], ids [T, k] int64, number of tokens routed live)``: the
+        weights are FP32 probabilities rounded once to ``x_TH``'s dtype, the experts' dtype.
 
         ``replay_Tk`` (int, -1 = no record) forces the experts of the tokens it covers; the
         count of the tokens it leaves to live routing is then a 0-dim tensor on the device, so
@@ -44,8 +45,10 @@ class Router(nn.Module):
             ids = torch.where(missing_T[:, None], live_ids, replay_Tk.long())
             weights = probs_TE.gather(1, ids)
             fallback = missing_T.sum()
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(-1, keepdim=True)
+        if self.norm_topk_prob:  # normalized and rounded in one kernel (`op_to`)
+            weights = op_to(torch.div, weights, weights.sum(-1, keepdim=True), x_TH.dtype)
+        else:
+            weights = weights.to(x_TH.dtype)
         return weights, ids, fallback
 
 
@@ -71,7 +74,7 @@ class SparseMoeBlock(nn.Module):
             capture.record_routing(self.experts.layer, ids_Tk.to(torch.int32))
         if stats is not None and replay_Tk is not None:
             stats["replay_fallback_tokens"] = stats.get("replay_fallback_tokens", 0) + fallback
-        y_TH = self.experts(x_TH, ids_Tk, weights_Tk.to(x_TH.dtype), guidance, capture)
+        y_TH = self.experts(x_TH, ids_Tk, weights_Tk, guidance, capture)
         if self.shared_expert is not None:
             y_TH = y_TH + torch.sigmoid(self.shared_expert_gate(x_TH)) * self.shared_expert(x_TH)
         return y_TH

@@ -1,8 +1,9 @@
 """Formulations that launch fewer kernels per decoder layer give the bits of the ones they replace.
 
 The previous formulations are written out here as the references: RMSNorm with its cast after
-the multiply, RoPE tables computed by every layer and applied with a negation, the paged
-attention's gather and scatter of decode rows. Each new one is held to its reference bitwise
+the multiply, RoPE tables computed by every layer and applied with a negation, the router's
+weights cast after their normalization, the paged attention's gather and scatter of decode
+rows. Each new one is held to its reference bitwise
 on many random inputs (special values included), outputs and gradients, and the whole model
 -- the engine's generation with its records, the trainer's logprobs and gradients under its
 three attention backends -- is held to the model running the references.
@@ -24,7 +25,8 @@ from fp4rl.model.attention import (
     Nvfp4KV,
     attend_fp32,
 )
-from fp4rl.model.layers import RMSNorm, RopeTables, apply_rope, mul_to, rope_cos_sin
+from fp4rl.model.layers import RMSNorm, RopeTables, apply_rope, op_to, rope_cos_sin
+from fp4rl.model.moe import SparseMoeBlock
 from fp4rl.model.precision import PrecisionConfig
 from fp4rl.records import collate
 from fp4rl.rollout import Engine, SamplingParams
@@ -100,6 +102,34 @@ def reference_paged_attend(self, layer, q_THD, kv):
     return o_THD
 
 
+def reference_router(self, x_TH, replay_Tk=None):
+    """FP32 weights, normalized in FP32; the block casts them for the experts."""
+    probs_TE = torch.softmax(torch.nn.functional.linear(x_TH.float(), self.weight.float()), -1)
+    live_w, live_ids = torch.topk(probs_TE, self.top_k, dim=-1)
+    if replay_Tk is None:
+        ids, weights, fallback = live_ids, live_w, x_TH.shape[0]
+    else:
+        missing_T = (replay_Tk < 0).any(-1)
+        ids = torch.where(missing_T[:, None], live_ids, replay_Tk.long())
+        weights = probs_TE.gather(1, ids)
+        fallback = missing_T.sum()
+    if self.norm_topk_prob:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, ids, fallback
+
+
+def reference_moe_block(self, x_TH, *, replay_Tk=None, guidance=None, capture=None, stats=None):
+    weights_Tk, ids_Tk, fallback = reference_router(self.router, x_TH, replay_Tk)
+    if capture is not None:
+        capture.record_routing(self.experts.layer, ids_Tk.to(torch.int32))
+    if stats is not None and replay_Tk is not None:
+        stats["replay_fallback_tokens"] = stats.get("replay_fallback_tokens", 0) + fallback
+    y_TH = self.experts(x_TH, ids_Tk, weights_Tk.to(x_TH.dtype), guidance, capture)
+    if self.shared_expert is not None:
+        y_TH = y_TH + torch.sigmoid(self.shared_expert_gate(x_TH)) * self.shared_expert(x_TH)
+    return y_TH
+
+
 @pytest.fixture
 def references(monkeypatch):
     """Run the model with the previous formulations while the fixture is active."""
@@ -108,6 +138,7 @@ def references(monkeypatch):
         monkeypatch.setattr(RMSNorm, "forward", reference_rmsnorm)
         monkeypatch.setattr(Attention, "forward", reference_attention)
         monkeypatch.setattr(PagedAttention, "attend", reference_paged_attend)
+        monkeypatch.setattr(SparseMoeBlock, "forward", reference_moe_block)
 
     return use
 
@@ -189,16 +220,17 @@ def test_rmsnorm_matches_its_reference_bitwise(dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_mul_to_is_the_product_cast(dtype):
+@pytest.mark.parametrize("op", [torch.mul, torch.div])
+def test_op_to_is_the_op_then_the_cast(dtype, op):
     g = torch.Generator().manual_seed(1)
     for a_shape, b_shape in [((8, 64), (8, 1)), ((3, 4, 16), (16,)), ((5,), (5,))]:
         a, b = awkward(a_shape, torch.float32, g), awkward(b_shape, torch.float32, g)
         with torch.no_grad():
-            assert_bitwise(mul_to(a, b, dtype), (a * b).to(dtype))
+            assert_bitwise(op_to(op, a, b, dtype), op(a, b).to(dtype))
         ag = a.clone().requires_grad_(True)
-        out = mul_to(ag, b, dtype)
+        out = op_to(op, ag, b, dtype)
         assert out.requires_grad and out.dtype == dtype
-        assert_bitwise(out, (a * b).to(dtype))
+        assert_bitwise(out, op(a, b).to(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
