@@ -13,8 +13,8 @@ full codes, compact bits, and sparse guidance for each delta; each result is com
 rollout's full codes: agreement over all values (signed codewords, +0 and -0 as one), over the
 values nearest rounding gets wrong, block scales equal to the rollout's, and guidance bytes per
 generated token over the whole batch (prompt rows included, as
-`capture_bytes_per_generated_token` counts them), split for sparse guidance into scales (row
-maxima and recorded blocks) and value positions. "nearest, derived scales" is sparse guidance
+`capture_bytes_per_generated_token` counts them), split for sparse guidance into row maxima,
+recorded blocks and recorded values. "nearest, derived scales" is sparse guidance
 with its value positions left out: nearest rounding under the scales the trainer derives from
 the first delta's records. ``token_mult_prob_error`` is mean exp|logp_train - logp_sampled| over
 the scored tokens. The recorded shares of values and blocks are printed per site kind.
@@ -82,16 +82,19 @@ def trainer_codes(policy, batch: TrainBatch, guided: bool, rollout: TrainBatch):
     return codes, float(d_N.abs().exp().mean()), scales
 
 
-def sparse_bytes(completions) -> tuple[int, int]:
-    """(scale bytes, position bytes) of the packed sparse records of a batch: row maxima and
-    recorded blocks, recorded values."""
-    scales = positions = 0
+def sparse_bytes(completions) -> tuple[int, int, int]:
+    """Bytes of the packed sparse records of a batch: (row maxima, recorded blocks, recorded
+    values)."""
+    amax = blocks = values = 0
     for c in completions:
         for r in c.guidance.values():
             assert isinstance(r, PackedSparse)
-            scales += r.row_amax.nbytes + r.blocks.nbytes
-            positions += r.values.nbytes
-    return scales, positions
+            amax, blocks, values = (
+                amax + r.row_amax.nbytes,
+                blocks + r.blocks.nbytes,
+                values + r.values.nbytes,
+            )
+    return amax, blocks, values
 
 
 def main() -> None:
@@ -147,9 +150,9 @@ def main() -> None:
                 t["bytes"] += bytes_ / len(args.steps)
                 if name.startswith("sparse"):
                     generated = sum(len(c.completion_ids) for c in runs[name])
-                    scales, positions = sparse_bytes(runs[name])
-                    t["scale_bytes"] += scales / generated / len(args.steps)
-                    t["position_bytes"] += positions / generated / len(args.steps)
+                    parts = zip(("amax", "block", "value"), sparse_bytes(runs[name]), strict=True)
+                    for part, n in parts:
+                        t[f"{part}_bytes"] += n / generated / len(args.steps)
                     for c in runs[name]:
                         for r in c.guidance.values():
                             for part in ("values", "blocks"):
@@ -187,8 +190,11 @@ def main() -> None:
     for name, t in totals.items():
         bytes_ = t.get("bytes")
         split = ""
-        if "scale_bytes" in t:
-            split = f" ({t['scale_bytes']:.0f} scales + {t['position_bytes']:.0f} positions)"
+        if "amax_bytes" in t:
+            split = (
+                f" = {t['amax_bytes']:.0f} row maxima + {t['block_bytes']:.0f} blocks "
+                f"+ {t['value_bytes']:.0f} values"
+            )
         print(
             f"| {name} | {100 * t['agree'] / t['total']:.3f} % "
             f"| {100 * t['fixed'] / max(t['wrong'], 1):.1f} % "
