@@ -158,9 +158,11 @@ def _walk(sorted_BV, top_k_B, top_p_B, u_B):
     keep_BV = rank_V[None, :] < top_k_B[:, None]
     probs_BV = torch.softmax(sorted_BV.masked_fill(~keep_BV, float("-inf")), dim=-1)
     # Top-p keeps the smallest prefix whose mass reaches top_p: a token stays when the mass
-    # strictly before it is still short of top_p (so the top token always stays).
+    # strictly before it is still short of top_p (so the top token always stays). top_p = 1
+    # keeps every token: the FP32 running mass reaches 1.0 before the tail (rounding), and
+    # comparing against it would drop the tail's tokens.
     mass_before_BV = probs_BV.cumsum(-1) - probs_BV
-    keep_BV &= mass_before_BV < top_p_B[:, None]
+    keep_BV &= (mass_before_BV < top_p_B[:, None]) | (top_p_B[:, None] >= 1.0)
     logprobs_BV = torch.log_softmax(sorted_BV.masked_fill(~keep_BV, float("-inf")), -1)
     cdf_BV = logprobs_BV.double().exp().cumsum(-1)
     # First rank whose CDF exceeds u * total: never a zero-probability rank, except through

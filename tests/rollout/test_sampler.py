@@ -21,13 +21,14 @@ def _reference_sorted(logits_BV, temperature_B, top_k_B, top_p_B):
     keep_BV = rank_V[None, :] < top_k_B[:, None]
     probs_BV = torch.softmax(sorted_BV.masked_fill(~keep_BV, float("-inf")), dim=-1)
     mass_before_BV = probs_BV.cumsum(-1) - probs_BV
-    keep_BV &= mass_before_BV < top_p_B[:, None]
+    keep_BV &= (mass_before_BV < top_p_B[:, None]) | (top_p_B[:, None] >= 1.0)  # top_p = 1: all
     return sorted_BV, order_BV, keep_BV
 
 
 def reference_sample(logits_BV, params, generators):
-    """The sampler as it was before the sort-free paths (every row sorted), verbatim: the
-    definition the tests and ``benchmarks/sampler.py`` hold `sample` to."""
+    """The sampler as it was before the sort-free paths (every row sorted), verbatim but for
+    top_p = 1 keeping every token: the definition the tests and ``benchmarks/sampler.py`` hold
+    `sample` to."""
     B, V = logits_BV.shape
     device = logits_BV.device
     logits_BV = logits_BV.float()
@@ -286,3 +287,17 @@ def test_a_token_of_small_probability_is_drawn_where_the_full_sort_draws_it(para
     _assert_same(out, reference_sample(logits.expand(n, -1), [params] * n, gens()))
     drawn = out.token_ids_B.tolist()
     assert 77 in drawn and set(drawn) - {77}, drawn
+
+
+def test_top_p_of_one_keeps_the_tail_that_fp32_running_mass_rounds_away():
+    # Over a vocabulary this large the FP32 running mass of the sorted probabilities reaches
+    # 1.0 long before the tail (rounding): masking by "mass before < 1" kept only the first
+    # 64k-87k of these 151,936 tokens. With top_p = 1 a draw at the very top of the CDF must
+    # reach the tail, with a finite logprob.
+    g = torch.Generator().manual_seed(0)
+    sorted_BV = (torch.randn(2, 151936, generator=g) * 4).sort(-1, descending=True).values
+    V = torch.tensor([151936, 151936])
+    rank_B, logprob_B = sampler._walk(
+        sorted_BV, V, torch.ones(2), torch.tensor([1 - 1e-13, 0.5], dtype=torch.float64)
+    )
+    assert rank_B[0] > 150_000 and torch.isfinite(logprob_B).all()
