@@ -80,15 +80,29 @@ def record_gather(r: SiteRecord, spans: Sequence[tuple[int, int]]) -> SiteRecord
     return _rebuild(r, [m[index] for m in _members(r)])
 
 
+def record_gather_packed(
+    r: SiteRecord, parts: Sequence[Sequence[tuple[int, int]]]
+) -> list[SiteRecord]:
+    """For each part (``[start, end)`` row spans, in order), its rows of a token-major record
+    in the form a completion carries (`record_pack`): sparse records of all parts are gathered
+    and packed in one pass, others gathered part by part."""
+    if isinstance(r, PackedSparse):
+        r = r.unpack()
+    if isinstance(r, SparseCodes):
+        return r.pack_rows(parts)
+    return [record_gather(r, spans) for spans in parts]
+
+
 def record_cat(records: Sequence[SiteRecord]) -> SiteRecord:
     """Token-major records concatenated along rows; all of one kind. (Sparse entries are in
     row order, so theirs concatenate as they are.)"""
     kinds = {type(r) for r in records}
     if len(kinds) != 1:
         raise ValueError(f"cannot concatenate records of kinds {sorted(k.__name__ for k in kinds)}")
-    if isinstance(records[0], SparseCodes | PackedSparse):
-        cat = SparseCodes.cat([record_unpack(r) for r in records])
-        return cat.pack() if isinstance(records[0], PackedSparse) else cat
+    if isinstance(records[0], PackedSparse):
+        return PackedSparse.unpack_cat(records).pack()
+    if isinstance(records[0], SparseCodes):
+        return SparseCodes.cat(records)
     return _rebuild(records[0], [torch.cat(ms) for ms in zip(*map(_members, records), strict=True)])
 
 
@@ -297,7 +311,7 @@ def _cat_guidance(completions: Sequence[Completion]) -> dict[SiteKey, SiteRecord
                 f"{_name(completions[0])}'s {sorted(first)}"
             )
     for key, r in first.items():
-        records = [_unpacked(c, key) for c in completions]
+        records = [c.guidance[key] for c in completions]
         if r is None or any(x is None for x in records):
             if any(x is not None for x in records):
                 raise ValueError(
@@ -305,17 +319,24 @@ def _cat_guidance(completions: Sequence[Completion]) -> dict[SiteKey, SiteRecord
                     "in some completions of the batch and recorded in others"
                 )
             out[key] = None
+        elif all(isinstance(x, PackedSparse) for x in records):
+            out[key] = _unpack_cat(completions, key)
         else:
             out[key] = record_cat(records)
     return out
 
 
-def _unpacked(c: Completion, key: SiteKey) -> SiteRecord | None:
-    """A completion's record as the trainer reads it; a malformed one names its site."""
-    r = c.guidance[key]
+def _unpack_cat(completions: Sequence[Completion], key: SiteKey) -> SparseCodes:
+    """Packed sparse records of a batch, unpacked in one pass; a malformed one names its
+    completion and site (found by unpacking them one by one)."""
     try:
-        return None if r is None else record_unpack(r)
+        return PackedSparse.unpack_cat([c.guidance[key] for c in completions])
     except ValueError as err:
-        raise ValueError(
-            f"{_name(c)}: guidance for layers.{key[0]} site '{key[1]}': {err}"
-        ) from err
+        for c in completions:
+            try:
+                c.guidance[key].unpack()
+            except ValueError as own:
+                raise ValueError(
+                    f"{_name(c)}: guidance for layers.{key[0]} site '{key[1]}': {own}"
+                ) from own
+        raise ValueError(f"guidance for layers.{key[0]} site '{key[1]}': {err}") from err

@@ -427,14 +427,24 @@ class SparseCodes:
 
     def pack(self) -> PackedSparse:
         """The wire form: the positions as gaps in a byte code, without the row counts."""
-        return PackedSparse(
-            row_amax=self.row_amax,
-            values=_pack_positions(self.counts, self.entries, self.columns),
-            blocks=_pack_positions(
-                self.block_counts, self.block_entries, self.columns // BLOCK_SIZE
-            ),
-            columns=self.columns,
-        )
+        return self.pack_rows([[(0, self.counts.shape[0])]])[0]
+
+    def pack_rows(self, parts: Sequence[Sequence[tuple[int, int]]]) -> list[PackedSparse]:
+        """For each part, its ``[start, end)`` spans of rows along the first dim, in order,
+        packed as one record: every part in one pass (an engine's sequences, cut from its
+        steps' records)."""
+        K, lead = self.columns, self.counts.shape
+        tokens = [i for spans in parts for a, b in spans for i in range(a, b)]
+        per_part = [sum(b - a for a, b in spans) for spans in parts]
+        token = torch.tensor(tokens, dtype=torch.long, device=self.counts.device)
+        sub = math.prod(lead[1:])  # rows per index of the first dim
+        rows = (token.unsqueeze(-1) * sub + torch.arange(sub, device=token.device)).flatten()
+        picked = self.select_rows(rows)
+        part_rows = [n * sub for n in per_part]
+        values = _pack_parts(picked.counts, picked.entries, K, part_rows)
+        blocks = _pack_parts(picked.block_counts, picked.block_entries, K // BLOCK_SIZE, part_rows)
+        row_amax = self.row_amax[token].split(per_part)
+        return [PackedSparse(a, v, b, K) for a, v, b in zip(row_amax, values, blocks, strict=True)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -490,20 +500,37 @@ class PackedSparse:
     def unpack(self) -> SparseCodes:
         """The `SparseCodes` this was packed from; ValueError for a stream that does not
         describe positions inside the rows."""
-        lead = self.row_amax.shape[:-1]
-        nb = self.columns // BLOCK_SIZE
-        counts, entries = _unpack_positions(self.values, lead, self.columns, "value")
-        block_counts, block_entries = _unpack_positions(self.blocks, lead, nb, "block")
-        return SparseCodes(
-            counts, entries, block_counts, block_entries, self.row_amax, self.columns
+        return PackedSparse.unpack_cat([self])
+
+    @staticmethod
+    def unpack_cat(records: Sequence[PackedSparse]) -> SparseCodes:
+        """The records unpacked and concatenated along rows, in one pass over all their
+        streams (a batch's completions: a few tensor ops, not a few per record)."""
+        widths = {r.columns for r in records}
+        if len(widths) != 1:
+            raise ValueError(f"cannot concatenate sparse guidance of rows of {sorted(widths)}")
+        K = widths.pop()
+        row_amax = torch.cat([r.row_amax for r in records])
+        lead = row_amax.shape[:-1]
+        rows = [r.row_amax.shape[:-1].numel() for r in records]
+        counts, entries = _unpack_positions([r.values for r in records], rows, lead, K, "value")
+        block_counts, block_entries = _unpack_positions(
+            [r.blocks for r in records], rows, lead, K // BLOCK_SIZE, "block"
         )
+        return SparseCodes(counts, entries, block_counts, block_entries, row_amax, K)
 
 
 def encode_varint(codes: torch.Tensor) -> torch.Tensor:
     """Non-negative int64 codes ``[n]`` -> uint8 ``[L]``: 7 bits per byte, low bits first, the
     top bit set on every byte of a code but its last."""
+    return _encode_varint(codes)[0]
+
+
+def _encode_varint(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stream and each code's length in bytes."""
     if codes.numel() == 0:
-        return torch.zeros(0, dtype=torch.uint8, device=codes.device)
+        empty = torch.zeros(0, dtype=torch.uint8, device=codes.device)
+        return empty, torch.zeros(0, dtype=torch.long, device=codes.device)
     codes = codes.long()
     j = torch.arange(VARINT_MAX_BYTES, device=codes.device)
     length = 1 + (codes.unsqueeze(-1) >= (1 << (7 * j[1:]))).sum(-1)
@@ -512,7 +539,8 @@ def encode_varint(codes: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"sparse guidance positions must lie in [0, 2**35), got up to {top}")
     groups = (codes.unsqueeze(-1) >> (7 * j)) & 0x7F
     more = j < (length.unsqueeze(-1) - 1)
-    return (groups | (more.long() << 7))[j < length.unsqueeze(-1)].to(torch.uint8)
+    stream = (groups | (more.long() << 7))[j < length.unsqueeze(-1)].to(torch.uint8)
+    return stream, length
 
 
 def decode_varint(stream: torch.Tensor) -> torch.Tensor:
@@ -535,25 +563,61 @@ def decode_varint(stream: torch.Tensor) -> torch.Tensor:
     )
 
 
-def _pack_positions(counts: torch.Tensor, entries: torch.Tensor, width: int) -> torch.Tensor:
+def _pack_parts(
+    counts: torch.Tensor, entries: torch.Tensor, width: int, part_rows: Sequence[int]
+) -> list[torch.Tensor]:
+    """Byte streams of consecutive parts of ``part_rows[i]`` rows of a ragged record, each
+    part's gaps counted from its own first row."""
+    device = counts.device
     counts_R = counts.flatten().long()
-    row = torch.repeat_interleave(torch.arange(len(counts_R), device=counts.device), counts_R)
+    row = torch.repeat_interleave(torch.arange(len(counts_R), device=device), counts_R)
+    sizes = torch.tensor(part_rows, dtype=torch.long, device=device)
+    part_of_row = torch.repeat_interleave(torch.arange(len(part_rows), device=device), sizes)
+    part = part_of_row[row]
     entries = entries.long()
-    flat = row * width + (entries >> 1)
-    gap = flat - torch.cat((flat.new_full((1,), -1), flat[:-1])) - 1
-    return encode_varint(gap << 1 | (entries & 1))
+    flat = (row - (sizes.cumsum(0) - sizes)[part]) * width + (entries >> 1)
+    previous = torch.cat((flat.new_full((1,), -1), flat[:-1]))
+    starts = torch.cat((part.new_ones(1, dtype=torch.bool), part[1:] != part[:-1]))[: len(flat)]
+    gap = flat - torch.where(starts, -1, previous) - 1
+    stream, length = _encode_varint(gap << 1 | (entries & 1))
+    per_part = torch.zeros(len(part_rows), dtype=torch.long, device=device)
+    per_part.index_add_(0, part, length)
+    return list(stream.split(per_part.tolist()))
 
 
-def _unpack_positions(stream: torch.Tensor, lead: torch.Size, width: int, what: str):
+def _unpack_positions(
+    streams: Sequence[torch.Tensor], rows: Sequence[int], lead: torch.Size, width: int, what: str
+):
+    """Counts ``lead`` and entries of records' packed positions, concatenated; each record's
+    stream restarts its gaps and covers ``rows[i]`` rows of ``width``."""
+    device = streams[0].device
+    lengths = torch.tensor([s.numel() for s in streams], device=device)
+    stream = torch.cat(list(streams))
+    ends = lengths.cumsum(0)[lengths > 0] - 1
+    if bool(((stream[ends] & 0x80) != 0).any()):
+        raise ValueError("packed sparse guidance ends inside a position")
     codes = decode_varint(stream)
-    flat = torch.cumsum((codes >> 1) + 1, 0) - 1
-    num_rows = math.prod(lead)
-    if len(flat) and int(flat[-1]) >= num_rows * width:
+    terminal = (stream & 0x80) == 0
+    index = torch.arange(len(streams), device=device)
+    per_record = torch.bincount(
+        torch.repeat_interleave(index, lengths)[terminal], minlength=len(streams)
+    )
+    record = torch.repeat_interleave(index, per_record)
+    step = (codes >> 1) + 1
+    total = step.cumsum(0)
+    first = (per_record.cumsum(0) - per_record).clamp(max=max(len(codes) - 1, 0))
+    before = (total - step)[first] if len(codes) else total  # before each record's first entry
+    local = total - before[record] - 1
+    rows_R = torch.tensor(rows, device=device)
+    past = local >= rows_R[record] * width
+    if bool(past.any()):
+        bad = int(record[past][0])
         raise ValueError(
-            f"packed sparse guidance has {what} positions past its {num_rows} rows of {width}"
+            f"packed sparse guidance has {what} positions past its {rows[bad]} rows of {width}"
         )
-    row = flat // width
-    counts = torch.bincount(row, minlength=num_rows).to(_index_dtype(width)).view(lead)
+    flat = local + (rows_R.cumsum(0) - rows_R)[record] * width
+    num_rows = math.prod(lead)
+    counts = torch.bincount(flat // width, minlength=num_rows).to(_index_dtype(width)).view(lead)
     entries = ((flat % width) << 1 | (codes & 1)).to(_index_dtype(2 * width - 1))
     return counts, entries
 

@@ -13,7 +13,8 @@ Guidance modes: "full" keeps each `NVFP4Tensor`; "compact" keeps `fp4rl.fp4.comp
 rest (the trainer rounds those to nearest); "sparse" keeps `fp4rl.fp4.sparse(x, t, delta)` in
 every FP4 layer: the row maxima, and a position and a bit for each block scale near an E4M3
 rounding boundary and each value the site computed within ``delta`` grid units of an E2M1 one
-(so it asks the sites for their values too), packed per sequence (`fp4rl.records.record_pack`).
+(so it asks the sites for their values too), packed per sequence
+(`fp4rl.records.record_gather_packed`).
 
 Legend: T tokens, k experts per token, L_moe MoE layers.
 """
@@ -30,8 +31,7 @@ from fp4rl.records import (
     SiteKey,
     SiteRecord,
     record_cat,
-    record_gather,
-    record_pack,
+    record_gather_packed,
     record_rows,
     record_to,
 )
@@ -164,14 +164,14 @@ class CaptureLog:
         keys = list(steps[0].sites) if steps else []
         sites = {key: _cat_steps(steps, lambda c, key=key: c.sites.get(key)) for key in keys}
         self.steps, self.num_rows = [], []
+        per_seq = {key: record_gather_packed(r, rows) for key, r in sites.items()}
         out = []
-        for spans in rows:
+        for seq, spans in enumerate(rows):
             routing = None
             if routing_LRk is not None:
                 index = torch.tensor([i for a, b in spans for i in range(a, b)], dtype=torch.long)
                 routing = routing_LRk[:, index.to(routing_LRk.device, non_blocking=True)]
-            guidance = {key: record_pack(record_gather(r, spans)) for key, r in sites.items()}
-            out.append((routing, guidance))
+            out.append((routing, {key: records[seq] for key, records in per_seq.items()}))
         return out
 
 

@@ -20,6 +20,7 @@ from fp4rl.fp4.format import E2M1_BOUNDARIES
 from fp4rl.records import (
     record_cat,
     record_gather,
+    record_gather_packed,
     record_nbytes,
     record_num_rows,
     record_pack,
@@ -255,7 +256,7 @@ def same_record(a, b) -> bool:
         and all(
             p.dtype == q.dtype
             and p.shape == q.shape
-            and torch.equal(p.view(torch.uint8), q.view(torch.uint8))
+            and torch.equal(p.flatten().view(torch.uint8), q.flatten().view(torch.uint8))
             for p, q in zip(a.tensors(), b.tensors(), strict=True)
         )
     )
@@ -276,6 +277,11 @@ def test_rows_cat_and_select_keep_each_row_with_its_values():
         record_gather(s, spans), record_cat([record_rows(s, a, b) for a, b in spans])
     )
     assert same_record(record_gather(s.pack(), spans), record_gather(s, spans).pack())
+    # Each sequence's rows packed, all sequences at once, as the engine cuts its steps' records.
+    parts = [[(5, 7), (0, 2)], [], [(3, 4)], [(0, 7)]]
+    wanted = [record_gather(s, p).pack() if p else record_rows(s, 0, 0).pack() for p in parts]
+    for got, want in zip(record_gather_packed(s, parts), wanted, strict=True):
+        assert same_record(got, want)
     index = torch.tensor([20, 0, 5, 5, 13])
     flat_t = t.map(lambda m: m.reshape(-1, m.shape[-1])[index])
     assert same_record(s.select_rows(index), G.sparse(x.reshape(-1, 32)[index], flat_t, 0.1))
@@ -294,6 +300,12 @@ def test_packed_form_restores_the_record_without_row_counts():
         # One byte per position while gaps stay below 64, never more than 5; no counts.
         assert n + m <= p.values.numel() + p.blocks.numel() <= 5 * (n + m)
         assert p.nbytes == p.values.numel() + p.blocks.numel() + 80 * 2
+    # Many records in one pass, empty ones among them, as the rows concatenated.
+    s = G.sparse(x, t, 0.05)
+    cuts = [(0, 7), (7, 7), (7, 8), (8, 30), (30, 40)]
+    pieces = [record_rows(s, a, b) for a, b in cuts]
+    assert any(int(p.counts.sum()) == 0 for p in pieces[1:3])
+    assert same_record(G.PackedSparse.unpack_cat([p.pack() for p in pieces]), s)
     codes = torch.tensor([0, 1, 127, 128, 16383, 16384, 2**35 - 1])
     stream = G.encode_varint(codes)
     assert stream.tolist()[:4] == [0, 1, 127, 0x80] and stream.numel() == 1 + 1 + 1 + 2 + 2 + 3 + 5
