@@ -17,7 +17,10 @@ generated token over the whole batch (prompt rows included, as
 recorded blocks and recorded values. "nearest, derived scales" is sparse guidance
 with its value positions left out: nearest rounding under the scales the trainer derives from
 the first delta's records. ``token_mult_prob_error`` is mean exp|logp_train - logp_sampled| over
-the scored tokens. The recorded shares of values and blocks are printed per site kind.
+the scored tokens. The recorded shares of values and blocks are printed per site kind. With
+``--windows``, also where nearest rounding's misses lie (the trainer following full guidance
+upstream), measured three ways, and how many ulps the trainer's row maxima are from the
+rollout's (the trainer following the first delta's sparse records).
 """
 
 from __future__ import annotations
@@ -29,12 +32,12 @@ from collections import defaultdict
 import torch
 from _seam import load_seam
 
-from fp4rl.fp4 import NVFP4Tensor
-from fp4rl.fp4.reference import unpack_e2m1
-from fp4rl.fp4.rounding import PackedSparse
+from fp4rl.fp4 import E2M1_VALUES, NVFP4Tensor
+from fp4rl.fp4.reference import e2m1_rne, scaled_values, unpack_e2m1
+from fp4rl.fp4.rounding import PackedSparse, boundary_distance, e2m1_bracket
 from fp4rl.loop import sampling
 from fp4rl.model.sites import SiteRecords
-from fp4rl.records import TrainBatch, capture_bytes_per_generated_token, collate
+from fp4rl.records import TrainBatch, capture_bytes_per_generated_token, collate, record_to
 from fp4rl.rollout import Engine
 from fp4rl.rollout.generation_config import eos_token_ids
 from fp4rl.train.observe import signed_index
@@ -47,6 +50,12 @@ def parse_args():
     parser.add_argument("--set", action="append", default=[], dest="overrides")
     parser.add_argument("--deltas", type=float, nargs="+", default=[0.01, 0.03, 0.1])
     parser.add_argument("--steps", type=int, nargs="+", default=[0])
+    parser.add_argument(
+        "--windows",
+        action="store_true",
+        help="also measure where nearest rounding's misses lie (grid units, relative to the "
+        "boundary, units of y) and how far the trainer's row maxima are from the rollout's",
+    )
     return parser.parse_args()
 
 
@@ -82,6 +91,71 @@ def trainer_codes(policy, batch: TrainBatch, guided: bool, rollout: TrainBatch):
     return codes, float(d_N.abs().exp().mean()), scales
 
 
+class ValueRecords(SiteRecords):
+    """`SiteRecords` that also keeps each site's input values."""
+
+    keeps_values = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.values: dict = {}
+
+    def record(self, layer: int, site: str, t: NVFP4Tensor, x=None) -> None:
+        super().record(layer, site, t)
+        self.values[(layer, site)] = x
+
+
+def window_stats(policy, full: TrainBatch, sparse_batch: TrainBatch, stats) -> None:
+    """Appends to ``stats``: for the trainer following full guidance upstream, each value's
+    distance from its nearest boundary under the rollout's scales, three ways, and whether
+    nearest rounding misses the rollout's code; for the trainer following ``sparse_batch``, the
+    distance in ulps of each row's maximum from the rollout's."""
+    table = torch.tensor(E2M1_VALUES)
+    rec = ValueRecords()
+    with torch.no_grad():
+        policy_logprobs(policy, full, replay=True, guided=True, capture=rec)
+    for key, x in rec.values.items():
+        f = record_to(full.guidance[key], "cpu")
+        y, live = scaled_values(x.cpu().unflatten(-1, (-1, 16)), f.block_scale, f.global_scale)
+        y = y[live]
+        rollout = unpack_e2m1(f.codes).unflatten(-1, (-1, 16))[live]
+        stats["miss"].append(signed_index(e2m1_rne(y)) != signed_index(rollout))
+        lo, hi = e2m1_bracket(y)
+        middle = (table[lo.long()] + table[hi.long()]) / 2
+        apart = torch.where(lo != hi, (y.abs() - middle).abs(), torch.inf)
+        stats["grid units"].append(boundary_distance(y))
+        stats["relative to the boundary"].append(apart / middle)
+        stats["units of y"].append(apart)
+    rec = ValueRecords()
+    with torch.no_grad():
+        policy_logprobs(policy, sparse_batch, replay=True, guided=True, capture=rec)
+    for key, x in rec.values.items():
+        mine = x.cpu().abs().amax(-1, keepdim=True)
+        theirs = sparse_batch.guidance[key].row_amax.cpu()
+        bits = torch.int16 if mine.element_size() == 2 else torch.int32
+        ulps = mine.view(bits).long() - theirs.reshape(mine.shape).view(bits).long()
+        stats["amax ulps"].append(ulps.abs().flatten())
+
+
+def print_windows(stats) -> None:
+    miss = torch.cat(stats["miss"])
+    print(f"nearest rounding's misses, trainer following full guidance: {miss.float().mean():.4%}")
+    for name in ("grid units", "relative to the boundary", "units of y"):
+        d = torch.cat(stats[name])
+        for cover in (0.9, 0.95, 0.99):
+            t = torch.quantile(d[miss].double(), cover).item()
+            print(
+                f"window {t:.4f} {name} covers {cover:.0%} of the misses, records "
+                f"{(d <= t).float().mean():.3%} of the values"
+            )
+    ulps = torch.cat(stats["amax ulps"])
+    within = ", ".join(f"{(ulps <= u).float().mean():.4%} <= {u}" for u in (0, 1, 7, 31, 127))
+    print(
+        f"trainer's row maxima vs the rollout's ({len(ulps)} rows), ulps: {within}; "
+        f"max {int(ulps.max())}"
+    )
+
+
 def sparse_bytes(completions) -> tuple[int, int, int]:
     """Bytes of the packed sparse records of a batch: (row maxima, recorded blocks, recorded
     values)."""
@@ -105,6 +179,7 @@ def main() -> None:
     modes |= {f"sparse {d:g}": ("sparse", d) for d in args.deltas}
     totals = defaultdict(lambda: defaultdict(float))
     shares = defaultdict(lambda: [0, 0, 0, 0])  # (mode, site): values, recorded, blocks, recorded
+    windows = defaultdict(list)
     for step in args.steps:
         num = config.rollout.prompts_per_step
         problems = task.train_examples(seed=config.run.seed, step=step, num=num)
@@ -134,6 +209,8 @@ def main() -> None:
         )
         for name in modes:
             variants[name] = trainer_codes(policy, collate(runs[name][:num]), True, full)
+        if args.windows:
+            window_stats(policy, full, first_sparse, windows)
         for name, (codes, tmpe, scales) in variants.items():
             t = totals[name]
             for key, w in want.items():
@@ -168,6 +245,8 @@ def main() -> None:
                         t["recorded"] += int(r.counts.sum(dtype=torch.int64))
         print(f"step {step} done", flush=True)
     compact = totals["compact"]["bytes"]
+    if args.windows:
+        print_windows(windows)
     print(f"values compared per mode: {int(totals['full']['total'])}")
     for name, t in totals.items():
         if "recorded" in t:
