@@ -33,7 +33,7 @@ from fp4rl.records import (
     record_cat,
     record_gather_packed,
     record_rows,
-    record_to,
+    to_host_together,
 )
 
 
@@ -91,20 +91,19 @@ class StepCapture:
 
     def to_host(self, rows: int | None = None) -> StepCapture:
         """A `StepCapture` like this one holding the first ``rows`` rows (all by default) of
-        each record, copied to pinned host memory. The copies are only queued on the current
-        stream, behind the forward that wrote the records and before anything that would
-        overwrite them (a graph's next replay): the host reads them once the stream has been
-        synchronized (`CaptureLog.assemble` does). Records thus never pile up on the GPU
-        during a long rollout, and a step costs one queued copy per record member."""
+        each record, copied to pinned host memory together (`fp4rl.records.to_host_together`:
+        one concatenation and one copy for the whole step). The copy is only queued on the
+        current stream, behind the forward that wrote the records and before anything that
+        would overwrite them (a graph's next replay): the host reads them once the stream has
+        been synchronized (`CaptureLog.assemble` does). Records thus never pile up on the GPU
+        during a long rollout."""
         out = StepCapture(routing=self.keep_routing, guidance=self.guidance, keep=self.keep,
                           sparse_delta=self.sparse_delta)  # fmt: skip
-        out.routing = {
-            layer: ids[:rows].to("cpu", non_blocking=True) for layer, ids in self.routing.items()
-        }
-        out.sites = {
-            key: record_to(r if rows is None else record_rows(r, 0, rows), "cpu", non_blocking=True)
-            for key, r in self.sites.items()
-        }
+        routing = [ids[:rows] for ids in self.routing.values()]
+        sites = [r if rows is None else record_rows(r, 0, rows) for r in self.sites.values()]
+        moved = to_host_together([*routing, *sites])
+        out.routing = dict(zip(self.routing, moved[: len(routing)], strict=True))
+        out.sites = dict(zip(self.sites, moved[len(routing) :], strict=True))
         return out
 
 

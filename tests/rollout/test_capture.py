@@ -5,6 +5,7 @@ import torch
 
 from fp4rl.fp4 import CompactCodes, compact
 from fp4rl.ops import quantize
+from fp4rl.records import to_host_together
 from fp4rl.rollout.capture import CaptureLog, SequenceCapture, StepCapture, kept_layers
 
 
@@ -100,3 +101,32 @@ def test_to_host_keeps_the_first_rows_of_every_record():
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     whole = capture.to_host()
     assert whole.routing[0].shape == (6, 2) and whole.sites[(0, "k")].global_scale.shape[0] == 6
+
+
+def test_records_go_to_the_host_through_one_buffer_bit_for_bit():
+    g = torch.Generator().manual_seed(1)
+    t = quantize(torch.randn(5, 48, generator=g), scaling="row")
+    items = [
+        torch.arange(15, dtype=torch.int32).view(5, 3),
+        t,
+        compact(t),
+        torch.tensor([True, False, True]),  # 3 bytes: the next piece starts 16-aligned
+        torch.randn(2, 3, generator=g, dtype=torch.float64),
+        torch.empty(0, 4),
+    ]
+    moved = to_host_together(items)
+    assert [type(m) for m in moved] == [type(i) for i in items]
+    buffers = set()
+    for a, b in zip(moved, items, strict=True):
+        a_members = a.tensors() if hasattr(a, "tensors") else (a,)
+        b_members = b.tensors() if hasattr(b, "tensors") else (b,)
+        if isinstance(a, CompactCodes):
+            a_members = (a.mantissa_bits, a.block_scale, a.global_scale)
+            b_members = (b.mantissa_bits, b.block_scale, b.global_scale)
+        for x, y in zip(a_members, b_members, strict=True):
+            assert x.dtype == y.dtype and x.shape == y.shape
+            if x.numel():
+                assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+                assert x.data_ptr() % 16 == 0
+                buffers.add(x.untyped_storage().data_ptr())
+    assert len(buffers) == 1  # one buffer for the whole step
