@@ -183,6 +183,8 @@ def time_case(engine: Engine, batch: int, context: int, steps: int, repeats: int
     with torch.inference_mode():
         capture = StepCapture(routing=True, guidance=None, keep=frozenset())
         _, out = decode_step(engine, segments(0), tokens[0], capture)
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # the records' copy to the host has landed
         distinct = [len(torch.unique(ids)) for ids in out.routing.values()]
         gpu, host = [], []
         for _ in range(repeats + 1):  # the first pass warms the graphs and the sampler up
