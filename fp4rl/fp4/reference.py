@@ -82,8 +82,12 @@ def e4m3_rne_satfinite(v: torch.Tensor) -> torch.Tensor:
 
 
 def global_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
-    """``amax / 2688`` in FP32; NaN for a non-finite amax, 0 below ``MIN_GLOBAL_SCALE``."""
-    s = amax.float() / GLOBAL_SCALE_DIVISOR
+    """``amax / 2688`` in FP32; NaN for a non-finite amax, 0 below ``MIN_GLOBAL_SCALE``.
+
+    The divisor is a tensor on amax's device: on CUDA, torch divides by a Python scalar as a
+    multiplication by its reciprocal, which is not the IEEE quotient the kernels compute."""
+    amax = amax.float()
+    s = amax / torch.full_like(amax, GLOBAL_SCALE_DIVISOR)
     s = torch.where(torch.isfinite(s), s, torch.full_like(s, math.nan))
     return torch.where(s < MIN_GLOBAL_SCALE, torch.zeros_like(s), s)
 
