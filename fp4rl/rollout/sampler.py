@@ -104,21 +104,28 @@ def sample(
     top_k_rows, sort_rows = ints[2 * B :].split([len(by_top_k), len(by_sort)])
 
     raw_logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
-    token_B = logits_BV.argmax(-1)  # greedy rows: the first maximum, as the stable sort's
-    processed_B = torch.zeros(B, device=device)
-    if by_top_k or by_sort:
-        scaled_BV = logits_BV / temperature_B[:, None]
+    scaled_BV = logits_BV / temperature_B[:, None] if by_top_k or by_sort else None
+    drawn = []  # (rows, tokens, logprobs) of each way of drawing
+    if len(by_top_k) + len(by_sort) < B:  # greedy rows: the first maximum, as the stable sort's
+        drawn.append((slice(None), logits_BV.argmax(-1), torch.zeros(B, device=device)))
     if by_top_k:
         K = max(top_k[b] for b in by_top_k)  # from the host's params: nothing read back
         pick = _pick(top_k_rows, B)
-        token_B[pick], processed_B[pick] = _draw_top_k(
-            scaled_BV[pick], K, top_k_B[pick], top_p_B[pick], u_B[pick]
+        drawn.append(
+            (pick, *_draw_top_k(scaled_BV[pick], K, top_k_B[pick], top_p_B[pick], u_B[pick]))
         )
     if by_sort:
         pick = _pick(sort_rows, B)
-        token_B[pick], processed_B[pick] = _draw_sorted(
-            scaled_BV[pick], top_k_B[pick], top_p_B[pick], u_B[pick]
+        drawn.append(
+            (pick, *_draw_sorted(scaled_BV[pick], top_k_B[pick], top_p_B[pick], u_B[pick]))
         )
+    if len(drawn) == 1:  # one way for every row (the usual case): nothing to scatter
+        _, token_B, processed_B = drawn[0]
+    else:
+        token_B = torch.empty(B, dtype=torch.long, device=device)
+        processed_B = torch.empty(B, device=device)
+        for rows, tokens, logprobs in drawn:
+            token_B[rows], processed_B[rows] = tokens, logprobs
 
     raw_B = raw_logprobs_BV.gather(1, token_B[:, None])[:, 0]
     return SampleOutput(
