@@ -211,9 +211,10 @@ def test_sparse_guidance_on_gpu():
     torch.testing.assert_close(got.cpu(), batch.rollout_logprobs_N, rtol=0, atol=0.03)
     agree = total = 0
     for key, r in batch.guidance.items():
-        f, t = full.guidance[key], rec.sites[key]
-        assert torch.equal(t.global_scale.cpu(), f.global_scale.cpu()), key
-        same_scale = (t.block_scale.view(torch.uint8) == f.block_scale.view(torch.uint8)).cpu()
+        # The rollout's records are in host memory, the trainer's on the GPU.
+        f, t = (x.map(lambda m: m.cpu()) for x in (full.guidance[key], rec.sites[key]))
+        assert torch.equal(t.global_scale, f.global_scale), key
+        same_scale = t.block_scale.view(torch.uint8) == f.block_scale.view(torch.uint8)
         blocks, _ = (b.cpu() for b in r.expand_blocks())
         assert same_scale[blocks].all(), key
         recorded, bit = (b.cpu() for b in r.expand())
