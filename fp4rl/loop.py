@@ -36,7 +36,7 @@ from fp4rl.distributed import Ranks, ShardedAdamW, shard_policy, weights_of
 from fp4rl.evaluation import Evaluator, evaluate
 from fp4rl.model.weights import load_pretrained
 from fp4rl.progress import Progress
-from fp4rl.records import Completion, collate
+from fp4rl.records import Completion, bytes_per_generated_token, capture_totals, collate
 from fp4rl.refit import RefitReceiver
 from fp4rl.report import check_tensorboard
 from fp4rl.rollout import Engine, SamplingParams
@@ -310,17 +310,13 @@ def observed(
     )
     if not part:
         counts = Observed()
-    cost = {
-        "routing": sum(c.routing_nbytes() for c in completions),
-        "guidance": sum(c.guidance_nbytes() for c in completions),
-        "generated": sum(len(c.completion_ids) for c in completions),
-    }
+    cost = capture_totals(completions)
     if ranks is not None:
         counts = Observed(sums=ranks.sum(counts.sums), maxima=ranks.max(counts.maxima))
         cost = ranks.sum(cost)
     out = observed_metrics(counts)
-    for key in ("routing", "guidance"):  # records of prompt tokens included in the numerator
-        out[f"{key}_bytes_per_token"] = cost[key] / cost["generated"] if cost["generated"] else 0.0
+    for key, value in bytes_per_generated_token(cost).items():
+        out[f"{key}_bytes_per_token"] = value
     return out
 
 

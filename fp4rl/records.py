@@ -194,16 +194,26 @@ class Completion:
         return 0 if self.routing is None else self.routing.numel() * self.routing.element_size()
 
 
-def capture_bytes_per_generated_token(completions: Sequence[Completion]) -> dict[str, float]:
-    """What the captured records cost per generated token, over a batch of completions:
-    ``{"routing": ..., "guidance": ...}`` (prompt tokens' records included in the numerator)."""
-    generated = sum(len(c.completion_ids) for c in completions)
-    if generated == 0:
-        return {"routing": 0.0, "guidance": 0.0}
+def capture_totals(completions: Sequence[Completion]) -> dict[str, int]:
+    """Bytes of the captured records over a batch of completions, and its generated tokens:
+    ``{"routing": ..., "guidance": ..., "generated": ...}`` (sums: they add up across ranks)."""
     return {
-        "routing": sum(c.routing_nbytes() for c in completions) / generated,
-        "guidance": sum(c.guidance_nbytes() for c in completions) / generated,
+        "routing": sum(c.routing_nbytes() for c in completions),
+        "guidance": sum(c.guidance_nbytes() for c in completions),
+        "generated": sum(len(c.completion_ids) for c in completions),
     }
+
+
+def bytes_per_generated_token(totals: Mapping[str, int]) -> dict[str, float]:
+    """``{"routing": ..., "guidance": ...}`` per generated token from `capture_totals` (prompt
+    tokens' records included in the numerator); 0 when nothing was generated."""
+    generated = totals["generated"]
+    return {key: totals[key] / generated if generated else 0.0 for key in ("routing", "guidance")}
+
+
+def capture_bytes_per_generated_token(completions: Sequence[Completion]) -> dict[str, float]:
+    """What the captured records cost per generated token, over a batch of completions."""
+    return bytes_per_generated_token(capture_totals(completions))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

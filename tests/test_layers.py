@@ -46,7 +46,6 @@ ALLOWED = {
         "config",
         "progress",
         "report",
-        "checkpoints",
         "distributed",
         "evaluation",
         "run_dir",
