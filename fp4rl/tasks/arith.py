@@ -5,6 +5,11 @@ significant digit first with ``reverse_answer``, the order in which the carries 
 The operands' digit counts are the difficulty knob: each operand gets a digit count drawn
 uniformly from ``[min_digits, max_digits]``, then a value with exactly that many digits.
 
+``num_operands`` and ``partial_sums`` make the completions long: ``<bos>3+5+7+2=`` is answered
+``8=15=17<eos>`` with ``partial_sums``, every running sum written out (each reversed with
+``reverse_answer``) and separated by ``=``, the last one the total. The reward is still exact:
+the whole written chain must be right.
+
 Owns problem generation, the train / held-out split, the reward and `ArithTask`, this task
 behind the interface of `fp4rl.tasks.task`. Does not own the vocabulary
 (`fp4rl.tasks.tokenizer`), sampling, or the evaluation loop.
@@ -24,6 +29,7 @@ from fp4rl.tasks.tokenizer import BOS, EOS, VOCAB, decode, encode
 
 Split = Literal["train", "held_out"]
 _DIGIT_IDS = frozenset(encode("0123456789"))
+(_EQUALS,) = encode("=")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -36,6 +42,8 @@ class TaskConfig:
     num_held_out: int = 256  # distinct problems in the evaluation set
     held_out_seed: int = 0
     format_reward: float = 0.0  # reward for a wrong answer that is digits followed by EOS
+    num_operands: int = 2  # terms of the sum, each drawn as above
+    partial_sums: bool = False  # the completion writes every running sum, '='-separated
 
     def __post_init__(self) -> None:
         checks.choice("task.kind", self.kind, ("arith",))
@@ -48,14 +56,17 @@ class TaskConfig:
         checks.integer("task.num_held_out", self.num_held_out, 1)
         checks.integer("task.held_out_seed", self.held_out_seed, 0)
         checks.number("task.format_reward", self.format_reward, "in [0, 1)", lambda v: 0 <= v < 1)
+        checks.integer("task.num_operands", self.num_operands, 2)
+        checks.boolean("task.partial_sums", self.partial_sums)
         # Drawing distinct held-out problems by rejection must end: ask for at most half of
         # the problems the split is expected to hold.
         numbers = sum(10 if d == 1 else 9 * 10 ** (d - 1) for d in self._digit_range())
-        expected = self.held_out_fraction * numbers**2
+        expected = self.held_out_fraction * numbers**self.num_operands
         if self.num_held_out > expected / 2:
             raise ValueError(
                 f"task.num_held_out={self.num_held_out} exceeds half of the ~{expected:.0f} "
-                f"held-out problems with {self.min_digits}..{self.max_digits} digits"
+                f"held-out problems with {self.min_digits}..{self.max_digits} digits and "
+                f"{self.num_operands} operands"
             )
 
     def _digit_range(self) -> range:
@@ -64,30 +75,53 @@ class TaskConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Problem:
-    a: int
-    b: int
-    prompt_ids: tuple[int, ...]  # <bos> a + b =
+    operands: tuple[int, ...]
+    prompt_ids: tuple[int, ...]  # <bos> a + b + ... =
     answer_ids: tuple[int, ...]  # the answer's digits, then <eos>: the completion worth 1.0
+
+    @property
+    def a(self) -> int:
+        return self.operands[0]
+
+    @property
+    def b(self) -> int:
+        return self.operands[1]
 
 
 def make_problem(a: int, b: int, config: TaskConfig) -> Problem:
-    if min(a, b) < 0:
-        raise ValueError(f"operands must be >= 0, got {a}, {b}")
-    answer = str(a + b)[:: -1 if config.reverse_answer else 1]
+    """The problem ``a+b`` (`make_sum_problem` of two operands)."""
+    return make_sum_problem((a, b), config)
+
+
+def make_sum_problem(operands: Sequence[int], config: TaskConfig) -> Problem:
+    """The problem ``operands[0]+operands[1]+...``; its answer is the total, or with
+    ``config.partial_sums`` every running sum from the second operand on, '='-separated."""
+    operands = tuple(operands)
+    if len(operands) < 2 or min(operands) < 0:
+        raise ValueError(f"a sum needs 2 or more operands >= 0, got {operands}")
+    running = [sum(operands[: k + 1]) for k in range(1, len(operands))]
+    written = running if config.partial_sums else running[-1:]
+    step = -1 if config.reverse_answer else 1
+    answer = "=".join(str(s)[::step] for s in written)
     return Problem(
-        a=a,
-        b=b,
-        prompt_ids=(BOS, *encode(f"{a}+{b}=")),
+        operands=operands,
+        prompt_ids=(BOS, *encode("+".join(map(str, operands)) + "=")),
         answer_ids=(*encode(answer), EOS),
     )
 
 
 def split_of(a: int, b: int, config: TaskConfig) -> Split:
-    """Which split ``a+b`` belongs to; ``b+a`` always goes with it, so a held-out sum is never
-    seen in training in the other order. Depends on the operands and ``held_out_fraction``
-    only, so changing the digit range does not move a problem between splits, and a larger
-    fraction only moves problems from train into held-out (one hash, nested thresholds)."""
-    key = f"{min(a, b)}+{max(a, b)}".encode()
+    """Which split ``a+b`` belongs to (`sum_split` of two operands)."""
+    return sum_split((a, b), config)
+
+
+def sum_split(operands: Sequence[int], config: TaskConfig) -> Split:
+    """Which split a sum belongs to; every reordering of its operands goes with it, so a
+    held-out sum is never seen in training in another order. Depends on the operands and
+    ``held_out_fraction`` only, so changing the digit range does not move a problem between
+    splits, and a larger fraction only moves problems from train into held-out (one hash,
+    nested thresholds). Two operands hash as ``"min+max"``, as before sums had more."""
+    key = "+".join(map(str, sorted(operands))).encode()
     h = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
     return "held_out" if h < config.held_out_fraction * 2**64 else "train"
 
@@ -97,15 +131,19 @@ def _operand(rng: random.Random, config: TaskConfig) -> int:
     return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
 
 
+def _operands(rng: random.Random, config: TaskConfig) -> tuple[int, ...]:
+    return tuple(_operand(rng, config) for _ in range(config.num_operands))
+
+
 def train_problems(config: TaskConfig, *, num: int, seed: int) -> list[Problem]:
     """``num`` problems drawn independently (repeats possible) from the train split."""
     checks.integer("task.num", num, 0)
     checks.integer("task.seed", seed, 0)
     rng, out = random.Random(seed), []
     while len(out) < num:
-        a, b = _operand(rng, config), _operand(rng, config)
-        if split_of(a, b, config) == "train":
-            out.append(make_problem(a, b, config))
+        operands = _operands(rng, config)
+        if sum_split(operands, config) == "train":
+            out.append(make_sum_problem(operands, config))
     return out
 
 
@@ -114,27 +152,46 @@ def held_out_problems(config: TaskConfig) -> list[Problem]:
     rng, seen, out = random.Random(config.held_out_seed), set(), []
     # A backstop for the estimate in TaskConfig: a tiny digit range can hold fewer problems.
     for _ in range(1000 * config.num_held_out):
-        a, b = _operand(rng, config), _operand(rng, config)
-        if (a, b) not in seen and split_of(a, b, config) == "held_out":
-            seen.add((a, b))
-            out.append(make_problem(a, b, config))
+        operands = _operands(rng, config)
+        if operands not in seen and sum_split(operands, config) == "held_out":
+            seen.add(operands)
+            out.append(make_sum_problem(operands, config))
             if len(out) == config.num_held_out:
                 return out
     raise ValueError(
         f"task.num_held_out={config.num_held_out}: found only {len(out)} distinct held-out "
-        f"problems with {config.min_digits}..{config.max_digits} digits"
+        f"problems with {config.min_digits}..{config.max_digits} digits and "
+        f"{config.num_operands} operands"
     )
 
 
 def reward(problem: Problem, completion_ids: Sequence[int], config: TaskConfig) -> float:
-    """1.0 for exactly the answer followed by EOS (nothing after it); ``format_reward`` for
-    another well-formed answer (one or more digits, then EOS); 0.0 otherwise, including a
-    completion cut off before its EOS."""
+    """1.0 for exactly the answer followed by EOS (nothing after it), so with ``partial_sums``
+    every running sum must be right; ``format_reward`` for another well-formed answer (as many
+    '='-separated groups of one or more digits as the answer has, then EOS); 0.0 otherwise,
+    including a completion cut off before its EOS."""
     ids = tuple(completion_ids)
     if ids == problem.answer_ids:
         return 1.0
-    well_formed = len(ids) >= 2 and ids[-1] == EOS and all(i in _DIGIT_IDS for i in ids[:-1])
+    groups = config.num_operands - 1 if config.partial_sums else 1
+    well_formed = len(ids) >= 2 and ids[-1] == EOS and _digit_groups(ids[:-1]) == groups
     return config.format_reward if well_formed else 0.0
+
+
+def _digit_groups(ids: Sequence[int]) -> int:
+    """How many non-empty groups of digits ``ids`` is, separated by single '='; 0 if it is
+    anything else."""
+    groups, length = 0, 0
+    for i in (*ids, _EQUALS):
+        if i == _EQUALS:
+            if length == 0:
+                return 0
+            groups, length = groups + 1, 0
+        elif i in _DIGIT_IDS:
+            length += 1
+        else:
+            return 0
+    return groups
 
 
 class ArithTask:
@@ -162,5 +219,5 @@ class ArithTask:
         return "".join(decode([i]) if 0 <= i < len(VOCAB) else f"<unk:{i}>" for i in ids)
 
     def encode_prompt(self, text: str) -> list[int]:
-        """``"12+34="`` -> ``<bos>12+34=``, the layout of `make_problem`'s prompts."""
+        """``"12+34="`` -> ``<bos>12+34=``, the layout of `make_sum_problem`'s prompts."""
         return [BOS, *encode(text)]

@@ -1,5 +1,6 @@
 """The arithmetic task: tokenizer round trip, split disjointness, rewards, determinism."""
 
+import dataclasses
 import random
 
 import pytest
@@ -8,8 +9,10 @@ from fp4rl.tasks.arith import (
     TaskConfig,
     held_out_problems,
     make_problem,
+    make_sum_problem,
     reward,
     split_of,
+    sum_split,
     train_problems,
 )
 from fp4rl.tasks.tokenizer import BOS, EOS, PAD, VOCAB, decode, encode
@@ -120,6 +123,8 @@ def _ids(text):
         ("held_out_seed", -1),
         ("format_reward", 1.0),
         ("format_reward", float("nan")),
+        ("num_operands", 1),
+        ("partial_sums", "yes"),
     ],
 )
 def test_config_rejects_naming_key_and_value(key, value):
@@ -151,3 +156,73 @@ def test_arith_task_interface_is_the_module_functions():
     assert tuple(task.encode_prompt("58+67=")) == p.prompt_ids
     assert (task.stop_token_ids, task.vocab_size) == ((EOS,), len(VOCAB))
     assert task.decode([*p.answer_ids, 15]) == "521<eos><unk:15>"
+
+
+# --- longer completions: several operands, every running sum written out -------------------
+
+LONG = TaskConfig(max_digits=1, num_operands=8, partial_sums=True, reverse_answer=True)
+
+
+def test_partial_sums_layout():
+    p = make_sum_problem((6, 4, 6, 7, 9, 8, 4, 1), LONG)
+    assert decode(p.prompt_ids) == "<bos>6+4+6+7+9+8+4+1="
+    # Running sums 10, 16, 23, 32, 40, 44, 45, each written ones digit first.
+    assert decode(p.answer_ids) == "01=61=32=23=04=44=54<eos>"
+    forward = TaskConfig(max_digits=2, num_operands=3, partial_sums=True)
+    assert decode(make_sum_problem((58, 67, 9), forward).answer_ids) == "125=134<eos>"
+    # Without partial sums the answer is the total alone; with two operands the two agree.
+    total = TaskConfig(max_digits=2, num_operands=3)
+    assert decode(make_sum_problem((58, 67, 9), total).answer_ids) == "134<eos>"
+    assert make_sum_problem((58, 67), forward) == make_problem(58, 67, CONFIG)
+    with pytest.raises(ValueError, match=r"2 or more operands >= 0, got \(5,\)"):
+        make_sum_problem((5,), LONG)
+
+
+def test_several_operands_generation_and_split():
+    problems = train_problems(LONG, num=300, seed=2)
+    assert {len(p.operands) for p in problems} == {8}
+    assert {x for p in problems for x in p.operands} == set(range(10))
+    assert train_problems(LONG, num=20, seed=2) == problems[:20]  # deterministic
+    lengths = [len(p.answer_ids) for p in problems]
+    assert 18 <= sum(lengths) / len(lengths) <= 21  # 7 running sums of 1-2 digits, 6 '=', EOS
+    for p in problems[:20]:
+        assert reward(p, p.answer_ids, LONG) == 1.0
+    held_out = held_out_problems(LONG)
+    assert len({p.operands for p in held_out}) == LONG.num_held_out
+    # A reordering of a held-out sum is held out too, so training never sees it in any order.
+    rng = random.Random(0)
+    for p in held_out[:50]:
+        shuffled = list(p.operands)
+        rng.shuffle(shuffled)
+        assert sum_split(shuffled, LONG) == "held_out"
+    held = {tuple(sorted(p.operands)) for p in held_out}
+    train = train_problems(LONG, num=3000, seed=0)
+    assert not any(tuple(sorted(p.operands)) in held for p in train)
+    # Two operands hash as they always did (the 2-operand problems and their split are kept).
+    assert all(sum_split((a, b), CONFIG) == split_of(a, b, CONFIG) for a, b in [(3, 9), (63, 4)])
+
+
+@pytest.mark.parametrize(
+    "completion, expected",
+    [
+        ("01=61=32=23=04=44=54<eos>", 1.0),
+        ("01=61=32=33=04=44=54<eos>", 0.1),  # a wrong running sum, the right total: wrong
+        ("54<eos>", 0.0),  # the total alone is not the chain
+        ("01=61=32=23=04=44=54", 0.0),  # cut off before EOS
+        ("01=61=32=23=04=44=54=<eos>", 0.0),  # a trailing '='
+        ("01==61=32=23=04=44<eos>", 0.0),  # an empty group
+        ("01=61=32=23=04=44=54=1<eos>", 0.0),  # one group too many
+        ("01=61=32=23+04=44=54<eos>", 0.0),  # not digits and '='
+    ],
+)
+def test_partial_sums_reward_needs_the_whole_chain(completion, expected):
+    config = dataclasses.replace(LONG, format_reward=0.1)
+    problem = make_sum_problem((6, 4, 6, 7, 9, 8, 4, 1), config)
+    assert reward(problem, _ids(completion), config) == expected
+
+
+def test_held_out_estimate_counts_every_operand():
+    # One-digit operands, three of them: 1000 problems, ~50 held out.
+    with pytest.raises(ValueError, match=r"num_held_out=26 exceeds half of the ~50 .* 3 operands"):
+        TaskConfig(max_digits=1, num_operands=3, num_held_out=26)
+    assert len(held_out_problems(TaskConfig(max_digits=1, num_operands=3, num_held_out=25))) == 25
