@@ -8,7 +8,9 @@ uniformly from ``[min_digits, max_digits]``, then a value with exactly that many
 ``num_operands`` and ``partial_sums`` make the completions long: ``<bos>3+5+7+2=`` is answered
 ``8=15=17<eos>`` with ``partial_sums``, every running sum written out (each reversed with
 ``reverse_answer``) and separated by ``=``, the last one the total. The reward is still exact:
-the whole written chain must be right.
+the whole written chain must be right. ``fixed_width`` zero-pads every operand and running sum
+to that many digits (``<bos>03+05+07+02=`` -> ``80=51=71<eos>``): each running sum then sits
+at the same distance from the operand it adds, which a small model finds far more easily.
 
 Owns problem generation, the train / held-out split, the reward and `ArithTask`, this task
 behind the interface of `fp4rl.tasks.task`. Does not own the vocabulary
@@ -44,6 +46,7 @@ class TaskConfig:
     format_reward: float = 0.0  # reward for a wrong answer that is digits followed by EOS
     num_operands: int = 2  # terms of the sum, each drawn as above
     partial_sums: bool = False  # the completion writes every running sum, '='-separated
+    fixed_width: int = 0  # zero-pad operands and sums to this many digits (0: natural width)
 
     def __post_init__(self) -> None:
         checks.choice("task.kind", self.kind, ("arith",))
@@ -58,6 +61,13 @@ class TaskConfig:
         checks.number("task.format_reward", self.format_reward, "in [0, 1)", lambda v: 0 <= v < 1)
         checks.integer("task.num_operands", self.num_operands, 2)
         checks.boolean("task.partial_sums", self.partial_sums)
+        checks.integer("task.fixed_width", self.fixed_width, 0)
+        largest = self.num_operands * (10**self.max_digits - 1)
+        if self.fixed_width and len(str(largest)) > self.fixed_width:
+            raise ValueError(
+                f"task.fixed_width={self.fixed_width} cannot hold the largest sum {largest} of "
+                f"{self.num_operands} operands of {self.max_digits} digits"
+            )
         # Drawing distinct held-out problems by rejection must end: ask for at most half of
         # the problems the split is expected to hold.
         numbers = sum(10 if d == 1 else 9 * 10 ** (d - 1) for d in self._digit_range())
@@ -101,11 +111,14 @@ def make_sum_problem(operands: Sequence[int], config: TaskConfig) -> Problem:
         raise ValueError(f"a sum needs 2 or more operands >= 0, got {operands}")
     running = [sum(operands[: k + 1]) for k in range(1, len(operands))]
     written = running if config.partial_sums else running[-1:]
+    width = config.fixed_width
+    if width and len(str(max(running))) > width:
+        raise ValueError(f"task.fixed_width={width} cannot hold the sums of {operands}")
     step = -1 if config.reverse_answer else 1
-    answer = "=".join(str(s)[::step] for s in written)
+    answer = "=".join(f"{s:0{width}d}"[::step] for s in written)
     return Problem(
         operands=operands,
-        prompt_ids=(BOS, *encode("+".join(map(str, operands)) + "=")),
+        prompt_ids=(BOS, *encode("+".join(f"{x:0{width}d}" for x in operands) + "=")),
         answer_ids=(*encode(answer), EOS),
     )
 

@@ -125,6 +125,7 @@ def _ids(text):
         ("format_reward", float("nan")),
         ("num_operands", 1),
         ("partial_sums", "yes"),
+        ("fixed_width", -1),
     ],
 )
 def test_config_rejects_naming_key_and_value(key, value):
@@ -226,3 +227,19 @@ def test_held_out_estimate_counts_every_operand():
     with pytest.raises(ValueError, match=r"num_held_out=26 exceeds half of the ~50 .* 3 operands"):
         TaskConfig(max_digits=1, num_operands=3, num_held_out=26)
     assert len(held_out_problems(TaskConfig(max_digits=1, num_operands=3, num_held_out=25))) == 25
+
+
+def test_fixed_width_pads_every_operand_and_sum():
+    config = dataclasses.replace(LONG, fixed_width=2)
+    p = make_sum_problem((6, 4, 6, 7, 9, 8, 4, 1), config)
+    assert decode(p.prompt_ids) == "<bos>06+04+06+07+09+08+04+01="
+    assert decode(p.answer_ids) == "01=61=32=23=04=44=54<eos>"
+    q = make_sum_problem((0, 1, 0, 5, 5, 3, 3, 8), config)
+    assert decode(q.answer_ids) == "10=10=60=11=41=71=52<eos>"  # 01, 01, 06, ... reversed
+    assert {len(p.answer_ids) for p in train_problems(config, num=50, seed=0)} == {21}
+    assert reward(q, _ids("1=1=6=11=41=71=52<eos>"), config) == 0.0  # unpadded is not it
+    with pytest.raises(ValueError, match=r"fixed_width=1 cannot hold the largest sum 72 of 8"):
+        dataclasses.replace(LONG, fixed_width=1)
+    # Operands past the config's digit range, given directly: checked per problem.
+    with pytest.raises(ValueError, match=r"fixed_width=2 cannot hold the sums of \(50, 70\)"):
+        make_sum_problem((50, 70), dataclasses.replace(LONG, fixed_width=2))
