@@ -95,6 +95,28 @@ SIZES = {
         warmup_dtype="float32",
         seeds=(0, 1, 2),
     ),
+    "long": Size(
+        description="the small shape on a sum of 8 one-digit operands, every running sum "
+        "written out in 2 digits (21-token completions); 40 steps of 32 prompts x 8; for 2 CPU "
+        "cores",
+        model=dict(num_experts=32, num_experts_per_tok=4, moe_intermediate_size=32),
+        warmup=demo.Warmup(steps=3000, target_accuracy=0.4, check_every=50),
+        warmup_dtype="float32",
+        seeds=(0, 1),
+        overrides=(
+            "task.num_operands=8",
+            "task.partial_sums=true",
+            "task.fixed_width=2",
+            "task.max_digits=1",
+            "task.num_held_out=100",
+            "engine.max_model_len=48",
+            "rollout.prompts_per_step=32",
+            "rollout.max_tokens=24",
+            "run.steps=40",
+            "run.eval_samples=2",
+            "run.checkpoint_every=20",
+        ),
+    ),
     "full": Size(
         description="8 MoE layers, hidden 384, 64 experts top-4 (~98M parameters, 9M active), "
         "every layer NVFP4; 1-3 digit addition; 300 steps of 128 prompts x 8; for one GPU",

@@ -119,3 +119,17 @@ def test_a_run_directory_of_another_config_is_refused(tmp_path, tiny_size):
         study.run_state(config)
     with pytest.raises(ValueError, match="unknown variant 'fp8'"):
         study.run_config_for(TINY, "fp8", 0, base, tmp_path)
+
+
+def test_every_size_loads_and_the_long_size_fits_its_completions():
+    """Each size's run config validates; the long size's task writes 21-token completions
+    (8 operands, every running sum in 2 digits) that fit its max_tokens and max_model_len."""
+    from fp4rl.tasks.arith import held_out_problems
+
+    for size in study.SIZES.values():
+        study.size_config(size)
+    config = study.size_config(study.SIZES["long"])
+    problems = held_out_problems(config.task)
+    assert {len(p.answer_ids) for p in problems} == {21} and len(problems) == 100
+    longest = max(len(p.prompt_ids) + len(p.answer_ids) for p in problems)
+    assert config.rollout.max_tokens >= 21 and longest <= config.engine.max_model_len
