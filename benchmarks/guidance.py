@@ -34,7 +34,8 @@ from _seam import load_seam
 
 from fp4rl.fp4 import E2M1_VALUES, NVFP4Tensor
 from fp4rl.fp4.reference import e2m1_rne, scaled_values, unpack_e2m1
-from fp4rl.fp4.rounding import PackedSparse, boundary_distance, e2m1_bracket
+from fp4rl.fp4.rounding import e2m1_bracket
+from fp4rl.fp4.sparse_guidance import PackedSparse, boundary_distance
 from fp4rl.loop import sampling
 from fp4rl.model.sites import SiteRecords
 from fp4rl.records import TrainBatch, capture_bytes_per_generated_token, collate, record_to

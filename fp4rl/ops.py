@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from fp4rl.fp4 import reference, rounding
+from fp4rl.fp4 import reference, rounding, sparse_guidance
 from fp4rl.fp4.reference import Scaling
-from fp4rl.fp4.rounding import CompactCodes, SparseCodes
+from fp4rl.fp4.rounding import CompactCodes
+from fp4rl.fp4.sparse_guidance import SparseCodes
 from fp4rl.fp4.tensor import NVFP4Tensor
 
 # Full codes, compact mantissa bits, sparse near-boundary bits, or None: nearest.
@@ -53,7 +54,7 @@ def quantize_guided(
     """Guided rounding with the rollout's scales: full codes, compact mantissa bits, or sparse
     guidance (plain PyTorch on every device: no kernel reads the sparse layout yet)."""
     if isinstance(guidance, SparseCodes):
-        return rounding.round_guided_sparse(x, guidance)
+        return sparse_guidance.round_guided_sparse(x, guidance)
     impl = _kernels(x) or rounding
     if isinstance(guidance, NVFP4Tensor):
         return impl.round_guided_full(x, guidance)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from fp4rl.fp4 import CompactCodes, NVFP4Tensor, SparseCodes
-from fp4rl.fp4.rounding import PackedSparse
+from fp4rl.fp4.sparse_guidance import PackedSparse
 
 SiteKey = tuple[int, str]  # (decoder layer, site): "expert_input", "expert_hidden", "k", "v"
 # Full codes or compact mantissa bits, each with the rollout's scales; or sparse near-boundary

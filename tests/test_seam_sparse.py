@@ -23,7 +23,7 @@ from tiny_models import engine_config, rollout_model
 
 from fp4rl.fp4 import SparseCodes
 from fp4rl.fp4.reference import unpack_e2m1
-from fp4rl.fp4.rounding import PackedSparse
+from fp4rl.fp4.sparse_guidance import PackedSparse
 from fp4rl.model.sites import SiteRecords
 from fp4rl.records import collate, record_rows, record_unpack
 from fp4rl.rollout import Engine, SamplingParams

@@ -8,7 +8,8 @@ only holds or describes NVFP4 data imports from here.
 
 from fp4rl.fp4.format import BLOCK_SIZE, E2M1_MAX, E2M1_VALUES, E4M3_MAX
 from fp4rl.fp4.reference import Scaling, amax_of, global_scale_from_amax
-from fp4rl.fp4.rounding import CompactCodes, SparseCodes, compact, sparse
+from fp4rl.fp4.rounding import CompactCodes, compact
+from fp4rl.fp4.sparse_guidance import SparseCodes, sparse
 from fp4rl.fp4.tensor import NVFP4Tensor
 
 __all__ = [

@@ -35,7 +35,7 @@ class EngineConfig:
     guidance: GuidanceMode | None = None
     compact_fraction: float = 0.5  # "compact" keeps the latter fraction of the FP4 layers
     # "sparse" records the values within this many E2M1 grid units of a rounding boundary
-    # (`fp4rl.fp4.rounding.boundary_distance`; a value on a codeword is 0.5 from both).
+    # (`fp4rl.fp4.sparse_guidance.boundary_distance`; a value on a codeword is 0.5 from both).
     sparse_delta: float = 0.03
     # Replay decode-only steps from CUDA graphs (`fp4rl.rollout.graphs`) where the engine runs
     # on a GPU and every layer's attention reads its pages with the paged kernel.

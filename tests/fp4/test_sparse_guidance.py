@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fp4rl.fp4 import reference as R
-from fp4rl.fp4 import rounding as G
+from fp4rl.fp4 import sparse_guidance as G
 from fp4rl.fp4.format import E2M1_BOUNDARIES
 from fp4rl.records import (
     record_cat,
