@@ -328,6 +328,7 @@ def build_models(config, device):
         PrecisionConfig(experts="bf16", kv_cache="bf16", bf16_first_layers=0, bf16_last_layers=0),
         device=device,
     )
+    torch.manual_seed(0)  # the same weights in every run of the script
     with torch.no_grad():
         for name, p in bf16.named_parameters():
             p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02)

@@ -86,6 +86,7 @@ def main() -> None:
     )
     # One set of BF16 weights; each engine's model loads it (packed experts quantize at load).
     source = build_model(config, PrecisionConfig(experts="bf16"), device=args.device)
+    torch.manual_seed(0)  # the same weights in every run of the script
     with torch.no_grad():
         for name, p in source.named_parameters():
             p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02)
