@@ -62,6 +62,37 @@ class Warmup:
 WARMUP = Warmup()
 
 
+# Task settings added after base policies were first cached: left out of the cache key while
+# they hold their defaults, so a policy cached before they existed keeps its key (and the
+# study runs that recorded its path stay resumable).
+LATER_TASK_SETTINGS = ("num_operands", "partial_sums", "fixed_width")
+
+
+def _task_key(task: TaskConfig) -> dict:
+    settings = dataclasses.asdict(task)
+    defaults = TaskConfig()
+    for name in LATER_TASK_SETTINGS:
+        if settings[name] == getattr(defaults, name):
+            del settings[name]
+    return settings
+
+
+def base_policy_key(
+    config: run_config.RunConfig, model: ModelConfig, warmup: Warmup, seed: int
+) -> str:
+    """The hash naming a base policy's cache directory: every setting its weights depend on."""
+    settings = {
+        "fp4rl": fp4rl.__version__,
+        "model": dataclasses.asdict(model),
+        "precision": dataclasses.asdict(config.precision),
+        "task": _task_key(config.task),
+        "warmup": dataclasses.asdict(warmup),
+        "dtype": config.model.dtype,
+        "seed": seed,
+    }
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def base_policy(
     config: run_config.RunConfig,
     cache_dir: Path,
@@ -79,17 +110,7 @@ def base_policy(
             f"'arith', got {config.task.kind!r}"
         )
     model_config = model or demo_qwen3_moe()
-    settings = {
-        "fp4rl": fp4rl.__version__,
-        "model": dataclasses.asdict(model_config),
-        "precision": dataclasses.asdict(config.precision),
-        "task": dataclasses.asdict(config.task),
-        "warmup": dataclasses.asdict(warmup),
-        "dtype": config.model.dtype,
-        "seed": seed,
-    }
-    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
-    path = Path(cache_dir) / f"base-{key}"
+    path = Path(cache_dir) / f"base-{base_policy_key(config, model_config, warmup, seed)}"
     if (path / "config.json").exists():
         log(f"base policy: reusing {path}")
         return path

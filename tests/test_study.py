@@ -133,3 +133,39 @@ def test_every_size_loads_and_the_long_size_fits_its_completions():
     assert {len(p.answer_ids) for p in problems} == {21} and len(problems) == 100
     longest = max(len(p.prompt_ids) + len(p.answer_ids) for p in problems)
     assert config.rollout.max_tokens >= 21 and longest <= config.engine.max_model_len
+
+
+def test_base_policy_keys_ignore_task_settings_added_later_while_at_their_defaults():
+    """Task settings added after base policies were first cached (``LATER_TASK_SETTINGS``)
+    leave the key as it was while at their defaults, so cached policies and the study runs that
+    recorded their paths stay valid; set to anything else, they change it."""
+    import dataclasses
+    import hashlib
+
+    import fp4rl
+    from fp4rl.model.presets import demo_qwen3_moe
+
+    size = study.SIZES["small"]
+    config = study.size_config(size, [f"model.dtype={size.warmup_dtype}"])
+    model = demo_qwen3_moe(**size.model)
+
+    def key(config):
+        return demo.base_policy_key(config, model, size.warmup, size.base_seed)
+
+    task = dataclasses.asdict(config.task)
+    for name in demo.LATER_TASK_SETTINGS:
+        del task[name]
+    settings = {
+        "fp4rl": fp4rl.__version__,
+        "model": dataclasses.asdict(model),
+        "precision": dataclasses.asdict(config.precision),
+        "task": task,
+        "warmup": dataclasses.asdict(size.warmup),
+        "dtype": config.model.dtype,
+        "seed": size.base_seed,
+    }
+    before = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    assert key(config) == before
+    for change in ("task.num_operands=3", "task.partial_sums=true", "task.fixed_width=4"):
+        changed = study.size_config(size, [f"model.dtype={size.warmup_dtype}", change])
+        assert key(changed) != before, change

@@ -21,7 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--size",
         default="small",
-        help="small (2 CPU cores, about an hour) or full (meant for one GPU); default small",
+        help="small (2 CPU cores, about an hour), long (small on 21-token running sums) or full "
+        "(meant for one GPU); default small",
     )
     parser.add_argument(
         "--out",
