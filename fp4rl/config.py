@@ -24,6 +24,7 @@ from fp4rl.tasks import CONFIGS as TASK_CONFIGS
 from fp4rl.tasks import JsonlConfig, TaskConfig, TaskSettings
 from fp4rl.train.grpo import GrpoConfig
 from fp4rl.train.optim import OptimConfig
+from fp4rl.train.step import GradientSync
 
 Device = Literal["auto", "cpu", "cuda"]
 Dtype = Literal["float32", "bfloat16"]
@@ -115,6 +116,15 @@ class RunSection:
     # evaluation: one evaluator for runs of any rollout precision.
     eval_precision: Literal["rollout", "bf16"] = "rollout"
     micro_batch_seqs: int = 64  # completions per forward/backward; the update is independent
+    # Several ranks (torchrun) only, memory against communication (docs/scaling.md). When the
+    # sharded trainer reduce-scatters its gradients: "update", once, in the update's last
+    # micro-batch, the ones before it summing theirs unsharded in FP32 (4 bytes per parameter
+    # of the whole model on every rank); "micro_batch", in every micro-batch.
+    gradient_sync: GradientSync = "update"
+    # Several ranks only: keep each layer's BF16 parameters gathered from the update's first
+    # forward to its last backward (one all-gather per update instead of two per micro-batch;
+    # 2 bytes per parameter of the whole model on every rank).
+    keep_gathered: bool = False
     threads: int = 0  # CPU threads for torch; 0: leave torch's default
     tensorboard: bool = False  # also every numeric metric as scalars in <out_dir>/tensorboard
     checkpoint_every: int = 0  # a checkpoint every this many steps; 0: only after the last step
@@ -123,6 +133,8 @@ class RunSection:
     def __post_init__(self) -> None:
         checks.boolean("run.tensorboard", self.tensorboard)
         checks.choice("run.eval_precision", self.eval_precision, ("rollout", "bf16"))
+        checks.choice("run.gradient_sync", self.gradient_sync, get_args(GradientSync))
+        checks.boolean("run.keep_gathered", self.keep_gathered)
         for key, low in (
             ("steps", 1),
             ("seed", 0),

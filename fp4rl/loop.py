@@ -187,6 +187,8 @@ def train(
                             forward=config.align.trainer_forward,
                             across=ranks,
                             spare=completions[0],
+                            gradient_sync=config.run.gradient_sync,
+                            keep_gathered=config.run.keep_gathered,
                         )
                     )
             with phase(m, "refit", device):

@@ -7,6 +7,12 @@ loss is normalized by the counts of the whole update, so the summed gradient doe
 on how the completions were split (`fp4rl.train.grpo.grpo_loss`). Also the supervised step of
 the warm-up that makes a base policy: the same forward, the answer's negative log-likelihood.
 
+A sharded trainer (FSDP2, `fp4rl.distributed.shard_policy`) is told here, before each
+micro-batch, what its collectives are: whether this micro-batch's backward reduce-scatters the
+gradients (``gradient_sync``) and whether the gathered parameters stay gathered for the next one
+(``keep_gathered``); every rank runs the same number of micro-batches, so each makes the same
+collectives in the same order.
+
 Legend: N scored tokens of a micro-batch, Q completions of the update.
 """
 
@@ -14,14 +20,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Literal, Protocol, get_args
 
 import torch
 
+from fp4rl import checks
 from fp4rl.records import Completion, collate
 from fp4rl.train.grpo import GrpoConfig, grpo_loss
 from fp4rl.train.optim import MasterAdamW
 from fp4rl.train.policy import policy_logprobs
+
+# When a sharded trainer reduce-scatters its gradients: once per update, or in every micro-batch.
+GradientSync = Literal["update", "micro_batch"]
 
 
 class Across(Protocol):
@@ -50,6 +60,8 @@ def grpo_update(
     forward: str = "packed",
     across: Across | None = None,
     spare: Completion | None = None,
+    gradient_sync: GradientSync = "update",
+    keep_gathered: bool = False,
 ) -> dict[str, float]:
     """Accumulate the GRPO gradient of ``completions`` and take one optimizer step. Returns
     the loss and the objective's metrics (token-weighted means over the update) and the
@@ -61,8 +73,15 @@ def grpo_update(
     ``across``: the update is one of a sharded trainer's ranks, ``completions`` this rank's
     share (possibly none). The normalizers are then the counts over every rank, the returned
     loss, metrics and counters those of the whole update, and every rank runs as many
-    micro-batches as the busiest one (FSDP gathers and reduces in each): the missing ones
-    recompute ``spare`` (any completion of this rank) with weight 0, adding nothing."""
+    micro-batches as the busiest one, so that their collectives line up: the missing ones
+    recompute ``spare`` (any completion of this rank) with weight 0, adding nothing. ``policy``
+    is then sharded by FSDP2; ``gradient_sync``: it reduce-scatters the gradients in the last
+    micro-batch alone ("update"; the ones before sum theirs unsharded, in FP32) or in each
+    ("micro_batch"); ``keep_gathered``: it gathers its parameters once per update, in the first
+    forward, and reshards them after the last backward (`sharded_micro_batch`). Both are
+    ignored without ``across``."""
+    checks.choice("gradient_sync", gradient_sync, get_args(GradientSync))
+    checks.boolean("keep_gathered", keep_gathered)
     if len(completions) != len(advantages_Q) or not (completions or across):
         raise ValueError(
             f"{len(completions)} completions and {len(advantages_Q)} advantages; need as many, "
@@ -81,7 +100,11 @@ def grpo_update(
             raise ValueError("a rank with no completion to train on needs a spare one")
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, torch.Tensor] = {}  # the forward's counters, summed on the device
-    for start in range(0, num_micro_batches * micro_batch_seqs, micro_batch_seqs):
+    for index in range(num_micro_batches):
+        start = index * micro_batch_seqs
+        if across is not None:
+            last = index == num_micro_batches - 1
+            sharded_micro_batch(policy, last=last, sync=gradient_sync, keep=keep_gathered)
         chunk = completions[start : start + micro_batch_seqs]
         advantages = advantages_Q[start : start + micro_batch_seqs]
         padding = not chunk
@@ -133,6 +156,8 @@ def grpo_update(
         share = batch.num_targets / total_tokens
         for key, value in metrics.items():
             sums[key] = sums.get(key, 0.0) + value.float() * share
+    if across is not None:  # FSDP2's own settings again, for forwards outside updates
+        sharded_micro_batch(policy, last=True, sync="micro_batch", keep=False)
     out = {key: float(value) for key, value in sums.items()}
     counters = {key: int(value) for key, value in counts.items()}  # their one wait on the device
     if across is not None:
@@ -143,6 +168,27 @@ def grpo_update(
             stats[key] = stats.get(key, 0) + value
     out.update(optimizer.step())
     return out
+
+
+def sharded_micro_batch(policy, *, last: bool, sync: GradientSync, keep: bool) -> None:
+    """Set the FSDP2 ``policy``'s collectives for its next micro-batch (torch's ``FSDPModule``
+    settings, on the root and every decoder layer). Its backward reduce-scatters the gradients
+    if ``last`` or ``sync`` is "micro_batch"; otherwise FSDP2 keeps them unsharded and adds the
+    next micro-batch's in the reduce dtype, FP32, not in the BF16 of the gathered parameters.
+    ``keep``: no layer reshards after its forward, nor after its backward unless ``last``.
+    The last backward always reshards: the optimizer then updates the shards, and the next
+    forward gathers the update, never parameters left gathered from before it."""
+    if not hasattr(policy, "set_requires_gradient_sync"):
+        raise ValueError(
+            f"a sharded update needs the policy sharded by FSDP2 (shard_policy), got a "
+            f"{type(policy).__name__}"
+        )
+    policy.set_requires_gradient_sync(last or sync == "micro_batch")
+    policy.set_reshard_after_backward(last or not keep)
+    # The root (embeddings, lm_head) never reshards after its forward: lm_head is applied
+    # after it, to the scored rows.
+    for layer in policy.layers:
+        layer.set_reshard_after_forward(not keep)
 
 
 def supervised_update(
