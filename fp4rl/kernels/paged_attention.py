@@ -69,6 +69,36 @@ def _code_values(words, sf_W, s_N, J: tl.constexpr, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _block_scales(block_scale, rows_N, ok_N, D: tl.constexpr):
+    """The biased block scales ``sf * 2**118`` (FP32, ``[BLOCK_N, D // 16]``) of cache rows
+    ``rows_N``. From head dim 64 up a row's scales are read as int32 words of 4 (the pointer is
+    to int32 then): loads of 4 bytes or more are what the software pipeline prefetches
+    (cp.async), where byte loads would stall each step on global memory; bytes are picked out
+    by shifts."""
+    if D >= 64:
+        words = tl.load(
+            block_scale + rows_N[:, None] * (D // 64) + tl.arange(0, D // 64)[None, :],
+            mask=ok_N[:, None],
+            other=0,
+        )  # [BLOCK_N, D // 64]: scales 4i .. 4i + 3
+        sf0 = e4m3_value(words & 0xFF)
+        sf1 = e4m3_value((words >> 8) & 0xFF)
+        sf2 = e4m3_value((words >> 16) & 0xFF)
+        sf3 = e4m3_value((words >> 24) & 0xFF)
+        # [..., k1, k0] for scale k = 2 * k1 + k0 of the word.
+        sf = tl.reshape(tl.join(tl.join(sf0, sf2), tl.join(sf1, sf3)), [rows_N.shape[0], D // 16])
+    else:
+        sf = e4m3_value(
+            tl.load(
+                block_scale + rows_N[:, None] * (D // 16) + tl.arange(0, D // 16)[None, :],
+                mask=ok_N[:, None],
+                other=0,
+            ).to(tl.int32)
+        )
+    return sf * BLOCK_SCALE_BIAS
+
+
+@triton.jit
 def _load_kv(
     pages, block_scale, global_scale, rows_N, ok_N, D: tl.constexpr, NVFP4: tl.constexpr,
     DTYPE: tl.constexpr,
@@ -80,12 +110,7 @@ def _load_kv(
         words = tl.load(
             pages + rows_N[:, None] * W + tl.arange(0, W)[None, :], mask=ok_N[:, None], other=0
         )
-        scale_bytes = tl.load(
-            block_scale + rows_N[:, None] * (D // 16) + tl.arange(0, D // 16)[None, :],
-            mask=ok_N[:, None],
-            other=0,
-        )
-        sf = e4m3_value(scale_bytes.to(tl.int32)) * BLOCK_SCALE_BIAS
+        sf = _block_scales(block_scale, rows_N, ok_N, D)
         sf_W = tl.reshape(tl.join(sf, sf), [rows_N.shape[0], W])  # a block is two words
         s_N = tl.load(global_scale + rows_N, mask=ok_N, other=0.0) * GLOBAL_SCALE_BIAS
         # Joined as [..., b2, b1, b0] for J = 4 * b2 + 2 * b1 + b0: element 8 * word + J.
@@ -312,11 +337,15 @@ def _page_members(name: str, pages: KVPages) -> tuple[torch.Tensor, torch.Tensor
             raise ValueError(
                 f"{name}.codes must be 4-byte aligned; got address {pages.codes.data_ptr():#x}"
             )
-        return (
-            pages.codes.view(torch.int32),
-            pages.block_scale.view(torch.uint8),
-            pages.global_scale,
-        )
+        scales = pages.block_scale.view(torch.uint8)
+        if pages.shape[-1] >= 64:  # read as int32 words of 4 scales (`_block_scales`)
+            if scales.data_ptr() % 4:
+                raise ValueError(
+                    f"{name}.block_scale must be 4-byte aligned; got address "
+                    f"{scales.data_ptr():#x}"
+                )
+            scales = scales.view(torch.int32)
+        return pages.codes.view(torch.int32), scales, pages.global_scale
     if pages.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"{name} pages must be bfloat16, float16 or float32; got {pages.dtype}")
     check_contiguous(name, pages)

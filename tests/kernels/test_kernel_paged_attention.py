@@ -142,6 +142,8 @@ def assert_within(got, scene: Scene, what: str):
 SHAPES = {  # name -> (Hq, K), D, page, contexts
     "G=3 D=16 P=4": ((6, 2), 16, 4, [1, 5, 12, 17, 3, 4]),
     "G=4 D=32 P=16": ((4, 1), 32, 16, [1, 16, 17, 40, 33]),
+    # From D = 64 NVFP4 block scales are read as int32 words of 4 (`_block_scales`).
+    "G=2 D=64 P=8": ((4, 2), 64, 8, [1, 9, 30, 8]),
 }
 
 
