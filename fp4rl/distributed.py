@@ -14,8 +14,10 @@ Each rank holds a colocated engine (the whole packed policy) and a shard of the 
   masters; each forward gathers them in the policy's dtype (BF16), which is exactly the BF16
   parameter a single process holds (round to nearest even of the master). Gradients are
   reduce-scattered in FP32 and summed (never averaged: the loss is already normalized by the
-  counts of the whole update, over all ranks) into the FP32 shard, micro-batch after
-  micro-batch. QAT, router replay and guided rounding run unchanged inside the gathered layer.
+  counts of the whole update, over all ranks) into the FP32 shard: once per update, or in
+  every micro-batch, as `fp4rl.train.step.grpo_update` tells FSDP2 before each micro-batch
+  (``run.gradient_sync``, ``run.keep_gathered``). QAT, router replay and guided rounding run
+  unchanged inside the gathered layer.
 - `ShardedAdamW`: `MasterAdamW`'s update over those shards (masters and moments sharded).
 - `gathered_records`: the refit stream, each FSDP unit's full weights gathered once in the
   policy's dtype, handed to this rank's engine and freed before the next unit is gathered, so
@@ -189,10 +191,11 @@ def shard_policy(model, ranks: Ranks, dtype: torch.dtype):
 
 class ShardedAdamW(MasterAdamW):
     """`MasterAdamW` over FSDP2's FP32 shards: the sharded parameters are the masters (no copy),
-    torch's AdamW keeps its moments beside them, sharded alike. FSDP2 sums each micro-batch's
-    reduce-scattered FP32 gradient into the shard's ``.grad``, so there is nothing to
-    accumulate by hand and nothing to round back: the next forward gathers the masters in the
-    policy's dtype. The gradient norm is over the whole model (every rank's shards)."""
+    torch's AdamW keeps its moments beside them, sharded alike. FSDP2 sums the update's
+    gradient into the shard's ``.grad`` in FP32 (unsharded until the update's reduce-scatter,
+    or reduce-scattered micro-batch after micro-batch), so there is nothing to accumulate by
+    hand and nothing to round back: the next forward gathers the masters in the policy's
+    dtype. The gradient norm is over the whole model (every rank's shards)."""
 
     def __init__(self, params, config: OptimConfig) -> None:
         self.config = config
@@ -207,7 +210,8 @@ class ShardedAdamW(MasterAdamW):
         self.num_updates = 0
 
     def accumulate(self) -> None:
-        """Nothing: FSDP2 has already added the micro-batch's gradient to each FP32 shard."""
+        """Nothing: FSDP2 has already added the micro-batch's gradient, in FP32, to the
+        unsharded sum or to each shard."""
 
     def clip(self, grads: list[torch.Tensor], max_norm: float) -> float:
         norm = torch.nn.utils.clip_grad_norm_(grads, max_norm, foreach=True)
