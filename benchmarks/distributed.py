@@ -2,6 +2,8 @@
 FSDP2 trainer, one colocated engine per rank), with the same global batch and seeds.
 
     python benchmarks/distributed.py --gpus 2 --layers 8          # two H200s of one host
+    python benchmarks/distributed.py --gpus 2 --layers 8 --keep-gathered   # one gather per update
+    python benchmarks/distributed.py --gpus 2 --layers 8 --gradient-sync micro_batch  # as before
     python benchmarks/distributed.py --gpus 2 --layers 20 --no-baseline   # memory: layers that
                                                                   # fit on 2 GPUs, not on 1
     python benchmarks/distributed.py --device cpu --gpus 2 --layers 2 --hidden 64 \\
@@ -13,7 +15,10 @@ trainer (QAT model, BF16 compute, FP32 masters and AdamW moments: sharded across
 an NVFP4 engine per rank loaded by a refit, then times ``--steps`` whole steps: rollout (random
 prompts, each rank its share, every sample ``--max-tokens`` long), reward (a stand-in: the
 parity of each sample's token sum), advantages over the whole batch, one update of micro-batches
-of one group each (replay, compact guidance), refit (gathered one layer at a time). The first
+of one group each (replay, compact guidance), refit (gathered one layer at a time). The sharded
+update reduce-scatters its gradients as ``--gradient-sync`` says (``run.gradient_sync``:
+"update", once per update, the default; "micro_batch", in each) and, with ``--keep-gathered``
+(``run.keep_gathered``), gathers its parameters once per update; the header says which. The first
 step compiles kernels and is reported apart. A phase's time is its slowest rank's, wall clock
 with a device sync at its end; peak memory is each rank's ``max_memory_allocated``.
 
@@ -33,6 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import get_args
 
 import torch
 from _timing import run_header
@@ -46,7 +52,7 @@ from fp4rl.refit import RefitReceiver
 from fp4rl.rollout import Engine, EngineConfig, SamplingParams
 from fp4rl.train.grpo import GrpoConfig, group_advantages
 from fp4rl.train.optim import MasterAdamW, OptimConfig
-from fp4rl.train.step import grpo_update
+from fp4rl.train.step import GradientSync, grpo_update
 
 PRECISION = PrecisionConfig(
     experts="nvfp4", kv_cache="nvfp4", bf16_first_layers=0, bf16_last_layers=0
@@ -66,6 +72,17 @@ def parse_args():
     parser.add_argument("--hidden", type=int, default=None, help="override (smoke checks)")
     parser.add_argument(
         "--no-baseline", action="store_true", help="only the N-GPU run (a model one GPU can't hold)"
+    )
+    parser.add_argument(
+        "--gradient-sync",
+        choices=get_args(GradientSync),
+        default="update",
+        help="when the sharded update reduce-scatters (run.gradient_sync)",
+    )
+    parser.add_argument(
+        "--keep-gathered",
+        action="store_true",
+        help="the sharded update gathers its parameters once (run.keep_gathered)",
     )
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     return parser.parse_args()
@@ -133,6 +150,8 @@ def one_step(trainer, engine, receiver, optimizer, ranks, prompts, args, seed) -
             micro_batch_seqs=args.samples,  # one group: the same micro-batches on any GPU count
             across=ranks,
             spare=completions[0],
+            gradient_sync=args.gradient_sync,
+            keep_gathered=args.keep_gathered,
         ),
     )
 
@@ -266,7 +285,14 @@ def main() -> None:
     print(run_header(" ".join(["python", *sys.argv])))
     print(
         f"\n{args.layers} layers, {args.prompts} prompts x {args.samples} samples, prompt "
-        f"{args.prompt_len} + {args.max_tokens} new tokens, {args.steps} steps (first: warm-up)\n"
+        f"{args.prompt_len} + {args.max_tokens} new tokens, {args.steps} steps (first: warm-up)"
+    )
+    sync = {"update": "once per update", "micro_batch": "in every micro-batch"}
+    gathered = "once per update" if args.keep_gathered else "in every forward and backward"
+    print(
+        f"{args.gpus} ranks, micro-batches of {args.samples} completions: gradients "
+        f"reduce-scattered {sync[args.gradient_sync]} (--gradient-sync {args.gradient_sync}), "
+        f"parameters gathered {gathered} (--keep-gathered {args.keep_gathered})\n"
     )
     with tempfile.TemporaryDirectory() as tmp:
         one = None if args.no_baseline else run_worker(args, Path(tmp) / "one.json", None)
