@@ -33,7 +33,7 @@ from fp4rl import distributed
 from fp4rl.records import Completion
 from fp4rl.train.grpo import GrpoConfig
 from fp4rl.train.optim import MasterAdamW, OptimConfig
-from fp4rl.train.step import grpo_update
+from fp4rl.train.step import check_unsharded_fits, grpo_update
 
 WORLD = 2
 MICRO_BATCH = 2
@@ -130,6 +130,7 @@ def worker(rank: int, store: str, out: str) -> None:
                 "counts": per_update,
                 "metrics": metrics,
                 "masters": masters,
+                "numel": sum(p.numel() for p in policy.parameters()),  # DTensor: the full shape
             }
         if rank == 0:
             torch.save(results, out)
@@ -186,3 +187,18 @@ def test_every_setting_trains_the_one_process_weights(sharded, one_process):
                 assert torch.equal(got, want), (setting, name)
             else:
                 torch.testing.assert_close(got, want, rtol=0, atol=1e-8, msg=f"{setting} {name}")
+
+
+def test_an_update_that_cannot_hold_its_unsharded_gradient_is_refused_before_it_starts(sharded):
+    policy = qat_model(tiny_precision(), dtype=torch.bfloat16)
+    num = sum(p.numel() for p in policy.parameters())
+    assert all(result["numel"] == num for result in sharded.values())  # counted whole, sharded
+    for sync, keep, per_param in (
+        ("update", False, 4),
+        ("update", True, 6),
+        ("micro_batch", True, 2),
+    ):
+        check_unsharded_fits(policy, sync=sync, keep=keep, free=per_param * num)
+        with pytest.raises(ValueError, match=rf"run.gradient_sync='{sync}' with run.keep_gathered"):
+            check_unsharded_fits(policy, sync=sync, keep=keep, free=per_param * num - 1)
+    check_unsharded_fits(policy, sync="micro_batch", keep=False, free=0)  # nothing unsharded

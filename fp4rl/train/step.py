@@ -98,6 +98,10 @@ def grpo_update(
         spare = completions[0] if completions else spare
         if spare is None:
             raise ValueError("a rank with no completion to train on needs a spare one")
+    if across is not None and device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        check_unsharded_fits(policy, sync=gradient_sync, keep=keep_gathered, free=free + cached)
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, torch.Tensor] = {}  # the forward's counters, summed on the device
     for index in range(num_micro_batches):
@@ -189,6 +193,24 @@ def sharded_micro_batch(policy, *, last: bool, sync: GradientSync, keep: bool) -
     # after it, to the scored rows.
     for layer in policy.layers:
         layer.set_reshard_after_forward(not keep)
+
+
+def check_unsharded_fits(policy, *, sync: GradientSync, keep: bool, free: int) -> None:
+    """Refuse, before it starts, a sharded update that cannot fit in ``free`` bytes of its
+    device: between micro-batches it holds on every rank the whole model's FP32 gradient
+    unsharded (``sync`` "update": 4 bytes per parameter) and, with ``keep``, its gathered
+    parameters (2 bytes or more). Activations aside, so passing is no promise."""
+    held = {"its FP32 gradient (4 bytes per parameter)": 4 * (sync == "update")}
+    held["its gathered parameters (2 or more)"] = 2 * keep
+    need = sum(held.values()) * sum(p.numel() for p in policy.parameters() if p.requires_grad)
+    if need > free:
+        what = " and ".join(k for k, v in held.items() if v)
+        raise ValueError(
+            f"run.gradient_sync={sync!r} with run.keep_gathered={keep} keeps {what} of the "
+            f"whole model unsharded on every rank during an update: {need / 2**30:.1f} GiB, "
+            f"more than the {free / 2**30:.1f} GiB free on this device; set "
+            "run.gradient_sync='micro_batch' and run.keep_gathered=false (docs/scaling.md)"
+        )
 
 
 def supervised_update(
