@@ -12,8 +12,9 @@ logits. Compared in the same run:
       model's ``grouped_mm`` (``torch._grouped_mm`` on the GPU);
   (c) the BF16 engine's path: ``grouped_mm`` on BF16 weights.
 Split-K (``GemmTile.split_k``) is swept at the decode sizes (``--split-tokens``, default 1, 8
-and 64 tokens): the auto tile's blocks split S ways for each S of ``--split`` (S = 1 is the
-unsplit auto tile), in the same run as the auto tile, so that one run chooses S per bucket.
+and 64 tokens): each tile of ``--split-tiles`` (by default the auto tile's blocks and the
+16:64:256:4:3 tile) split S ways for each S of ``--split`` (S = 1 unsplit), in the same run as
+the auto tile, so that one run chooses the tile and S per bucket.
 Every variant is first checked against the plain-PyTorch twin (``moe_gemm.reference_gemm``).
 Times are CUDA-graph replays (the GPU's time) after warm-up, median over repeats, rotating over
 ``--layers`` sets of weights, rows and routing so that no call finds its experts in L2; inputs
@@ -58,14 +59,19 @@ def main() -> None:
         "comma-separated; suffix '+acc' puts the global scale on the accumulator (not the "
         "contract)",
     )
-    parser.add_argument("--split", default="1,2,4,8,16", help="split-K ways of the auto tile")
+    parser.add_argument("--split", default="1,2,3,4,8,16", help="split-K ways swept")
+    parser.add_argument(
+        "--split-tiles",
+        default="auto,16:64:256:4:3",
+        help="tiles split --split ways, BLOCK_M:BLOCK_N:BLOCK_K:WARPS:STAGES or auto",
+    )
     parser.add_argument("--split-tokens", default="1,8,64", help="token counts to sweep them at")
     args = parser.parse_args()
     if not torch.cuda.is_available() and not args.quick:
         sys.exit("needs a CUDA GPU; --quick runs a CPU smoke check under TRITON_INTERPRET")
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
-    # Quick: K long enough for the auto tile at one token to split it (4 steps of w13, 2 of w2).
+    # Quick: K long enough for the tiles at one token to have K steps to split (2 to 8).
     experts = 128
     shapes = {"w13": (64, 1024), "w2": (128, 512)} if args.quick else {
         "w13": (1536, 2048), "w2": (2048, 768)
@@ -74,15 +80,15 @@ def main() -> None:
     split_tokens = {1} if args.quick else {int(t) for t in args.split_tokens.split(",")}
     layers = 1 if args.quick else args.layers
     warmup, repeats = (1, 1) if args.quick else (3, 15)
-    # spec: (tile, None for the auto one; global scale on the accumulator; split-K ways of the
-    # auto tile, or None for the tile as it is)
+    # spec: (tile, None for the auto one; global scale on the accumulator; split-K ways, or
+    # None for the tile's own)
     variants = {"auto": (None, False, None)}
     for spec in filter(None, args.configs.split(",")):
         tile, _, acc = spec.partition("+")
-        tile = None if tile == "auto" else GemmTile(*(int(v) for v in tile.split(":")))
-        variants[spec] = (tile, acc == "acc", None)
-    for ways in filter(None, args.split.split(",")):
-        variants[f"auto/{int(ways)}"] = (None, False, int(ways))
+        variants[spec] = (parse_tile(tile), acc == "acc", None)
+    for tile in filter(None, args.split_tiles.split(",")):
+        for ways in filter(None, args.split.split(",")):
+            variants[f"{tile}/{int(ways)}"] = (parse_tile(tile), False, int(ways))
     torch.manual_seed(0)
 
     copy_gbs, matmul_tflops = ceilings(device, args.quick)
@@ -102,9 +108,10 @@ def main() -> None:
     sweep = [
         "",
         "Tiles of (a) (BLOCK_M:BLOCK_N:BLOCK_K:WARPS:STAGES[:SPLIT_K]; '+acc': global scale on "
-        "the accumulator, not the contract; auto/S: the auto tile split S ways, measured at "
-        f"{sorted(split_tokens)} tokens; in parentheses the ways run where the label does not "
-        "say them: the auto tile's own split, or S narrowed to one K step per program), us:",
+        "the accumulator, not the contract; TILE/S: that tile (auto: the launcher's) split S "
+        f"ways, measured at {sorted(split_tokens)} tokens; in parentheses the ways run where the "
+        "label does not say them: the auto tile's own split, or S narrowed to one K step per "
+        "program), us:",
         "",
         "| GEMM | tokens | " + " | ".join(variants) + " |",
         "|---|---:|" + "---:|" * len(variants),
@@ -192,11 +199,16 @@ def measure(name, t, w_bf16, packed, variants, ceiling, *, warmup, repeats):
     return row, cells
 
 
+def parse_tile(spec: str) -> GemmTile | None:
+    """BLOCK_M:BLOCK_N:BLOCK_K:WARPS:STAGES[:SPLIT_K], or None for 'auto'."""
+    return None if spec == "auto" else GemmTile(*(int(v) for v in spec.split(":")))
+
+
 def variant_tile(tile: GemmTile | None, ways: int | None, rows: int, experts: int):
-    """The tile a variant launches with: its own, or the auto tile split ``ways`` ways."""
+    """The tile a variant launches with (None: the launcher's), split ``ways`` ways if given."""
     if ways is None:
         return tile
-    return replace(moe_gemm.config_for(rows, experts), split_k=ways)
+    return replace(tile or moe_gemm.config_for(rows, experts), split_k=ways)
 
 
 def bf16_twin(x_AK: torch.Tensor, w_ENK: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:

@@ -273,14 +273,14 @@ class GemmTile:
 # shapes (w13 [128, 1536, 2048], w2 [128, 2048, 768]) from the sweeps of benchmarks/moe.py
 # recorded in BENCHMARKS.md, except split_k (below).
 CONFIGS: tuple[tuple[float, GemmTile], ...] = (
-    # One token: 8 busy experts make 8 tiles, i.e. 192 (w13) or 256 (w2) programs unsplit for
-    # 132 SMs, each a serial chain of 8 (w13) or 3 (w2) K steps. split_k=4 (not yet measured;
-    # the sweep of benchmarks/moe.py is to confirm it): 768 programs of 2 steps (w13), or 3
-    # splits of one step (w2), ~6 per SM, enough warps per SM to overlap the decode with the
-    # loads, against 128 KiB of FP32 partial sums written and read again.
-    (1 / 16, GemmTile(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3, split_k=4)),
-    # Two tokens: ~16 tiles; split_k=2 gives the same ~6 programs per SM (reasoned as above).
-    (1 / 8, GemmTile(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3, split_k=2)),
+    # One token (8 rows): 8 busy experts make 8 tiles, 192 (w13) or 256 (w2) programs unsplit
+    # for 132 SMs, each a serial chain of K steps. Split 3 ways (by reasoning, not yet measured:
+    # the sweep of benchmarks/moe.py is to confirm it): 576 (w13) or 768 (w2) programs, 2-6
+    # steps each, against 144 or 192 KiB of FP32 partial sums written and read again. This
+    # tile, not the 256-wide one below, because it lets them all run at once: compiled for
+    # sm_90 it takes 80 registers and 38 KiB of shared memory per program (~5 per SM), the
+    # 256-wide one 190 registers (2 per SM).
+    (1 / 16, GemmTile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=3)),
     # Up to 4 tokens: few experts, few programs; long K steps keep more bytes in flight each.
     (0.25, GemmTile(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3)),
     # Decode batches up to 128 tokens: one tile of 16 rows per expert; 80 registers let

@@ -294,7 +294,7 @@ def test_split_k_adds_the_partial_sums_in_split_order(device):
 
 def test_split_k_auto_at_one_token(device):
     """The launcher's own tile for one token's rows (8 of 128 experts: 1/16 row per expert)
-    splits K; here 2 rows over 32 experts, K = 1024 (4 steps of 256)."""
+    splits K; here 2 rows over 32 experts, K = 1024."""
     e, n, k = 32, 64, 1024
     tile = moe_gemm.config_for(2, e).fitted(n, k)
     assert tile.split_k > 1, tile
