@@ -278,7 +278,7 @@ CONFIGS: tuple[tuple[float, GemmTile], ...] = (
     # the sweep of benchmarks/moe.py is to confirm it): 576 (w13) or 768 (w2) programs, 2-6
     # steps each, against 144 or 192 KiB of FP32 partial sums written and read again. This
     # tile, not the 256-wide one below, because it lets them all run at once: compiled for
-    # sm_90 it takes 80 registers and 38 KiB of shared memory per program (~5 per SM), the
+    # sm_90 by Triton 3.9 it takes 80 registers and 38 KiB of shared memory per program (~5 per SM), the
     # 256-wide one 190 registers (2 per SM).
     (1 / 16, GemmTile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=3)),
     # Up to 4 tokens: few experts, few programs; long K steps keep more bytes in flight each.
@@ -359,7 +359,8 @@ def launch(
     # Each expert with rows has at most one partial tile.
     max_tiles = A // tile.block_m + min(E, A)
     grid = (N // tile.block_n, max_tiles, tile.split_k)
-    # Split: FP32 partial sums, allocated per launch (from a captured graph's pool in a capture).
+    # Split: FP32 partial sums, allocated per launch (from a captured graph's pool in a capture);
+    # unsplit, y stands in for them and the kernel does not touch them.
     part_SAN = y_AN
     if tile.split_k > 1:
         part_SAN = torch.empty((tile.split_k, A, N), dtype=torch.float32, device=x_AK.device)
