@@ -278,8 +278,8 @@ CONFIGS: tuple[tuple[float, GemmTile], ...] = (
     # the sweep of benchmarks/moe.py is to confirm it): 576 (w13) or 768 (w2) programs, 2-6
     # steps each, against 144 or 192 KiB of FP32 partial sums written and read again. This
     # tile, not the 256-wide one below, because it lets them all run at once: compiled for
-    # sm_90 by Triton 3.9 it takes 80 registers and 38 KiB of shared memory per program (~5 per SM), the
-    # 256-wide one 190 registers (2 per SM).
+    # sm_90 by Triton 3.9 it takes 80 registers and 38 KiB of shared memory per program (~5
+    # per SM), the 256-wide one 190 registers (2 per SM).
     (1 / 16, GemmTile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=3)),
     # Up to 4 tokens: few experts, few programs; long K steps keep more bytes in flight each.
     (0.25, GemmTile(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3)),
