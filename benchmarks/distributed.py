@@ -4,8 +4,9 @@ FSDP2 trainer, one colocated engine per rank), with the same global batch and se
     python benchmarks/distributed.py --gpus 2 --layers 8          # two H200s of one host
     python benchmarks/distributed.py --gpus 2 --layers 8 --keep-gathered   # one gather per update
     python benchmarks/distributed.py --gpus 2 --layers 8 --gradient-sync micro_batch  # as before
-    python benchmarks/distributed.py --gpus 2 --layers 20 --no-baseline   # memory: layers that
-                                                                  # fit on 2 GPUs, not on 1
+    python benchmarks/distributed.py --gpus 2 --layers 20 --no-baseline \
+        --gradient-sync micro_batch     # memory: layers that fit on 2 GPUs, not on 1 (the
+                                        # unsharded FP32 gradient of "update" would not)
     python benchmarks/distributed.py --device cpu --gpus 2 --layers 2 --hidden 64 \\
         --prompts 4 --samples 4 --prompt-len 8 --max-tokens 4           # smoke check, gloo
 
