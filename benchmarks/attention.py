@@ -84,7 +84,7 @@ def main() -> None:
     else:
         heads, dim, page = (4, 2), 32, 16
         batches, contexts, sweep_shapes = [1, 2], [32, 128], {(1, 128)}
-        tiles = [DecodeTile(16, 4, 2, min_split_tokens=16)]
+        tiles = [DecodeTile(32, 4, 2, min_split_tokens=16)]
         warmup, repeats, min_bytes = 1, 1, 0
     torch.manual_seed(0)
     copy_gbs = copy_bandwidth(device)
@@ -195,7 +195,7 @@ class Bench:
 
     def splits(self, fmt, tile=None, num_splits=None):
         """How many stretches the launcher cuts each context into."""
-        tile = tile or paged_attention.CONFIGS[fmt]
+        tile = tile or paged_attention.config_for(fmt, self.batch * self.kv_heads)
         device = self.inputs[0][0].device
         per = split_tokens_for(self.batch * self.kv_heads, self.tokens, tile, device, num_splits)
         return -(-self.tokens // per)

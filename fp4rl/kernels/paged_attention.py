@@ -140,20 +140,42 @@ def _load_kv(
 
 
 @triton.jit
-def _probabilities_times_values(p, v, acc):
+def _probabilities_times_values(p, v, acc, TWIN: tl.constexpr):
     """``acc + p @ v`` for FP32 probabilities p and V values in the dot's dtype. For BF16 V, p is
     split into three BF16 parts ``p1 + p2 + p3 == p`` exactly (each part is the rounding error
-    of the ones before, which FP32 holds exactly: 24 bits in three parts of 8), so the three
-    tensor-core products are exact and the sum is p . v in FP32."""
+    of the ones before, which FP32 holds exactly: 24 bits in three parts of 8), so the
+    tensor-core products are exact and the sum is p . v in FP32.
+
+    TWIN: the lower half of p's rows repeats the upper half (the kernel's twin rows), so the
+    parts share two dots instead of three: ``[p1; p2]`` and ``[p3; 0]``. The upper rows of acc
+    then hold the p1 and p3 terms and the lower rows the p2 terms, to be added by the caller."""
+    upper = (tl.arange(0, p.shape[0]) < p.shape[0] // 2)[:, None]
     if v.dtype == tl.float32:
+        if TWIN:
+            p = tl.where(upper, p, 0.0)
         acc = dot(p, v, acc)
     else:
         p1 = round_to(p, tl.bfloat16)
         rest = p - p1.to(tl.float32)
         p2 = round_to(rest, tl.bfloat16)
         p3 = round_to(rest - p2.to(tl.float32), tl.bfloat16)
-        acc = dot(p3, v, dot(p2, v, dot(p1, v, acc)))
+        if TWIN:
+            acc = dot(
+                tl.where(upper, p3, tl.zeros_like(p3)), v, dot(tl.where(upper, p1, p2), v, acc)
+            )
+        else:
+            acc = dot(p3, v, dot(p2, v, dot(p1, v, acc)))
     return acc
+
+
+@triton.jit
+def _fold_twins(x_GC, TWIN: tl.constexpr, HALF: tl.constexpr, SUM: tl.constexpr):
+    """Per-row values ``[BLOCK_G, C]`` of the twin rows folded onto the upper half: the sum of
+    the two halves (SUM; the split products of V) or either (they are equal)."""
+    if not TWIN:
+        return x_GC
+    halves = tl.reshape(x_GC, [2, HALF, x_GC.shape[1]])
+    return tl.sum(halves, 0) if SUM else tl.max(halves, 0)
 
 
 # Batch, table width and split length change with every step: no recompiling for each.
@@ -189,11 +211,19 @@ def _paged_decode_kernel(
     b = tl.program_id(0) // num_kv_heads
     kv_head = tl.program_id(0) % num_kv_heads
     split = tl.program_id(1)
+    # The dot needs 16 query rows; with G <= BLOCK_G / 2 heads the padding rows hold a second
+    # copy of the heads (TWIN), which computes the same scores and probabilities and lets the
+    # split product with V take two dots instead of three. Other padding rows stay zero.
+    HALF: tl.constexpr = BLOCK_G // 2
+    TWIN: tl.constexpr = G <= HALF
     g_G = tl.arange(0, BLOCK_G)
     d_D = tl.arange(0, D)
-    # Query rows b * Hq + kv_head * G + g; rows g >= G (padding to the dot's 16) stay zero.
-    q_rows = b.to(tl.int64) * (num_kv_heads * G) + kv_head * G + g_G
-    q_GD = tl.load(q_BHD + q_rows[:, None] * D + d_D[None, :], mask=(g_G < G)[:, None], other=0.0)
+    head_G = g_G % HALF if TWIN else g_G
+    # Query rows b * Hq + kv_head * G + head.
+    q_rows = b.to(tl.int64) * (num_kv_heads * G) + kv_head * G + head_G
+    q_GD = tl.load(
+        q_BHD + q_rows[:, None] * D + d_D[None, :], mask=(head_G < G)[:, None], other=0.0
+    )
 
     # This program's stretch of the context, never past what the table covers.
     start = split * split_tokens
@@ -217,19 +247,26 @@ def _paged_decode_kernel(
         alpha = tl.exp(m_G - m_new)
         p_GN = tl.exp(scores - m_new[:, None])
         l_G = l_G * alpha + tl.sum(p_GN, 1)
-        acc_GD = _probabilities_times_values(p_GN, v_ND, acc_GD * alpha[:, None])
+        acc_GD = _probabilities_times_values(p_GN, v_ND, acc_GD * alpha[:, None], TWIN)
         m_G = m_new
 
-    head_ok = (g_G < G)[:, None]
+    # From here on rows are heads: the twins folded onto the upper half.
+    H: tl.constexpr = HALF if TWIN else BLOCK_G
+    m_H = tl.reshape(_fold_twins(m_G[:, None], TWIN, HALF, False), [H])
+    l_H = tl.reshape(_fold_twins(l_G[:, None], TWIN, HALF, False), [H])
+    acc_HD = _fold_twins(acc_GD, TWIN, HALF, True)
+    h_H = tl.arange(0, H)
+    out_rows = b.to(tl.int64) * (num_kv_heads * G) + kv_head * G + h_H
+    head_ok = (h_H < G)[:, None]
     if SPLIT:
         # An empty stretch writes (-inf, 0, 0): the combine gives it weight 0.
-        part = q_rows * tl.num_programs(1) + split
-        tl.store(part_m + part, m_G, mask=g_G < G)
-        tl.store(part_l + part, l_G, mask=g_G < G)
-        tl.store(part_o + part[:, None] * D + d_D[None, :], acc_GD, mask=head_ok)
+        part = out_rows * tl.num_programs(1) + split
+        tl.store(part_m + part, m_H, mask=h_H < G)
+        tl.store(part_l + part, l_H, mask=h_H < G)
+        tl.store(part_o + part[:, None] * D + d_D[None, :], acc_HD, mask=head_ok)
     else:
-        out = tl.math.div_rn(acc_GD, l_G[:, None])
-        tl.store(out_BHD + q_rows[:, None] * D + d_D[None, :], round_to(out, DTYPE), mask=head_ok)
+        out = tl.math.div_rn(acc_HD, l_H[:, None])
+        tl.store(out_BHD + out_rows[:, None] * D + d_D[None, :], round_to(out, DTYPE), mask=head_ok)
 
 
 @triton.jit
@@ -267,14 +304,32 @@ class DecodeTile:
             raise ValueError(f"DecodeTile.block_n must be a power of two >= 16; got {self.block_n}")
 
 
-# For the Qwen3-30B-A3B attention shape (32 / 4 heads of 128) on one H200, from the sweep of
-# `python benchmarks/attention.py` in BENCHMARKS.md: 64-token steps of 4 warps were the
-# fastest or within 5 % at batch 256 and 64 (128:8:2 was faster at batch 1, 10.6 against 12.8
-# us at 1k tokens, and slower at batch 256, 424 against 303 us for BF16 pages).
+# (fewest programs, tile) per page format: the last entry whose bound the launch's programs
+# (sequences x KV heads, before context splits) reach. For the Qwen3-30B-A3B attention shape
+# (32 / 4 heads of 128) on one H200, from the tile sweep recorded in BENCHMARKS.md ("Paged
+# decode attention, tiles"): 64-token steps of 2 warps, 3 loads in flight, were the fastest or
+# within 5 % from batch 16 up (NVFP4 pages at batch 64, 4k: 212 us against 214 for 64:4:2;
+# batch 256, 2k: 395 against 403; BF16 pages 143 against 158 and 261 against 316), and the
+# slowest at batch 1 (1k: NVFP4 14.9 us, BF16 9.7), where 128-token steps of more warps win
+# (NVFP4 128:8:2 8.6 us, BF16 128:4:3 7.4).
 CONFIGS = {
-    "bf16": DecodeTile(block_n=64, num_warps=4, num_stages=2),
-    "nvfp4": DecodeTile(block_n=64, num_warps=4, num_stages=2),
+    "bf16": (
+        (0, DecodeTile(block_n=128, num_warps=4, num_stages=3)),
+        (64, DecodeTile(block_n=64, num_warps=2, num_stages=3)),
+    ),
+    "nvfp4": (
+        (0, DecodeTile(block_n=128, num_warps=8, num_stages=2)),
+        (64, DecodeTile(block_n=64, num_warps=2, num_stages=3)),
+    ),
 }
+
+
+def config_for(fmt: str, programs: int) -> DecodeTile:
+    """The tile of `CONFIGS` for ``fmt`` ('bf16' or 'nvfp4' pages) and a launch of ``programs``
+    (sequences x KV heads)."""
+    return [tile for bound, tile in CONFIGS[fmt] if programs >= bound][-1]
+
+
 # Programs per multiprocessor the context splits aim for. The same sweep: batch 64 at 4k
 # tokens (256 sequence-heads) ran fastest in 4 stretches (163 us BF16, 255 us NVFP4) and slower
 # in 2 (188, 313; 512 programs, 1.3 waves if 3 fit an SM by registers) than in 1 (178, 276);
@@ -341,8 +396,7 @@ def _page_members(name: str, pages: KVPages) -> tuple[torch.Tensor, torch.Tensor
         if pages.shape[-1] >= 64:  # read as int32 words of 4 scales (`_block_scales`)
             if scales.data_ptr() % 4:
                 raise ValueError(
-                    f"{name}.block_scale must be 4-byte aligned; got address "
-                    f"{scales.data_ptr():#x}"
+                    f"{name}.block_scale must be 4-byte aligned; got address {scales.data_ptr():#x}"
                 )
             scales = scales.view(torch.int32)
         return pages.codes.view(torch.int32), scales, pages.global_scale
@@ -421,7 +475,7 @@ def launch(
     if B == 0:
         return out_BHD
     N = block_table_BN.shape[1]
-    tile = config or CONFIGS["nvfp4" if nvfp4 else "bf16"]
+    tile = config or config_for("nvfp4" if nvfp4 else "bf16", B * K)
     if nvfp4 and q_BHD.dtype == torch.bfloat16 and not bf16_nvfp4_supported(D, tile.block_n):
         raise ValueError(
             f"BF16 queries over NVFP4 pages need head dim and block_n >= "
