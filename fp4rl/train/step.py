@@ -206,10 +206,10 @@ def check_unsharded_fits(policy, *, sync: GradientSync, keep: bool, free: int) -
     if need > free:
         what = " and ".join(k for k, v in held.items() if v)
         raise ValueError(
-            f"run.gradient_sync={sync!r} with run.keep_gathered={keep} keeps {what} of the "
-            f"whole model unsharded on every rank during an update: {need / 2**30:.1f} GiB, "
-            f"more than the {free / 2**30:.1f} GiB free on this device; set "
-            "run.gradient_sync='micro_batch' and run.keep_gathered=false (docs/scaling.md)"
+            f"run.gradient_sync={sync!r} with run.keep_gathered={str(keep).lower()} keeps {what} "
+            f"of the whole model unsharded on every rank during an update: "
+            f"{need / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB free on this device; "
+            "set run.gradient_sync='micro_batch' and run.keep_gathered=false (docs/scaling.md)"
         )
 
 
