@@ -11,10 +11,6 @@ logits. Compared in the same run:
   (b) today's NVFP4 path (`PackedExperts`): ``dequantize`` of every expert to BF16, then the
       model's ``grouped_mm`` (``torch._grouped_mm`` on the GPU);
   (c) the BF16 engine's path: ``grouped_mm`` on BF16 weights.
-Split-K (``GemmTile.split_k``) is swept at the decode sizes (``--split-tokens``, default 1, 8
-and 64 tokens): each tile of ``--split-tiles`` (by default the auto tile's blocks and the
-16:64:256:4:3 tile) split S ways for each S of ``--split`` (S = 1 unsplit), in the same run as
-the auto tile, so that one run chooses the tile and S per bucket.
 Every variant is first checked against the plain-PyTorch twin (``moe_gemm.reference_gemm``).
 Times are CUDA-graph replays (the GPU's time) after warm-up, median over repeats, rotating over
 ``--layers`` sets of weights, rows and routing so that no call finds its experts in L2; inputs
@@ -30,7 +26,6 @@ import argparse
 import os
 import statistics
 import sys
-from dataclasses import replace
 
 import torch
 
@@ -55,40 +50,26 @@ def main() -> None:
     parser.add_argument(
         "--configs",
         default="",
-        help="extra tiles for (a), BLOCK_M:BLOCK_N:BLOCK_K:WARPS:STAGES[:SPLIT_K] or auto, "
-        "comma-separated; suffix '+acc' puts the global scale on the accumulator (not the "
-        "contract)",
+        help="extra tiles for (a), BLOCK_M:BLOCK_N:BLOCK_K:WARPS:STAGES or auto, comma-separated; "
+        "suffix '+acc' puts the global scale on the accumulator (not the contract)",
     )
-    parser.add_argument("--split", default="1,2,3,4,8,16", help="split-K ways swept")
-    parser.add_argument(
-        "--split-tiles",
-        default="auto,16:64:256:4:3",
-        help="tiles split --split ways, BLOCK_M:BLOCK_N:BLOCK_K:WARPS:STAGES or auto",
-    )
-    parser.add_argument("--split-tokens", default="1,8,64", help="token counts to sweep them at")
     args = parser.parse_args()
     if not torch.cuda.is_available() and not args.quick:
         sys.exit("needs a CUDA GPU; --quick runs a CPU smoke check under TRITON_INTERPRET")
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
-    # Quick: K long enough for the tiles at one token to have K steps to split (2 to 8).
-    experts = 128
-    shapes = {"w13": (64, 1024), "w2": (128, 512)} if args.quick else {
+    experts = 8 if args.quick else 128
+    shapes = {"w13": (64, 128), "w2": (128, 64)} if args.quick else {
         "w13": (1536, 2048), "w2": (2048, 768)
     }  # fmt: skip
     tokens = [1, 4] if args.quick else [int(t) for t in args.tokens.split(",")]
-    split_tokens = {1} if args.quick else {int(t) for t in args.split_tokens.split(",")}
     layers = 1 if args.quick else args.layers
     warmup, repeats = (1, 1) if args.quick else (3, 15)
-    # spec: (tile, None for the auto one; global scale on the accumulator; split-K ways, or
-    # None for the tile's own)
-    variants = {"auto": (None, False, None)}
+    variants = {"auto": (None, False)}
     for spec in filter(None, args.configs.split(",")):
         tile, _, acc = spec.partition("+")
-        variants[spec] = (parse_tile(tile), acc == "acc", None)
-    for tile in filter(None, args.split_tiles.split(",")):
-        for ways in filter(None, args.split.split(",")):
-            variants[f"{tile}/{int(ways)}"] = (parse_tile(tile), False, int(ways))
+        tile = None if tile == "auto" else GemmTile(*(int(v) for v in tile.split(":")))
+        variants[spec] = (tile, acc == "acc")
     torch.manual_seed(0)
 
     copy_gbs, matmul_tflops = ceilings(device, args.quick)
@@ -107,11 +88,8 @@ def main() -> None:
     ]
     sweep = [
         "",
-        "Tiles of (a) (BLOCK_M:BLOCK_N:BLOCK_K:WARPS:STAGES[:SPLIT_K]; '+acc': global scale on "
-        "the accumulator, not the contract; TILE/S: that tile (auto: the launcher's) split S "
-        f"ways, measured at {sorted(split_tokens)} tokens; in parentheses the ways run where the "
-        "label does not say them: the auto tile's own split, or S narrowed to one K step per "
-        "program), us:",
+        "Tiles of (a) (BLOCK_M:BLOCK_N:BLOCK_K:WARPS:STAGES; '+acc': global scale on the "
+        "accumulator, not the contract), us:",
         "",
         "| GEMM | tokens | " + " | ".join(variants) + " |",
         "|---|---:|" + "---:|" * len(variants),
@@ -121,16 +99,10 @@ def main() -> None:
                   for _ in range(layers)]  # fmt: skip
         packed = [ops.quantize(w, scaling=2) for w in w_bf16]
         for t in tokens:
-            tiles_t = {
-                spec: (tile, acc, ways) for spec, (tile, acc, ways) in variants.items()
-                if ways is None or t in split_tokens
-            }  # fmt: skip
-            row, cells = measure(name, t, w_bf16, packed, tiles_t, (copy_gbs, matmul_tflops),
+            row, tiles = measure(name, t, w_bf16, packed, variants, (copy_gbs, matmul_tflops),
                                  warmup=warmup, repeats=repeats)  # fmt: skip
             lines.append(row)
-            sweep.append(
-                f"| {name} | {t} | " + " | ".join(cells.get(v, "-") for v in variants) + " |"
-            )
+            sweep.append(tiles)
             print(row, flush=True)
         del w_bf16, packed
     end_gbs, end_tflops = ceilings(device, args.quick)
@@ -140,7 +112,7 @@ def main() -> None:
 
 
 def measure(name, t, w_bf16, packed, variants, ceiling, *, warmup, repeats):
-    """(main table row, {variant: its sweep cell}) for one GEMM shape at t tokens."""
+    """(main table row, tile sweep row) for one GEMM shape at t tokens."""
     copy_gbs, matmul_tflops = ceiling
     experts, n, k = w_bf16[0].shape
     device = w_bf16[0].device
@@ -163,13 +135,10 @@ def measure(name, t, w_bf16, packed, variants, ceiling, *, warmup, repeats):
     def bf16_today(s):
         return grouped_mm(s[0], s[2], s[3])
 
-    tiles = {
-        spec: variant_tile(tile, ways, rows, experts) for spec, (tile, _, ways) in variants.items()
-    }
     kernels = {
-        spec: (lambda s, tile=tiles[spec], acc=acc: moe_gemm.launch(
+        spec: (lambda s, tile=tile, acc=acc: moe_gemm.launch(
             s[0], s[1], s[3], config=tile, global_scale_on_accumulator=acc))
-        for spec, (_, acc, _) in variants.items()
+        for spec, (tile, acc) in variants.items()
     }  # fmt: skip
     # Correct first: every variant against its twin on the first set.
     x, p, w, counts = sets[0]
@@ -190,25 +159,7 @@ def measure(name, t, w_bf16, packed, variants, ceiling, *, warmup, repeats):
         f"{100 * fp4_roof / ours:.0f} | {today:.1f} | {bf16:.1f} | {bf16_roof:.1f} | "
         f"{today / ours:.2f}x | {bf16 / ours:.2f}x |"
     )
-    cells = {}
-    for spec, (_, _, ways) in variants.items():
-        cells[spec] = f"{times[spec]:.1f}"
-        ran = (tiles[spec] or moe_gemm.config_for(rows, experts)).fitted(n, k).split_k
-        if ran != (ways or 1):
-            cells[spec] += f" ({ran})"
-    return row, cells
-
-
-def parse_tile(spec: str) -> GemmTile | None:
-    """BLOCK_M:BLOCK_N:BLOCK_K:WARPS:STAGES[:SPLIT_K], or None for 'auto'."""
-    return None if spec == "auto" else GemmTile(*(int(v) for v in spec.split(":")))
-
-
-def variant_tile(tile: GemmTile | None, ways: int | None, rows: int, experts: int):
-    """The tile a variant launches with (None: the launcher's), split ``ways`` ways if given."""
-    if ways is None:
-        return tile
-    return replace(tile or moe_gemm.config_for(rows, experts), split_k=ways)
+    return row, f"| {name} | {t} | " + " | ".join(f"{v:.1f}" for v in times.values()) + " |"
 
 
 def bf16_twin(x_AK: torch.Tensor, w_ENK: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:

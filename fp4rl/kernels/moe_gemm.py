@@ -13,25 +13,18 @@ finite input); only the FP32 accumulation order differs from `reference_gemm` be
 and from any other grouped GEMM. This module does not own the routing, the sort, the
 activation quantization or the SwiGLU (`fp4rl.model.experts`).
 
-Work: program (j, t, s) computes output columns ``[j * BLOCK_N, (j + 1) * BLOCK_N)`` of the
-t-th tile of BLOCK_M rows, tiles numbered expert by expert (``ceil(counts_E[e] / BLOCK_M)``
-each). Each program finds its expert and first row from ``counts_E`` on the device (a cumulative
-sum over E), so a launch needs no host sync and can be captured in a CUDA graph; the grid is
-sized for the most tiles any routing of A rows can need, and programs past the last tile return.
-
-Split-K (``GemmTile.split_k`` = S > 1, for the smallest batches, where too few tiles are busy
-to fill the GPU): of the ``steps = K / BLOCK_K`` steps of the reduction, program s takes the
-contiguous steps ``[s * steps // S, (s + 1) * steps // S)`` (S need not divide the steps) and
-writes its FP32 sum to a workspace ``[S, A, N]``; a second kernel adds the S partial sums of each
-output in the order s = 0, 1, ..., S - 1 and rounds to BF16 once. No atomics: the result is the
-same bits on every run, whatever order the programs ran in.
+Work: program (j, t) computes output columns ``[j * BLOCK_N, (j + 1) * BLOCK_N)`` of the t-th
+tile of BLOCK_M rows, tiles numbered expert by expert (``ceil(counts_E[e] / BLOCK_M)`` each).
+Each program finds its expert and first row from ``counts_E`` on the device (a cumulative sum
+over E), so a launch needs no host sync and can be captured in a CUDA graph; the grid is sized
+for the most tiles any routing of A rows can need, and programs past the last tile return.
 
 Legend: A rows (token-expert assignments), K reduction, N output columns, E experts.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -147,7 +140,6 @@ def _moe_gemm_kernel(
     scale_G,
     counts_E,
     y_AN,
-    part_SAN,
     A,
     N,
     K,
@@ -159,7 +151,6 @@ def _moe_gemm_kernel(
     BLOCK_E: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     SCALE_AFTER: tl.constexpr,
-    SPLIT_K: tl.constexpr,
 ):
     tile = tl.program_id(1)
     num_tiles, expert, row0, rows_end = _expert_tile(counts_E, tile, A, E, BLOCK_M, BLOCK_E)
@@ -171,39 +162,19 @@ def _moe_gemm_kernel(
     w_rows_N = expert.to(tl.int64) * N + cols_N
     s_N = tl.load(scale_G + w_rows_N // rows_per_group) * GLOBAL_SCALE_BIAS
 
-    # This program's K steps (all of them unsplit); K % BLOCK_K == 0.
-    if SPLIT_K == 1:
-        step_start = 0
-        step_end = K // BLOCK_K
-    else:
-        split = tl.program_id(2)
-        step_start = split * (K // BLOCK_K) // SPLIT_K
-        step_end = (split + 1) * (K // BLOCK_K) // SPLIT_K
+    x_ptrs = x_AK + rows_M.to(tl.int64)[:, None] * K + tl.arange(0, BLOCK_K)[None, :]
+    word_ptrs = codes_ENW + w_rows_N[:, None] * (K // 8) + tl.arange(0, BLOCK_K // 8)[None, :]
     # Block scales as int32 words of 4 (K % 64 == 0) or as bytes; see `_word_scales`.
     SCALES_PER_LOAD: tl.constexpr = 4 if BLOCK_K >= 64 else 1
-    # Offsets as steps times a constant, so the compiler sees their alignment.
-    x_ptrs = (
-        x_AK
-        + rows_M.to(tl.int64)[:, None] * K
-        + step_start * BLOCK_K
-        + tl.arange(0, BLOCK_K)[None, :]
-    )
-    word_ptrs = (
-        codes_ENW
-        + w_rows_N[:, None] * (K // 8)
-        + step_start * (BLOCK_K // 8)
-        + tl.arange(0, BLOCK_K // 8)[None, :]
-    )
     scale_ptrs = (
         block_scale_ENB.to(tl.pointer_type(tl.int32 if BLOCK_K >= 64 else tl.uint8))
         + w_rows_N[:, None] * (K // 16 // SCALES_PER_LOAD)
-        + step_start * (BLOCK_K // 16 // SCALES_PER_LOAD)
         + tl.arange(0, BLOCK_K // 16 // SCALES_PER_LOAD)[None, :]
     )
     # The decoded weights are the dot's first operand (M = BLOCK_N >= 64 suits the tensor
     # cores' tile even for a single row) and the few rows of x its second: y.T = W @ x.T.
     acc_NM = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for _ in tl.range(step_start, step_end, num_stages=NUM_STAGES):
+    for _ in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):  # K % BLOCK_K == 0
         x_MK = tl.load(x_ptrs, mask=row_ok_M[:, None], other=0.0)
         scale_NW = _word_scales(scale_ptrs, BLOCK_N, BLOCK_K)
         w_NK = _decode_tile(tl.load(word_ptrs), scale_NW, s_N, SCALE_AFTER)
@@ -211,76 +182,44 @@ def _moe_gemm_kernel(
         x_ptrs += BLOCK_K
         word_ptrs += BLOCK_K // 8
         scale_ptrs += BLOCK_K // 16 // SCALES_PER_LOAD
-    if SCALE_AFTER:  # split: on each partial sum
+    if SCALE_AFTER:
         acc_NM = acc_NM * s_N[:, None]
-    if SPLIT_K == 1:
-        y_ptrs = y_AN + rows_M.to(tl.int64)[None, :] * N + cols_N[:, None]
-        tl.store(y_ptrs, round_to(acc_NM, tl.bfloat16), mask=row_ok_M[None, :])
-    else:
-        part_ptrs = part_SAN + (split * A + rows_M).to(tl.int64)[None, :] * N + cols_N[:, None]
-        tl.store(part_ptrs, acc_NM, mask=row_ok_M[None, :])
-
-
-@triton.jit
-def _sum_splits_kernel(part_SAN, y_AN, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
-    """``y = bf16(((p_0 + p_1) + p_2) + ...)`` for BLOCK outputs: the FP32 partial sums of the
-    SPLIT_K splits of K, added in split order, rounded once."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < numel
-    part_ptrs = part_SAN + offs
-    acc = tl.load(part_ptrs, mask=ok)
-    for _ in tl.static_range(1, SPLIT_K):
-        part_ptrs += numel
-        acc += tl.load(part_ptrs, mask=ok)
-    tl.store(y_AN + offs, round_to(acc, tl.bfloat16), mask=ok)
+    y_ptrs = y_AN + rows_M.to(tl.int64)[None, :] * N + cols_N[:, None]
+    tl.store(y_ptrs, round_to(acc_NM, tl.bfloat16), mask=row_ok_M[None, :])
 
 
 @dataclass(frozen=True, slots=True)
 class GemmTile:
     """One program: ``block_m`` rows of one expert times ``block_n`` output columns, ``block_k``
-    of the reduction per step (each a power of two >= 16), ``num_stages`` of loads in flight;
-    ``split_k`` programs share a tile's K steps (split-K, see the module docstring)."""
+    of the reduction per step (each a power of two >= 16), ``num_stages`` of loads in flight."""
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
-    split_k: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"GemmTile.{name} must be a power of two >= 16; got {v}")
-        if not isinstance(self.split_k, int) or isinstance(self.split_k, bool) or self.split_k < 1:
-            raise ValueError(f"GemmTile.split_k must be an int >= 1; got {self.split_k!r}")
 
     def fitted(self, n: int, k: int) -> GemmTile:
-        """This tile narrowed where N or K is not a multiple of it (N, K multiples of 16), and
-        split no further than into one K step per program."""
+        """This tile narrowed where N or K is not a multiple of it (N, K multiples of 16)."""
         block_n, block_k = self.block_n, self.block_k
         while n % block_n:
             block_n //= 2
         while k % block_k:
             block_k //= 2
-        split_k = min(self.split_k, k // block_k)
-        return replace(self, block_n=block_n, block_k=block_k, split_k=split_k)
+        return GemmTile(self.block_m, block_n, block_k, self.num_warps, self.num_stages)
 
 
 # (most rows per expert on average, tile): the first bucket that holds A / E is used; the
 # token counts below are for top-8 over 128 experts. Chosen on one H200 at Qwen3-30B-A3B's
 # shapes (w13 [128, 1536, 2048], w2 [128, 2048, 768]) from the sweeps of benchmarks/moe.py
-# recorded in BENCHMARKS.md, except split_k (below).
+# recorded in BENCHMARKS.md.
 CONFIGS: tuple[tuple[float, GemmTile], ...] = (
-    # One token (8 rows): 8 busy experts make 8 tiles, 192 (w13) or 256 (w2) programs unsplit
-    # for 132 SMs, each a serial chain of K steps. Split 3 ways (by reasoning, not yet measured:
-    # the sweep of benchmarks/moe.py is to confirm it): 576 (w13) or 768 (w2) programs, 2-6
-    # steps each, against 144 or 192 KiB of FP32 partial sums written and read again. This
-    # tile, not the 256-wide one below, because it lets them all run at once: compiled for
-    # sm_90 by Triton 3.9 it takes 80 registers and 38 KiB of shared memory per program (~5
-    # per SM), the 256-wide one 190 registers (2 per SM).
-    (1 / 16, GemmTile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=3)),
     # Up to 4 tokens: few experts, few programs; long K steps keep more bytes in flight each.
     (0.25, GemmTile(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3)),
     # Decode batches up to 128 tokens: one tile of 16 rows per expert; 80 registers let
@@ -293,10 +232,6 @@ CONFIGS: tuple[tuple[float, GemmTile], ...] = (
     # Long prefill: a weight tile's decode is shared by 256 rows.
     (float("inf"), GemmTile(block_m=256, block_n=128, block_k=64, num_warps=8, num_stages=3)),
 )
-
-
-# Outputs per program of the split-K sum: 8 FP32 values per thread of 4 warps.
-SUM_BLOCK = 1024
 
 
 def config_for(num_rows: int, num_experts: int) -> GemmTile:
@@ -318,8 +253,7 @@ def launch(
 
     ``global_scale_on_accumulator`` is a measured alternative, not the numerics contract: the
     dot then sees ``bf16(e2m1 * block_scale)`` (exact) and the FP32 sum is multiplied by the
-    global scale, one multiply per weight fewer; outputs differ from the contract's by rounding
-    (split, each partial sum is multiplied).
+    global scale, one multiply per weight fewer; outputs differ from the contract's by rounding.
     """
     check_kernel_device("x_AK", x_AK)
     if x_AK.dtype != torch.bfloat16 or x_AK.dim() != 2:
@@ -358,27 +292,17 @@ def launch(
     scale_G, rows_per_group = scale_per_group("global_scale", w.global_scale, w.shape)
     # Each expert with rows has at most one partial tile.
     max_tiles = A // tile.block_m + min(E, A)
-    grid = (N // tile.block_n, max_tiles, tile.split_k)
-    # Split: FP32 partial sums, allocated per launch (from a captured graph's pool in a capture);
-    # unsplit, y stands in for them and the kernel does not touch them.
-    part_SAN = y_AN
-    if tile.split_k > 1:
-        part_SAN = torch.empty((tile.split_k, A, N), dtype=torch.float32, device=x_AK.device)
+    grid = (N // tile.block_n, max_tiles)
     with device_of(x_AK):
         _moe_gemm_kernel[grid](
             x_AK, w.codes.view(torch.int32), w.block_scale.view(torch.uint8), scale_G, counts_E,
-            y_AN, part_SAN, A, N, K, E, rows_per_group,
+            y_AN, A, N, K, E, rows_per_group,
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
             BLOCK_E=triton.next_power_of_2(E), NUM_STAGES=tile.num_stages,
-            SCALE_AFTER=global_scale_on_accumulator, SPLIT_K=tile.split_k,
-            num_warps=tile.num_warps,
+            SCALE_AFTER=global_scale_on_accumulator, num_warps=tile.num_warps,
             # Products feed additions only inside the dot; no FMA may merge the two scalings.
             enable_fp_fusion=False,
         )  # fmt: skip
-        if tile.split_k > 1:
-            _sum_splits_kernel[(-(-A * N // SUM_BLOCK),)](
-                part_SAN, y_AN, A * N, SPLIT_K=tile.split_k, BLOCK=SUM_BLOCK, num_warps=4
-            )
     return y_AN
 
 
