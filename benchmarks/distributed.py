@@ -2,11 +2,10 @@
 FSDP2 trainer, one colocated engine per rank), with the same global batch and seeds.
 
     python benchmarks/distributed.py --gpus 2 --layers 8          # two H200s of one host
+    python benchmarks/distributed.py --gpus 2 --layers 8 --gradient-sync update  # one reduce
     python benchmarks/distributed.py --gpus 2 --layers 8 --keep-gathered   # one gather per update
-    python benchmarks/distributed.py --gpus 2 --layers 8 --gradient-sync micro_batch  # as before
-    python benchmarks/distributed.py --gpus 2 --layers 20 --no-baseline \
-        --gradient-sync micro_batch     # memory: layers that fit on 2 GPUs, not on 1 (the
-                                        # unsharded FP32 gradient of "update" would not)
+    python benchmarks/distributed.py --gpus 2 --layers 20 --no-baseline   # memory: layers that
+                                        # fit on 2 GPUs, not on 1
     python benchmarks/distributed.py --device cpu --gpus 2 --layers 2 --hidden 64 \\
         --prompts 4 --samples 4 --prompt-len 8 --max-tokens 4           # smoke check, gloo
 
@@ -18,7 +17,7 @@ prompts, each rank its share, every sample ``--max-tokens`` long), reward (a sta
 parity of each sample's token sum), advantages over the whole batch, one update of micro-batches
 of one group each (replay, compact guidance), refit (gathered one layer at a time). The sharded
 update reduce-scatters its gradients as ``--gradient-sync`` says (``run.gradient_sync``:
-"update", once per update, the default; "micro_batch", in each) and, with ``--keep-gathered``
+"update", once per update; "micro_batch", in each, the default) and, with ``--keep-gathered``
 (``run.keep_gathered``), gathers its parameters once per update; the header says which. The first
 step compiles kernels and is reported apart. A phase's time is its slowest rank's, wall clock
 with a device sync at its end; peak memory is each rank's ``max_memory_allocated``.
@@ -77,8 +76,8 @@ def parse_args():
     parser.add_argument(
         "--gradient-sync",
         choices=get_args(GradientSync),
-        default="update",
-        help="when the sharded update reduce-scatters (run.gradient_sync)",
+        default="micro_batch",
+        help="when the sharded update reduce-scatters (run.gradient_sync; default micro_batch)",
     )
     parser.add_argument(
         "--keep-gathered",

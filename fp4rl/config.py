@@ -119,8 +119,10 @@ class RunSection:
     # Several ranks (torchrun) only, memory against communication (docs/scaling.md). When the
     # sharded trainer reduce-scatters its gradients: "update", once, in the update's last
     # micro-batch, the ones before it summing theirs unsharded in FP32 (4 bytes per parameter
-    # of the whole model on every rank); "micro_batch", in every micro-batch.
-    gradient_sync: GradientSync = "update"
+    # of the whole model on every rank: the 48-layer Qwen3-30B-A3B shape cannot); "micro_batch",
+    # in every micro-batch, the default: on two H200s at 8 layers "update" trained 4 % faster
+    # (BENCHMARKS.md), not worth a default that the full model cannot run.
+    gradient_sync: GradientSync = "micro_batch"
     # Several ranks only: keep each layer's BF16 parameters gathered from the update's first
     # forward to its last backward (one all-gather per update instead of two per micro-batch;
     # 2 bytes per parameter of the whole model on every rank).

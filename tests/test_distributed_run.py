@@ -84,6 +84,7 @@ def config_of(base: Path, run_dir: Path, steps: int, *extra: str) -> run_config.
             "run.eval_samples=1",
             "run.threads=1",
             "run.micro_batch_seqs=8",  # one group per micro-batch, in one process as on each rank
+            "run.gradient_sync=update",  # the grouping the tolerances below are argued for
             "rollout.prompts_per_step=8",  # 4 per rank
             "rollout.samples_per_prompt=8",
             "rollout.max_tokens=3",
