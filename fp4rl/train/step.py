@@ -60,7 +60,7 @@ def grpo_update(
     forward: str = "packed",
     across: Across | None = None,
     spare: Completion | None = None,
-    gradient_sync: GradientSync = "update",
+    gradient_sync: GradientSync = "micro_batch",
     keep_gathered: bool = False,
 ) -> dict[str, float]:
     """Accumulate the GRPO gradient of ``completions`` and take one optimizer step. Returns
