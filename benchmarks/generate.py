@@ -1,6 +1,8 @@
 """Rollout throughput and the cost of alignment capture, on one GPU.
 
     python benchmarks/generate.py            # one H200: a 4-layer Qwen3-30B-A3B-shaped model
+    python benchmarks/generate.py --prompts 16 --n 4 --repeats 1 --warmup-tokens 16 --profile 25 \
+        --variants "nvfp4 experts, nvfp4 kv;+ routing + compact guidance"  # where capture costs
 
 Generates the same prompts with the same seeds under several engine settings and reports
 generated tokens/s and capture bytes per generated token, each against the BF16-expert engine
@@ -59,6 +61,10 @@ def main() -> None:
         "(default: --max-tokens; fewer keeps a long rollout's warm-up short)"
     )  # fmt: skip
     parser.add_argument("--kv-gib", type=float, default=8.0, help="KV budget of each engine")
+    parser.add_argument(
+        "--profile", type=int, default=0, help="also print, per row, the N ops that take most "
+        "device time in one more call of --warmup-tokens new tokens (torch.profiler)"
+    )  # fmt: skip
     args = parser.parse_args()
     chosen = list(VARIANTS) if args.variants == "all" else args.variants.split(";")
     unknown = [v for v in chosen if v not in VARIANTS]
@@ -138,6 +144,8 @@ def main() -> None:
             f"{_ratio(tok_s, base.get('fp4'))} | {capture['routing']:,.0f} | "
             f"{capture['guidance']:,.0f} |"
         )
+        if args.profile:
+            profile_call(engine, prompts, warmup, args.profile, name, cuda)
         del engine, model
         if cuda:
             torch.cuda.empty_cache()
@@ -155,6 +163,29 @@ def main() -> None:
             *rows,
         ],
     )
+
+
+def profile_call(engine, prompts, sampling, top: int, title: str, cuda: bool) -> None:
+    """The ``top`` ops of one ``generate`` call by device time (by CPU time without a GPU), with
+    the call's wall time and the device time summed over every kernel: where a capture's cost
+    goes (its kernels inside the graphs, the step's concatenation and copy to pinned memory,
+    the host's share)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        engine.generate(prompts, sampling)
+        sync()
+    wall = time.perf_counter() - start
+    events = prof.key_averages()
+    key = "device_time_total" if cuda else "cpu_time_total"
+    busy = sum(e.self_device_time_total for e in events) / 1e3 if cuda else float("nan")
+    print(f"### {title}: one call of {sampling.max_tokens} new tokens, {wall * 1e3:.1f} ms wall "
+          f"(profiled), {busy:.1f} ms of kernels")  # fmt: skip
+    print(events.table(sort_by=key, row_limit=top, max_name_column_width=70), flush=True)
 
 
 def _ratio(tok_s: float, base: float | None) -> str:
