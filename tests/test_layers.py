@@ -51,8 +51,20 @@ ALLOWED = {
         "run_dir",
     },  # fmt: skip
     "demo": {"fp4", "ops", "records", "model", "train", "tasks", "config", "loop"},
+    # a study directory's layout and its finished runs aggregated: curves, tables, results.md
+    "study_results": {"report"},
     # the rollout variants compared: the demo's base policy, the loop's runs, their metrics
-    "study": {"model", "train", "config", "report", "checkpoints", "loop", "demo", "inference"},
+    "study": {
+        "model",
+        "train",
+        "config",
+        "report",
+        "checkpoints",
+        "loop",
+        "demo",
+        "inference",
+        "study_results",
+    },  # fmt: skip
     # a run's checkpoint to a servable one: the precision plan, the engine's packing, the writer
     "export": {"fp4", "ops", "model", "config", "checks", "checkpoints"},
     # generation and evaluation outside training: the loop's engine set-up and metric

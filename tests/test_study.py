@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from fp4rl import demo, study
+from fp4rl import demo, study, study_results
 from fp4rl.checkpoints import FOLDER
 from fp4rl.report import read_metrics
 from fp4rl.train.optim import OptimConfig
@@ -81,13 +81,16 @@ def test_study_runs_aggregates_skips_and_resumes(tmp_path, tiny_size):
         assert row["token_mult_prob_error"] == pytest.approx(expected)
         assert f"| {variant} | 1 | {100 * row['held_out_accuracy']:.1f} ± 0.0 |" in text
     # Each run's base and final policy evaluated under its rollout precision, as run.
-    evals = {v: json.loads((out / v / "seed0" / study.ROLLOUT_EVAL).read_text()) for v in VARIANTS}
+    evals = {
+        v: json.loads((out / v / "seed0" / study_results.ROLLOUT_EVAL).read_text())
+        for v in VARIANTS
+    }
     assert evals["nearest"]["base"] == evals["guided-full"]["base"]  # one base, one precision
     for variant, row in summary.items():
         final = evals[variant]["final"]
         assert row["rollout_held_out_greedy"] == final["held_out_greedy"]
         assert f"| {variant} | 1 | {100 * final['held_out_accuracy']:.1f} ± 0.0 |" in text
-    for name in study.CURVES:
+    for name in study_results.CURVES:
         assert (out / name).stat().st_size > 1000 and f"]({name})" in text
 
     # A finished study: nothing runs again.
@@ -112,7 +115,7 @@ def test_a_run_directory_of_another_config_is_refused(tmp_path, tiny_size):
     base = study.base_policy(TINY, tmp_path / "cache", log=lambda _: None)
     config = study.run_config_for(TINY, "nearest", 0, base, tmp_path)
     assert study.run_state(config) == "new"
-    path = study.run_dir(tmp_path, "nearest", 0)
+    path = study_results.run_dir(tmp_path, "nearest", 0)
     path.mkdir(parents=True)
     (path / "config.toml").write_text("[run]\nsteps = 3\n")
     with pytest.raises(ValueError, match="holds a run of another config"):

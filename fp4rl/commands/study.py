@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from fp4rl import study
+    from fp4rl import study, study_results
 
     variants = tuple(study.VARIANTS) if args.variants is None else tuple(args.variants.split(","))
     unknown = [v for v in variants if v not in study.VARIANTS]
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError(f"--size must be one of {', '.join(study.SIZES)}, got {args.size!r}")
     seeds = study.SIZES[args.size].seeds if args.seeds is None else parse_seeds(args.seeds)
     if args.aggregate_only:
-        study.aggregate(args.out, variants=variants, seeds=seeds)
+        study_results.aggregate(args.out, variants=variants, seeds=seeds)
         return
     study.run(
         args.size,
