@@ -179,17 +179,31 @@ FIGURES = {
 }
 
 
-def plot(entries: list[dict], out_dir: Path) -> list[Path]:
-    """The PNGs of ``FIGURES`` that have something recorded; a known PNG left from an earlier
-    report of a run that no longer has its metrics is removed, so the folder matches the
-    summary."""
+def figure_maker(who: str):
+    """A function making matplotlib Figures that draw into memory (no pyplot, no global backend
+    switch), for ``who`` ("fp4rl report", "fp4rl study"); matplotlib is imported here, and its
+    absence named with the extra that provides it."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as err:
         raise ModuleNotFoundError(
-            f"fp4rl report draws with matplotlib ({err}): {REPORT_EXTRA}", name="matplotlib"
+            f"{who} draws with matplotlib ({err}): {REPORT_EXTRA}", name="matplotlib"
         ) from None
+
+    def new_figure(figsize: tuple[float, float]):
+        figure = Figure(figsize=figsize, layout="constrained")
+        FigureCanvasAgg(figure)
+        return figure
+
+    return new_figure
+
+
+def plot(entries: list[dict], out_dir: Path) -> list[Path]:
+    """The PNGs of ``FIGURES`` that have something recorded; a known PNG left from an earlier
+    report of a run that no longer has its metrics is removed, so the folder matches the
+    summary."""
+    new_figure = figure_maker("fp4rl report")
     written = []
     for name, (title, panels) in FIGURES.items():
         drawn = [
@@ -199,8 +213,7 @@ def plot(entries: list[dict], out_dir: Path) -> list[Path]:
         if not drawn:
             path.unlink(missing_ok=True)
             continue
-        figure = Figure(figsize=(8, 2.6 * len(drawn) + 0.6), layout="constrained")
-        FigureCanvasAgg(figure)  # draws into memory; no pyplot, no global backend switch
+        figure = new_figure(figsize=(8, 2.6 * len(drawn) + 0.6))
         axes = figure.subplots(len(drawn), 1, sharex=True, squeeze=False)[:, 0]
         for ax, (label, keys) in zip(axes, drawn, strict=True):
             for key in keys:

@@ -12,7 +12,7 @@ import json
 import statistics
 from pathlib import Path
 
-from fp4rl.report import REPORT_EXTRA, read_metrics, series
+from fp4rl.report import figure_maker, read_metrics, series
 
 ROLLOUT_EVAL = "eval_rollout_precision.json"
 EVAL_KEYS = ("held_out_accuracy", "held_out_greedy")
@@ -128,18 +128,11 @@ def summarize(runs: dict, evals: dict | None = None) -> dict[str, dict[str, floa
 def plot(runs: dict[str, list[list[dict]]], out: Path) -> list[Path]:
     """The PNGs of `CURVES`: each variant's mean over seeds, its min-max shaded; a panel no
     run recorded is left out."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as err:
-        raise ModuleNotFoundError(
-            f"fp4rl study draws with matplotlib ({err}): {REPORT_EXTRA}", name="matplotlib"
-        ) from None
+    new_figure = figure_maker("fp4rl study")
     written = []
     for name, (title, panels) in CURVES.items():
         keys = [k for k in panels if any(band(r, k)[0] for r in runs.values())]
-        figure = Figure(figsize=(8, 3.2 * len(keys) + 0.6), layout="constrained")
-        FigureCanvasAgg(figure)
+        figure = new_figure(figsize=(8, 3.2 * len(keys) + 0.6))
         axes = figure.subplots(len(keys), 1, sharex=True, squeeze=False)[:, 0]
         for ax, key in zip(axes, keys, strict=True):
             for index, (variant, seed_runs) in enumerate(runs.items()):
