@@ -171,7 +171,10 @@ def main() -> None:
         check_engine(engine, trainer)
         if experts == "bf16":  # the floor: the same BF16 bytes copied, nothing else
             pairs = list(zip(model.parameters(), trainer.parameters(), strict=True))
-            copy = [timed_ms(lambda: copy_all(pairs), cuda) for _ in range(max(args.repeats, 3))]
+            copy = [
+                timed_ms(lambda pairs=pairs: copy_all(pairs), cuda)
+                for _ in range(max(args.repeats, 3))
+            ]
             results["copy"] = statistics.median(copy)
             del pairs  # it holds the BF16 engine's parameters, which must go before the next
         del engine, model

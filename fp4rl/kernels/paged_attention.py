@@ -307,11 +307,11 @@ class DecodeTile:
 # (fewest programs, tile) per page format: the last entry whose bound the launch's programs
 # (sequences x KV heads, before context splits) reach. For the Qwen3-30B-A3B attention shape
 # (32 / 4 heads of 128) on one H200, from the tile sweep recorded in BENCHMARKS.md ("Decode
-# attention: what bounds the NVFP4 pages"): 64-token steps of 2 warps, 3 loads in flight, were the fastest or
-# within 5 % from batch 16 up (NVFP4 pages at batch 64, 4k: 212 us against 214 for 64:4:2;
-# batch 256, 2k: 395 against 403; BF16 pages 143 against 158 and 261 against 316), and the
-# slowest at batch 1 (1k: NVFP4 14.9 us, BF16 9.7), where 128-token steps of more warps win
-# (NVFP4 128:8:2 8.6 us, BF16 128:4:3 7.4).
+# attention: what bounds the NVFP4 pages"): 64-token steps of 2 warps, 3 loads in flight,
+# were the fastest or within 5 % from batch 16 up (NVFP4 pages at batch 64, 4k: 212 us
+# against 214 for 64:4:2; batch 256, 2k: 395 against 403; BF16 pages 143 against 158 and 261
+# against 316), and the slowest at batch 1 (1k: NVFP4 14.9 us, BF16 9.7), where 128-token
+# steps of more warps win (NVFP4 128:8:2 8.6 us, BF16 128:4:3 7.4).
 CONFIGS = {
     "bf16": (
         (0, DecodeTile(block_n=128, num_warps=4, num_stages=3)),
