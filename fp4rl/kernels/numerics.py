@@ -354,3 +354,44 @@ def dot(a, b, acc):
     else:
         acc = tl.dot(a, b, acc)
     return acc
+
+
+# Pairs: codes J and J + 4 of a word sit 16 bits apart, so two shifts and two masks place both
+# at once as the halves of a BF16x2 word (BF16 has FP32's exponent, so the same bit position
+# gives the same e2m1 * 2**-126), and one `mul.rn.bf16x2` by the biased block scale gives both
+# exact products e2m1 * sf * 2**-8 (at most 6 significant bits, at least 2**-18). The global
+# scale then goes on the FP32 accumulator, times 2**8: `moe_gemm`'s SCALE_AFTER.
+# Compiled only: the interpreter runs no PTX, and decodes one code at a time to the same values.
+PAIRS = tl.constexpr(not _INTERPRETED)
+_PAIR_MAGNITUDE_BITS = tl.constexpr(0x01C001C0)
+_PAIR_SIGN_BITS = tl.constexpr(0x80008000 - (1 << 32))
+
+
+@triton.jit
+def packed_pair(words, J: tl.constexpr):
+    """Codes J (low half) and J + 4 (high half) of each int32 word of 8 packed codes, J < 4, as
+    a BF16x2 word (int32) of ``e2m1 * 2**-126`` each."""
+    # J >= 2 shifts right, arithmetically: the copied sign bits are masked off.
+    magnitude = words << (6 - 4 * J) if J <= 1 else words >> (4 * J - 6)
+    return (magnitude & _PAIR_MAGNITUDE_BITS) | ((words << (12 - 4 * J)) & _PAIR_SIGN_BITS)
+
+
+@triton.jit
+def bf16x2_bits(v):
+    """FP32 ``v`` that BF16 holds exactly -> its BF16 bits in both halves of an int32."""
+    bits = (v.to(tl.int32, bitcast=True) >> 16) & 0xFFFF
+    return bits | (bits << 16)
+
+
+@triton.jit
+def bf16x2_halves(pair, scale):
+    """The two BF16 halves (low, high) of ``pair * scale``, BF16x2 words, each product rounded
+    once to BF16 (exact for the products `packed_pair` and block scales make). GPU only."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t; mul.rn.bf16x2 t, $2, $3; mov.b32 {$0, $1}, t; }",
+        "=h,=h,r,r",
+        [pair, scale],
+        dtype=(tl.bfloat16, tl.bfloat16),
+        is_pure=True,
+        pack=1,
+    )

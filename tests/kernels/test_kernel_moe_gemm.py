@@ -107,13 +107,22 @@ def every_byte_weights(e: int, n: int, k: int, seed: int) -> NVFP4Tensor:
     return NVFP4Tensor(codes, scale_bytes.view(torch.float8_e4m3fn), global_scale.view(e, 1, 1))
 
 
+# With the global scale on the accumulator, a one-hot row's sum is one exact product
+# e2m1 * sf, and times the global scale it rounds as the contract's weight does: the same bits.
+# (Compiled, that path decodes two codes per instruction: `numerics.packed_pair`.)
+SCALE_PLACES = pytest.mark.parametrize("acc", [False, True], ids=["contract", "on_accumulator"])
+
+
+@SCALE_PLACES
 @pytest.mark.parametrize("tile", TINY_TILES, ids=str)
-def test_weights_enter_the_dot_bitwise(device, tile):
+def test_weights_enter_the_dot_bitwise(device, tile, acc):
     e, n, k = 4, 32, 64
     w = every_byte_weights(e, n, k, seed=0)
     experts = [0, 1, 3]  # expert 2 has no rows
     x, counts = onehot_rows(k, experts, e, device)
-    y = moe_gemm.launch(x, w.map(lambda t: t.to(device)), counts, config=tile)
+    y = moe_gemm.launch(
+        x, w.map(lambda t: t.to(device)), counts, config=tile, global_scale_on_accumulator=acc
+    )
     assert_weights_bitwise(y, w, experts, f"tile {tile}")
 
 
@@ -245,8 +254,9 @@ def test_qwen3_shapes_on_gpu(shape, tokens):
 
 
 @pytest.mark.gpu
+@SCALE_PLACES
 @pytest.mark.parametrize("shape", list(QWEN3_SHAPES), ids=str)
-def test_qwen3_weights_bitwise_on_gpu(shape):
+def test_qwen3_weights_bitwise_on_gpu(shape, acc):
     """One-hot rows read every weight of four experts through the compiled kernel; the others
     (zero rows) are not read at all."""
     n, k = QWEN3_SHAPES[shape]
@@ -254,7 +264,7 @@ def test_qwen3_weights_bitwise_on_gpu(shape):
     experts = [0, 5, 77, 127]
     x, counts = onehot_rows(k, experts, 128, "cuda")
     for tile in (None, *(tile for _, tile in moe_gemm.CONFIGS)):
-        y = moe_gemm.launch(x, w, counts, config=tile)
+        y = moe_gemm.launch(x, w, counts, config=tile, global_scale_on_accumulator=acc)
         assert_weights_bitwise(y, w, experts, f"{shape}, tile {tile}")
 
 
