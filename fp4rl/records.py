@@ -16,6 +16,8 @@ token, B sequences.
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -158,6 +160,120 @@ def to_host_together(items: Sequence[torch.Tensor | SiteRecord]) -> list[torch.T
         mine = [next(views) for _ in tensors]
         out.append(mine[0] if isinstance(item, torch.Tensor) else _rebuild(item, mine))
     return out
+
+
+# The token-major record kinds `RowLayout` lays out: every member has one row per token.
+_ROW_KINDS = (torch.Tensor, NVFP4Tensor, CompactCodes)
+
+
+@dataclass(frozen=True, slots=True)
+class RowLayout:
+    """Where each member of some token-major items (tensors and records, each under a key) lies
+    in one row of bytes: ``members[i]`` holds ``(offset, dtype, shape)`` per member of item
+    ``i``, its bytes of one token at ``offset`` (16-aligned) of a ``row_bytes`` row, ``shape``
+    the member's shape without its leading token dim. A step's items pack into one uint8 buffer
+    of ``[tokens, row_bytes]`` (`pack`), so that any prefix of its rows is the records of those
+    tokens and one copy moves them; the layout does not depend on the number of tokens, only
+    on the keys, kinds, dtypes and per-token shapes, and is made once for each (`of`)."""
+
+    keys: tuple
+    kinds: tuple[type, ...]  # torch.Tensor or the record's class, per item
+    members: tuple[tuple[tuple[int, torch.dtype, tuple[int, ...]], ...], ...]
+    row_bytes: int
+
+    @staticmethod
+    def of(keys: Sequence, items: Sequence[torch.Tensor | SiteRecord]) -> RowLayout:
+        """The layout of ``items`` (the same for any number of tokens): computed on its first
+        use, then cached. Raises ValueError naming the key of an item that is not token-major."""
+        signature = []
+        for key, item in zip(keys, items, strict=True):
+            if not isinstance(item, _ROW_KINDS):
+                raise ValueError(f"{key!r}: a {type(item).__name__} has no fixed bytes per token")
+            members = (item,) if isinstance(item, torch.Tensor) else _members(item)
+            signature.append((key, type(item), tuple((m.dtype, m.shape[1:]) for m in members)))
+        return _row_layout(tuple(signature))
+
+    def pack(self, items: Sequence[torch.Tensor | SiteRecord]) -> torch.Tensor:
+        """uint8 ``[tokens, row_bytes]`` on the items' device: their bytes, token by token, by
+        one concatenation (the bytes that align each member are left unwritten: never read)."""
+        flat = [m for item in items for m in ((item,) if isinstance(item, torch.Tensor)
+                                              else _members(item))]  # fmt: skip
+        rows = flat[0].shape[0]
+        pad = torch.empty(rows, _ALIGN, dtype=torch.uint8, device=flat[0].device)
+        pieces, end = [], 0
+        for m, (offset, _, shape) in zip(flat, _flat(self.members), strict=True):
+            if m.shape[0] != rows:
+                raise ValueError(
+                    f"a member of {tuple(m.shape)} has not the {rows} rows of the rest"
+                )
+            if offset > end:
+                pieces.append(pad[:, : offset - end])
+            piece = m.reshape(rows, math.prod(shape)).view(torch.uint8)
+            pieces.append(piece)
+            end = offset + piece.shape[1]
+        if self.row_bytes > end:
+            pieces.append(pad[:, : self.row_bytes - end])
+        return torch.cat(pieces, dim=1)
+
+    def column(self, rows: torch.Tensor, item: int, member: int) -> torch.Tensor:
+        """The bytes of one member in packed ``rows``: a uint8 ``[tokens, nbytes]`` view."""
+        offset, dtype, shape = self.members[item][member]
+        return rows[:, offset : offset + math.prod(shape) * dtype.itemsize]
+
+    def gather(self, rows: torch.Tensor, indices: Sequence[torch.Tensor], keys=None) -> list[dict]:
+        """For each index tensor, key -> item over those rows of packed ``rows``, for ``keys``
+        (all by default): one gather per member and index, each a contiguous tensor of its own
+        (a completion's records share no storage with another's)."""
+        chosen = [i for i, key in enumerate(self.keys) if keys is None or key in keys]
+        columns = {
+            i: [self.column(rows, i, j) for j in range(len(self.members[i]))] for i in chosen
+        }
+        out = []
+        for index in indices:
+            items = {}
+            for i in chosen:
+                members = [
+                    column.index_select(0, index).view(dtype).view(len(index), *shape)
+                    for column, (_, dtype, shape) in zip(columns[i], self.members[i], strict=True)
+                ]
+                items[self.keys[i]] = _assemble(self.kinds[i], members)
+            out.append(items)
+        return out
+
+    def unpack(self, rows: torch.Tensor) -> dict:
+        """Key -> item as views of packed ``rows`` (no copy)."""
+        return {
+            key: _assemble(
+                kind,
+                [
+                    self.column(rows, i, j).view(dtype).view(rows.shape[0], *shape)
+                    for j, (_, dtype, shape) in enumerate(self.members[i])
+                ],
+            )  # fmt: skip
+            for i, (key, kind) in enumerate(zip(self.keys, self.kinds, strict=True))
+        }
+
+
+def _assemble(kind: type, members: list[torch.Tensor]) -> torch.Tensor | SiteRecord:
+    return members[0] if kind is torch.Tensor else kind(*members)
+
+
+def _flat(members):
+    return [m for item in members for m in item]
+
+
+@functools.lru_cache(maxsize=256)
+def _row_layout(signature: tuple) -> RowLayout:
+    keys, kinds, members, offset = [], [], [], 0
+    for key, kind, specs in signature:
+        placed = []
+        for dtype, shape in specs:
+            placed.append((offset, dtype, tuple(shape)))
+            offset += -(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
+        keys.append(key)
+        kinds.append(kind)
+        members.append(tuple(placed))
+    return RowLayout(tuple(keys), tuple(kinds), tuple(members), offset)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

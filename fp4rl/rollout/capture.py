@@ -21,13 +21,17 @@ Legend: T tokens, k experts per token, L_moe MoE layers.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from fp4rl.fp4 import NVFP4Tensor, compact, sparse
+from fp4rl.fp4 import NVFP4Tensor, SparseCodes, compact, sparse
+from fp4rl.fp4.sparse_guidance import PackedSparse
 from fp4rl.records import (
+    RowLayout,
     SiteKey,
     SiteRecord,
     record_cat,
@@ -48,8 +52,35 @@ def kept_layers(mode: str | None, fp4_layers: tuple[int, ...], fraction: float) 
     return frozenset(ordered[len(ordered) - num_kept :])
 
 
+@dataclass(frozen=True, slots=True)
+class PackedRows:
+    """A step's token-major records (routing and full or compact guidance) as one uint8 buffer
+    ``[tokens, layout.row_bytes]`` (`fp4rl.records.RowLayout`): keys are MoE layers (int) for
+    routing, `SiteKey`s for site records."""
+
+    layout: RowLayout
+    rows: torch.Tensor
+
+    def to_host(self, num_rows: int | None = None) -> PackedRows:
+        """Rows ``0..num_rows`` (all by default) in host memory: from a GPU, one copy to pinned
+        memory, only queued on the current stream (read it after a synchronize); from the CPU,
+        the rows as they are."""
+        rows = self.rows if num_rows is None else self.rows[:num_rows]
+        if rows.device.type == "cpu":
+            return PackedRows(self.layout, rows)
+        host = torch.empty(rows.shape, dtype=torch.uint8, pin_memory=True)
+        host.copy_(rows, non_blocking=True)
+        return PackedRows(self.layout, host)
+
+
 class StepCapture:
-    """The `fp4rl.model.sites.Capture` of one forward; keeps only what the engine asked for."""
+    """The `fp4rl.model.sites.Capture` of one forward; keeps only what the engine asked for.
+
+    Live, it holds the records as the forward made them; `pack` lays its token-major ones out
+    in one buffer and `to_host` (or `holding`, for rows a decode graph packed) makes the form a
+    `CaptureLog` keeps: that buffer in host memory, plus any sparse records (their sizes depend
+    on the values, so they keep a copy of their own). ``routing`` and ``sites`` read either form
+    (views of the buffer, made when asked)."""
 
     def __init__(
         self,
@@ -66,45 +97,83 @@ class StepCapture:
         # Records the trainer would not follow (a site outside the precision plan's guided
         # sites, a layer compact mode drops) are not kept at all.
         self.keep = frozenset(keep)
-        self.routing: dict[int, torch.Tensor] = {}
-        self.sites: dict[SiteKey, SiteRecord] = {}
+        self._routing: dict[int, torch.Tensor] = {}
+        self._sites: dict[SiteKey, SiteRecord] = {}
+        self.packed: PackedRows | None = None
 
     def record(self, layer: int, site: str, t: NVFP4Tensor, x: torch.Tensor | None = None) -> None:
         if self.guidance is None or (layer, site) not in self.keep:
             return
         # Compact or sparsify the whole step at once: one pass instead of one per sequence.
         if self.guidance == "compact":
-            self.sites[(layer, site)] = compact(t)
+            self._sites[(layer, site)] = compact(t)
         elif self.guidance == "sparse":
             if x is None:
                 raise ValueError(
                     f"sparse guidance needs the values of layers.{layer} site '{site}', and the "
                     "site recorded only its codes"
                 )
-            self.sites[(layer, site)] = sparse(x, t, self.sparse_delta)
+            self._sites[(layer, site)] = sparse(x, t, self.sparse_delta)
         else:
-            self.sites[(layer, site)] = t
+            self._sites[(layer, site)] = t
 
     def record_routing(self, layer: int, topk_ids_Tk: torch.Tensor) -> None:
         if self.keep_routing:
-            self.routing[layer] = topk_ids_Tk.to(torch.int32)
+            self._routing[layer] = topk_ids_Tk.to(torch.int32)
+
+    @property
+    def routing(self) -> dict[int, torch.Tensor]:
+        """MoE layer -> int32 top-k ids ``[T, k]``."""
+        packed = {} if self.packed is None else self.packed.layout.unpack(self.packed.rows)
+        return self._routing | {k: v for k, v in packed.items() if isinstance(k, int)}
+
+    @property
+    def sites(self) -> dict[SiteKey, SiteRecord]:
+        """Site -> record with leading dim T."""
+        packed = {} if self.packed is None else self.packed.layout.unpack(self.packed.rows)
+        return {k: v for k, v in packed.items() if not isinstance(k, int)} | self._sites
+
+    def loose(self) -> dict[SiteKey, SiteRecord]:
+        """The records that do not pack into rows: sparse ones."""
+        return {k: r for k, r in self._sites.items() if isinstance(r, SparseCodes | PackedSparse)}
+
+    def pack(self) -> PackedRows | None:
+        """The live token-major records in one buffer on their device (None if there are none):
+        routing by layer, then sites by key, so that every step of a call lays out alike. Its
+        layout is made once per kind of step (`RowLayout.of`); the bytes cost one concatenation.
+        A decode graph ends with this, so its replay writes the buffer."""
+        keys = sorted(self._routing)
+        items = [self._routing[k] for k in keys]
+        loose = self.loose()
+        sites = sorted(k for k in self._sites if k not in loose)
+        keys += sites
+        items += [self._sites[k] for k in sites]
+        if not items:
+            return None
+        layout = RowLayout.of(keys, items)
+        return PackedRows(layout, layout.pack(items))
+
+    def holding(self, packed: PackedRows | None, loose=None) -> StepCapture:
+        """A `StepCapture` like this one that holds ``packed`` (and ``loose`` sparse records)."""
+        out = StepCapture(routing=self.keep_routing, guidance=self.guidance, keep=self.keep,
+                          sparse_delta=self.sparse_delta)  # fmt: skip
+        out.packed, out._sites = packed, dict(loose or {})
+        return out
 
     def to_host(self, rows: int | None = None) -> StepCapture:
         """A `StepCapture` like this one holding the first ``rows`` rows (all by default) of
-        each record, copied to pinned host memory together (`fp4rl.records.to_host_together`:
-        one concatenation and one copy for the whole step). The copy is only queued on the
-        current stream, behind the forward that wrote the records and before anything that
-        would overwrite them (a graph's next replay): the host reads them once the stream has
-        been synchronized (`CaptureLog.assemble` does). Records thus never pile up on the GPU
-        during a long rollout."""
-        out = StepCapture(routing=self.keep_routing, guidance=self.guidance, keep=self.keep,
-                          sparse_delta=self.sparse_delta)  # fmt: skip
-        routing = [ids[:rows] for ids in self.routing.values()]
-        sites = [r if rows is None else record_rows(r, 0, rows) for r in self.sites.values()]
-        moved = to_host_together([*routing, *sites])
-        out.routing = dict(zip(self.routing, moved[: len(routing)], strict=True))
-        out.sites = dict(zip(self.sites, moved[len(routing) :], strict=True))
-        return out
+        each record in host memory: the token-major ones packed (`pack`) and moved by one copy
+        (`PackedRows.to_host`), sparse ones together by another (`to_host_together`). The copies
+        are only queued on the current stream, behind the forward that wrote the records and
+        before anything that would overwrite them (a graph's next replay): the host reads them
+        once the stream has been synchronized (`CaptureLog.assemble` does). Records thus never
+        pile up on the GPU during a long rollout."""
+        packed = self.packed if self.packed is not None else self.pack()
+        loose = self.loose()
+        if rows is not None:
+            loose = {k: record_rows(r, 0, rows) for k, r in loose.items()}
+        loose = dict(zip(loose, to_host_together(list(loose.values())), strict=True))
+        return self.holding(None if packed is None else packed.to_host(rows), loose)
 
 
 @dataclass(slots=True)
@@ -119,24 +188,44 @@ class SequenceCapture:
 
 
 class CaptureLog:
-    """Every captured step of one generate call, its records kept whole; each sequence keeps
-    only where its rows are (`SequenceCapture`). At the end of the call `assemble` concatenates
-    each record over the steps once and gathers each sequence's rows from it: a few tensor ops
-    per record and sequence, where cutting every step's records per sequence cost a few per
-    record, sequence and step."""
+    """Every captured step of one generate call, its records kept whole (packed rows in host
+    memory); each sequence keeps only where its rows are (`SequenceCapture`). At the end of the
+    call `assemble` joins the steps' rows once and gathers each sequence's rows of each record
+    member by one gather; its row indices come from a few array operations over all spans."""
 
     def __init__(self) -> None:
         self.steps: list[StepCapture] = []
         self.num_rows: list[int] = []
 
     def add(self, capture: StepCapture, num_rows: int, spans) -> None:
-        """One step's records of ``num_rows`` rows; ``spans`` holds ``(sequence capture, start,
-        end)`` for each sequence fed this step (a prompt's rows go to each of its samples)."""
+        """One step's records of ``num_rows`` rows (a live capture is packed where it lies);
+        ``spans`` holds ``(sequence capture, start, end)`` for each sequence fed this step (a
+        prompt's rows go to each of its samples). Every step of a call must record the same
+        things (same layout): a RuntimeError says which differ."""
+        if capture.packed is None and capture._routing.keys() | capture._sites.keys():
+            capture = capture.holding(capture.pack(), capture.loose())
+        self._check_like_the_first(capture, num_rows)
         step = len(self.steps)
         self.steps.append(capture)
         self.num_rows.append(num_rows)
         for seq, start, end in spans:
             seq.spans.append((step, start, end))
+
+    def _check_like_the_first(self, capture: StepCapture, num_rows: int) -> None:
+        packed = capture.packed
+        if packed is not None and packed.rows.shape[0] != num_rows:
+            raise ValueError(f"a step of {num_rows} rows holds {packed.rows.shape[0]} rows")
+        if not self.steps:
+            return
+        first = self.steps[0]
+        layouts = [None if c.packed is None else c.packed.layout for c in (first, capture)]
+        if layouts[0] != layouts[1] or first.loose().keys() != capture.loose().keys():
+            names = [None if x is None else x.keys for x in layouts]
+            raise RuntimeError(
+                f"a captured step records {names[1]} ({sorted(capture.loose())} sparse), the "
+                f"first {names[0]} ({sorted(first.loose())} sparse): every step of a call "
+                "must record the same records (a capture bug)"
+            )
 
     def assemble(
         self, seqs: list[SequenceCapture], moe_layers: tuple[int, ...], top_k: int
@@ -146,41 +235,82 @@ class CaptureLog:
         the guidance records, rows ``T`` in token order (sparse ones packed). Empties the log."""
         if torch.cuda.is_available():  # the host copies of `StepCapture.to_host` must have landed
             torch.cuda.synchronize()
-        steps, offsets = self.steps, [0]
-        for n in self.num_rows:
-            offsets.append(offsets[-1] + n)
-        rows = [[(offsets[s] + a, offsets[s] + b) for s, a, b in seq.spans] for seq in seqs]
-        keep_routing = bool(steps) and steps[0].keep_routing
-        routing_LRk = None
-        if keep_routing:
-            layers = [
-                _cat_steps(steps, lambda c, layer=layer: c.routing.get(layer))
-                for layer in moe_layers
-            ]
-            total, device = offsets[-1], next((t.device for t in layers if t is not None), "cpu")
-            missing = torch.full((total, top_k), -1, dtype=torch.int32, device=device)
-            routing_LRk = torch.stack([t if t is not None else missing for t in layers])
-        keys = list(steps[0].sites) if steps else []
-        sites = {key: _cat_steps(steps, lambda c, key=key: c.sites.get(key)) for key in keys}
+        steps, num_rows = self.steps, self.num_rows
         self.steps, self.num_rows = [], []
-        per_seq = {key: record_gather_packed(r, rows) for key, r in sites.items()}
-        out = []
-        for seq, spans in enumerate(rows):
-            routing = None
-            if routing_LRk is not None:
-                index = torch.tensor([i for a, b in spans for i in range(a, b)], dtype=torch.long)
-                routing = routing_LRk[:, index.to(routing_LRk.device, non_blocking=True)]
-            out.append((routing, {key: records[seq] for key, records in per_seq.items()}))
+        offsets = np.zeros(len(num_rows) + 1, dtype=np.int64)
+        np.cumsum(num_rows, out=offsets[1:])
+        out = [(None, {}) for _ in seqs]
+        if not steps:
+            return out
+        packed = [c.packed for c in steps]
+        if packed[0] is not None:
+            layout = packed[0].layout
+            rows = packed[0].rows if len(packed) == 1 else torch.cat([p.rows for p in packed])
+            index = [i.to(rows.device) for i in _row_index(seqs, offsets)]
+            site_keys = [k for k in layout.keys if not isinstance(k, int)]
+            sites = layout.gather(rows, index, site_keys)
+            if steps[0].keep_routing:
+                routing = _gather_routing(layout, rows, index, moe_layers, top_k)
+            else:
+                routing = [None] * len(seqs)
+            out = list(zip(routing, sites, strict=True))
+        elif steps[0].keep_routing:
+            lengths = [sum(b - a for _, a, b in seq.spans) for seq in seqs]
+            out = [(torch.full((len(moe_layers), n, top_k), -1, dtype=torch.int32), {})
+                   for n in lengths]  # fmt: skip
+        for key in steps[0].loose():  # sparse: cut and packed in one pass over all sequences
+            spans = [[(offsets[s] + a, offsets[s] + b) for s, a, b in seq.spans] for seq in seqs]
+            whole = record_cat([c.loose()[key] for c in steps])
+            for (_, sites), record in zip(out, record_gather_packed(whole, spans), strict=True):
+                sites[key] = record
         return out
 
 
-def _cat_steps(steps: list[StepCapture], get):
-    """One record over all steps (None when no step has it; an error when only some do)."""
-    parts = [get(c) for c in steps]
-    if all(p is None for p in parts):
-        return None
-    if any(p is None for p in parts):
-        raise RuntimeError("a record is missing from some captured steps (a capture bug)")
-    if isinstance(parts[0], torch.Tensor):
-        return torch.cat(parts)
-    return record_cat(parts)
+def _row_index(seqs: list[SequenceCapture], offsets: np.ndarray) -> list[torch.Tensor]:
+    """Each sequence's rows of the steps' joined rows, as a long tensor: its spans expanded by
+    array operations over all spans at once."""
+    counts = np.array([len(seq.spans) for seq in seqs], dtype=np.int64)
+    spans = np.fromiter(
+        itertools.chain.from_iterable(itertools.chain.from_iterable(s.spans for s in seqs)),
+        dtype=np.int64,
+        count=3 * int(counts.sum()),
+    ).reshape(-1, 3)
+    starts, lengths = offsets[spans[:, 0]] + spans[:, 1], spans[:, 2] - spans[:, 1]
+    ends = np.cumsum(lengths)
+    # Row j of the concatenated spans lies at its span's start + (j - the span's first j).
+    index = np.arange(int(ends[-1]) if len(ends) else 0) + np.repeat(
+        starts - ends + lengths, lengths
+    )
+    bounds = np.concatenate([[0], ends])[np.cumsum(counts)]
+    sizes = np.diff(np.concatenate([[0], bounds])).tolist()
+    return list(torch.from_numpy(index).split(sizes))
+
+
+def _gather_routing(layout: RowLayout, rows, index, moe_layers, top_k) -> list[torch.Tensor]:
+    """Per sequence, int32 ``[L_moe, T, k]``, -1 for a layer nothing recorded. The routing
+    items lie first in each row (`StepCapture.pack`), one 16-aligned piece of k ids per layer,
+    so a sequence's ids of all layers come out of one gather of that leading stretch of bytes."""
+    layers = [key for key in layout.keys if isinstance(key, int)]
+    num = len(layers)
+    k = layout.members[0][0][2][0] if num else top_k
+    # Bytes up to the first site record (or the row's end), the same for each layer's piece.
+    end = layout.members[num][0][0] if num < len(layout.keys) else layout.row_bytes
+    block = rows[:, :end]
+    # Recorded layers that are MoE layers: where each goes in the record, where it comes from.
+    wanted = {layer: i for i, layer in enumerate(moe_layers)}
+    src = [i for i, layer in enumerate(layers) if layer in wanted]
+    dst = [wanted[layers[i]] for i in src]
+    out = []
+    for idx in index:
+        ids_LTk = None
+        if src:
+            ids = block.index_select(0, idx).view(torch.int32).view(len(idx), num, -1)
+            ids_LTk = ids[:, :, :k].permute(1, 0, 2)
+        if src and src == list(range(num)) and dst == list(range(len(moe_layers))):
+            out.append(ids_LTk.contiguous())
+            continue
+        full = torch.full((len(moe_layers), len(idx), k), -1, dtype=torch.int32, device=rows.device)
+        if src:
+            full[dst] = ids_LTk[src]
+        out.append(full)
+    return out

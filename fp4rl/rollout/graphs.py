@@ -13,10 +13,13 @@ padding: token 0 at position 0, context 1, written to and read from the cache's 
 (one block past the block manager's pool), so they never touch a sequence's pages. Their
 outputs are dropped.
 
-What a graph writes (logits, and the routing and guidance records when the engine captures
-them) lives in the graph's own memory and is overwritten by the next replay: `run` hands out
-the logits for this step only and queues a copy of the records' rows ``0..B`` to pinned host
-memory behind the replay, on the same stream, so the next replay cannot overwrite them first.
+What a graph writes lives in the graph's own memory and is overwritten by the next replay: the
+logits, and, when the engine captures them, the step's routing and guidance records packed by
+the graph's last kernel into one uint8 buffer of ``[b, row_bytes]`` (`StepCapture.pack`: each
+token's records in one row, by a `fp4rl.records.RowLayout` made when the graph is captured).
+`run` hands out the logits for this step only and queues one copy of the buffer's rows
+``0..B`` to pinned host memory behind the replay, on the same stream, so the next replay cannot
+overwrite them first: the host's whole share of the capture is that copy.
 
 Graphs hold the addresses of the weights and the KV pages they were captured with: a refit
 copies weights in place (`fp4rl.refit`), and the engine drops its graphs with its KV pages
@@ -40,7 +43,7 @@ import torch
 
 from fp4rl import ops
 from fp4rl.rollout.attention import AttentionMetadata, PagedAttention, Segment
-from fp4rl.rollout.capture import StepCapture
+from fp4rl.rollout.capture import PackedRows, StepCapture
 from fp4rl.rollout.kv_cache import KVCache
 
 # Batch sizes a graph is captured for: every size up to 8, then multiples of 8 up to 64, then
@@ -80,7 +83,7 @@ def graphs_unsupported(layout, config) -> str | None:
 class _Graph:
     graph: torch.cuda.CUDAGraph
     logits_bV: torch.Tensor
-    capture: StepCapture | None
+    records: PackedRows | None  # uint8 [b, row_bytes], what the replay packed
 
 
 class DecodeGraphs:
@@ -112,8 +115,10 @@ class DecodeGraphs:
         graph = self._graph(b, capture)
         self._stage(segments, tokens, b)
         graph.graph.replay()
-        out = None if capture is None else graph.capture.to_host(B)
-        return graph.logits_bV[:B], out
+        if capture is None or graph.records is None:
+            return graph.logits_bV[:B], capture
+        # Rows are tokens, so rows 0..B are a prefix: the padding rows never leave the GPU.
+        return graph.logits_bV[:B], capture.holding(graph.records.to_host(B))
 
     def _padding_rows(self) -> np.ndarray:
         """Input rows of padding: token 0 at position 0 in the scratch block, context 1."""
@@ -137,7 +142,10 @@ class DecodeGraphs:
         # which waits for this copy too.
         self.inputs[:b].copy_(self.staging[:b], non_blocking=True)
 
-    def _forward(self, b: int, capture: StepCapture | None) -> torch.Tensor:
+    def _forward(
+        self, b: int, capture: StepCapture | None
+    ) -> tuple[torch.Tensor, PackedRows | None]:
+        """The logits of ``b`` rows and the records packed in one buffer (None if none)."""
         x = self.inputs[:b]
         meta = AttentionMetadata(
             positions_T=x[:, POSITION],
@@ -149,7 +157,8 @@ class DecodeGraphs:
             prefills=(),
         )
         attn = PagedAttention(self.cache, meta)
-        return self.model.logits(self.model.hidden_states(x[:, TOKEN], attn, capture=capture))
+        logits = self.model.logits(self.model.hidden_states(x[:, TOKEN], attn, capture=capture))
+        return logits, None if capture is None else capture.pack()
 
     def _graph(self, b: int, capture: StepCapture | None) -> _Graph:
         key = (b, capture is not None)
@@ -164,7 +173,6 @@ class DecodeGraphs:
             self.pool = torch.cuda.graph_pool_handle()
         # Captured over padding rows: only the scratch block is written.
         self.inputs.copy_(torch.from_numpy(np.tile(self._padding, (self.max_batch, 1))))
-        mirror = _like(capture)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # compiles kernels, sizes workspaces, outside the graph
@@ -173,8 +181,8 @@ class DecodeGraphs:
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self._forward(b, mirror)
-        self.graphs[key] = _Graph(graph, logits, mirror)
+            logits, records = self._forward(b, _like(capture))
+        self.graphs[key] = _Graph(graph, logits, records)
         return self.graphs[key]
 
 
