@@ -189,22 +189,27 @@ class RowLayout:
         for key, item in zip(keys, items, strict=True):
             if not isinstance(item, _ROW_KINDS):
                 raise ValueError(f"{key!r}: a {type(item).__name__} has no fixed bytes per token")
-            members = (item,) if isinstance(item, torch.Tensor) else _members(item)
-            signature.append((key, type(item), tuple((m.dtype, m.shape[1:]) for m in members)))
+            members = tuple((m.dtype, m.shape[1:]) for m in _tensors(item))
+            signature.append((key, type(item), members))
         return _row_layout(tuple(signature))
 
     def pack(self, items: Sequence[torch.Tensor | SiteRecord]) -> torch.Tensor:
         """uint8 ``[tokens, row_bytes]`` on the items' device: their bytes, token by token, by
-        one concatenation (the bytes that align each member are left unwritten: never read)."""
-        flat = [m for item in items for m in ((item,) if isinstance(item, torch.Tensor)
-                                              else _members(item))]  # fmt: skip
-        rows = flat[0].shape[0]
-        pad = torch.empty(rows, _ALIGN, dtype=torch.uint8, device=flat[0].device)
+        one concatenation (the bytes that align each member are junk, and never read). Raises
+        ValueError naming the key of an item that does not fit the layout."""
+        if len(items) != len(self.keys) or not items:
+            raise ValueError(f"{len(items)} items for a layout of keys {self.keys}")
+        flat = [
+            (key, m) for key, item in zip(self.keys, items, strict=True) for m in _tensors(item)
+        ]
+        rows = flat[0][1].shape[0]
+        pad = torch.empty(rows, _ALIGN, dtype=torch.uint8, device=flat[0][1].device)
         pieces, end = [], 0
-        for m, (offset, _, shape) in zip(flat, _flat(self.members), strict=True):
-            if m.shape[0] != rows:
+        for (key, m), (offset, dtype, shape) in zip(flat, _flat(self.members), strict=True):
+            if (m.shape[0], m.shape[1:], m.dtype) != (rows, shape, dtype):
                 raise ValueError(
-                    f"a member of {tuple(m.shape)} has not the {rows} rows of the rest"
+                    f"{key!r}: a member of {m.dtype} {tuple(m.shape)} in a layout of {dtype} "
+                    f"{(rows, *shape)}"
                 )
             if offset > end:
                 pieces.append(pad[:, : offset - end])
@@ -225,37 +230,47 @@ class RowLayout:
         (all by default): one gather per member and index, each a contiguous tensor of its own
         (a completion's records share no storage with another's)."""
         chosen = [i for i, key in enumerate(self.keys) if keys is None or key in keys]
-        columns = {
-            i: [self.column(rows, i, j) for j in range(len(self.members[i]))] for i in chosen
-        }
+        # Per chosen item, per member: its bytes' column of ``rows``, dtype and shape per row.
+        plan = [
+            [
+                (self.column(rows, i, j), dt, shape)
+                for j, (_, dt, shape) in enumerate(self.members[i])
+            ]
+            for i in chosen
+        ]
         out = []
         for index in indices:
-            items = {}
-            for i in chosen:
-                members = [
-                    column.index_select(0, index).view(dtype).view(len(index), *shape)
-                    for column, (_, dtype, shape) in zip(columns[i], self.members[i], strict=True)
-                ]
-                items[self.keys[i]] = _assemble(self.kinds[i], members)
-            out.append(items)
+            n = index.shape[0]
+            out.append({
+                self.keys[i]: _assemble(self.kinds[i], [
+                    column.index_select(0, index).view(dtype).view(n, *shape)
+                    for column, dtype, shape in members
+                ])
+                for i, members in zip(chosen, plan, strict=True)
+            })  # fmt: skip
         return out
 
     def unpack(self, rows: torch.Tensor) -> dict:
         """Key -> item as views of packed ``rows`` (no copy)."""
+        n = rows.shape[0]
         return {
             key: _assemble(
                 kind,
                 [
-                    self.column(rows, i, j).view(dtype).view(rows.shape[0], *shape)
+                    self.column(rows, i, j).view(dtype).view(n, *shape)
                     for j, (_, dtype, shape) in enumerate(self.members[i])
                 ],
-            )  # fmt: skip
+            )
             for i, (key, kind) in enumerate(zip(self.keys, self.kinds, strict=True))
         }
 
 
 def _assemble(kind: type, members: list[torch.Tensor]) -> torch.Tensor | SiteRecord:
     return members[0] if kind is torch.Tensor else kind(*members)
+
+
+def _tensors(item: torch.Tensor | SiteRecord) -> tuple[torch.Tensor, ...]:
+    return (item,) if isinstance(item, torch.Tensor) else _members(item)
 
 
 def _flat(members):
