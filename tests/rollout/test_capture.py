@@ -1,11 +1,12 @@
 """Capture bookkeeping: which layers a guidance mode keeps, each sequence's rows gathered from
 the log of a generate call's steps."""
 
+import pytest
 import torch
 
-from fp4rl.fp4 import CompactCodes, compact
+from fp4rl.fp4 import CompactCodes, compact, sparse
 from fp4rl.ops import quantize
-from fp4rl.records import to_host_together
+from fp4rl.records import RowLayout, record_cat, record_gather, record_rows, to_host_together
 from fp4rl.rollout.capture import CaptureLog, SequenceCapture, StepCapture, kept_layers
 
 
@@ -130,3 +131,148 @@ def test_records_go_to_the_host_through_one_buffer_bit_for_bit():
                 assert x.data_ptr() % 16 == 0
                 buffers.add(x.untyped_storage().data_ptr())
     assert len(buffers) == 1  # one buffer for the whole step
+
+
+def row_items(rows: int, g: torch.Generator):
+    """Token-major items of every kind and awkward widths: 3 int32 ids (12 bytes), bools, a
+    float64 pair, an NVFP4 record of [rows, 2, 48] and its compact form."""
+    t = quantize(torch.randn(rows, 2, 48, generator=g), scaling="row")
+    return {
+        1: torch.randint(0, 9, (rows, 3), generator=g, dtype=torch.int32),
+        (1, "flags"): torch.rand(rows, generator=g) > 0.5,
+        (1, "pair"): torch.randn(rows, 2, generator=g, dtype=torch.float64),
+        (2, "k"): t,
+        (3, "k"): compact(t),
+    }
+
+
+def members(item) -> tuple[torch.Tensor, ...]:
+    if isinstance(item, torch.Tensor):
+        return (item,)
+    if isinstance(item, CompactCodes):
+        return item.mantissa_bits, item.block_scale, item.global_scale
+    return item.tensors()
+
+
+def assert_same(got, want, what) -> None:
+    """Same kind, and member by member the same dtype, shape and bytes."""
+    assert type(got) is type(want), what
+    for a, b in zip(members(got), members(want), strict=True):
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), what
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), what
+
+
+def test_a_row_layout_packs_any_prefix_of_tokens_bit_for_bit():
+    g = torch.Generator().manual_seed(2)
+    items = row_items(7, g)
+    layout = RowLayout.of(list(items), list(items.values()))
+    # One layout whatever the number of tokens: made once, then found again.
+    assert RowLayout.of(list(items), list(row_items(3, g).values())) is layout
+    assert layout.row_bytes % 16 == 0
+    assert all(offset % 16 == 0 for item in layout.members for offset, _, _ in item)
+    rows = layout.pack(list(items.values()))
+    assert rows.dtype == torch.uint8 and rows.shape == (7, layout.row_bytes)
+    for r in (7, 4, 1):  # rows 0..r hold the records of tokens 0..r
+        unpacked = layout.unpack(rows[:r])
+        assert list(unpacked) == list(items)
+        for key, item in items.items():
+            want = item[:r] if isinstance(item, torch.Tensor) else record_rows(item, 0, r)
+            assert_same(unpacked[key], want, key)
+
+
+def test_a_row_layout_gathers_rows_into_records_of_their_own():
+    g = torch.Generator().manual_seed(3)
+    items = row_items(9, g)
+    layout = RowLayout.of(list(items), list(items.values()))
+    rows = layout.pack(list(items.values()))
+    indices = [torch.tensor([4, 0, 8, 8]), torch.tensor([], dtype=torch.long), torch.arange(9)]
+    got = layout.gather(rows, indices, keys={1, (2, "k")})
+    for index, records in zip(indices, got, strict=True):
+        assert list(records) == [1, (2, "k")]
+        assert_same(records[1], items[1][index], index)
+        spans = [(i, i + 1) for i in index.tolist()]
+        assert_same(records[(2, "k")], record_gather(items[(2, "k")], spans), index)
+        for m in (records[1], *members(records[(2, "k")])):  # contiguous, in storage of its own
+            assert m.is_contiguous()
+            assert m.untyped_storage().data_ptr() != rows.untyped_storage().data_ptr()
+
+
+def test_a_row_layout_refuses_what_does_not_fit_it():
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(4))
+    t = quantize(x, scaling="row")
+    with pytest.raises(ValueError, match=r"\(1, 'k'\): a SparseCodes has no fixed bytes per token"):
+        RowLayout.of([(1, "k")], [sparse(x, t, 0.1)])
+    layout = RowLayout.of([0], [torch.zeros(4, 2, dtype=torch.int32)])
+    with pytest.raises(ValueError, match=r"0: a member of torch.int64 \(4, 2\) in a layout of"):
+        layout.pack([torch.zeros(4, 2, dtype=torch.long)])
+    with pytest.raises(ValueError, match=r"0: a member of torch.int32 \(4, 3\) in a layout of"):
+        layout.pack([torch.zeros(4, 3, dtype=torch.int32)])
+
+
+def random_step(g, rows: int, mode: str) -> tuple[StepCapture, dict]:
+    """A step's capture of ``rows`` tokens: routing of layers 3 and 1 (top-3: 12 bytes a
+    token), two guided sites; and the records themselves, by key (layer for routing)."""
+    x, y = torch.randn(rows, 2, 32, generator=g) * 3, torch.randn(rows, 64, generator=g)
+    records = {3: torch.randint(0, 9, (rows, 3), generator=g, dtype=torch.int32)}
+    records[1] = torch.randint(0, 9, (rows, 3), generator=g, dtype=torch.int32)
+    cap = StepCapture(
+        routing=True, guidance=mode, keep={(1, "k"), (3, "expert_input")}, sparse_delta=0.2
+    )
+    for key, values in (((1, "k"), x), ((3, "expert_input"), y)):
+        cap.record(*key, quantize(values, scaling="row"), values)
+        records[key] = cap.sites[key]
+    for layer in (3, 1):
+        cap.record_routing(layer, records[layer])
+    return cap, records
+
+
+@pytest.mark.parametrize(
+    "mode, form",
+    [(m, f) for m in ("full", "compact", "sparse") for f in ("live", "to_host", "graphed")
+     if (m, f) != ("sparse", "graphed")],  # sparse guidance is never graphed
+)  # fmt: skip
+def test_assembly_equals_cutting_every_step_per_sequence(mode, form):
+    """Each sequence's records from the log are its spans of each step's records, cut and
+    concatenated one by one (the plain reference), bit for bit: steps of several sizes, rows
+    shared by two sequences (a prompt's samples) or by none (padding), a preempted sequence,
+    routing placed in ``moe_layers`` order with -1 for a layer that recorded nothing."""
+    g = torch.Generator().manual_seed(5)
+    seqs, log, steps = [SequenceCapture() for _ in range(5)], CaptureLog(), []
+    for step in range(6):
+        rows = 8
+        padding = 0 if form == "live" else 3  # rows past the step's own: a graph's bucket
+        cap, records = random_step(g, rows + padding, mode)
+        steps.append(records)
+        if form == "live":
+            logged = cap
+        elif form == "to_host":
+            logged = cap.to_host(rows)
+        else:  # as `DecodeGraphs.run`: the graph packed the bucket, rows 0..B leave
+            logged = cap.holding(cap.pack().to_host(rows))
+        cuts = sorted(torch.randperm(rows - 1, generator=g)[:4].add(1).tolist())
+        ranges = list(zip([0, *cuts], [*cuts, rows], strict=True))  # 5 ranges cover the rows
+        owners = torch.randperm(5, generator=g).tolist()
+        spans = [(seqs[s], *ranges[i]) for i, s in enumerate(owners) if (step + s) % 3]
+        spans.append((seqs[owners[0]], *ranges[1]))  # a row range fed to two sequences
+        if step == 3:
+            seqs[2].clear()  # preempted: what it was fed so far is recomputed later
+        log.add(logged, rows, spans)
+    moe_layers = (3, 0, 1)
+    got = log.assemble(seqs, moe_layers, top_k=3)
+    for seq, (routing, guidance) in zip(seqs, got, strict=True):
+
+        def cut(key, seq=seq):
+            return [record_rows(steps[s][key], a, b) for s, a, b in seq.spans]
+
+        T = sum(b - a for _, a, b in seq.spans)
+        want = torch.full((3, T, 3), -1, dtype=torch.int32)
+        want[0], want[2] = (
+            torch.cat([steps[s][3][a:b] for s, a, b in seq.spans]),
+            torch.cat([steps[s][1][a:b] for s, a, b in seq.spans]),
+        )
+        assert_same(routing, want, "routing")
+        assert routing.is_contiguous()
+        assert sorted(guidance) == [(1, "k"), (3, "expert_input")]
+        for key, record in guidance.items():
+            want = record_cat(cut(key))
+            assert_same(record, want.pack() if mode == "sparse" else want, key)
