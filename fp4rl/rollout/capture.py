@@ -3,10 +3,16 @@
 `StepCapture` is the ``capture`` argument of one forward (the model's FP4 sites record
 "expert_input", "expert_hidden", and "k" and "v" of NVFP4-KV layers; its routers record the
 top-k ids). Every record has one row per step token, and every row is quantized on its own
-(per-row global scales), so a sequence's records are rows cut from the steps' records. A
-generate call's `CaptureLog` keeps each step's records whole and each sequence's
-`SequenceCapture` the row ranges that are its own; `CaptureLog.assemble` gathers them into
-records over all ``T = len(prompt) + len(completion) - 1`` fed tokens at the end of the call.
+(per-row global scales), so a sequence's records are rows cut from the steps' records.
+
+A step's token-major records (routing, full and compact guidance) leave it as one uint8 buffer
+of a row per token (`PackedRows`, laid out by a cached `fp4rl.records.RowLayout`): one
+concatenation (inside the graph, for a graphed decode step) and one copy to pinned host memory,
+whatever the number of records. A generate call's `CaptureLog` keeps each step's buffer whole
+and each sequence's `SequenceCapture` the row ranges that are its own; `CaptureLog.assemble`
+gathers them into records over all ``T = len(prompt) + len(completion) - 1`` fed tokens at the
+end of the call: one gather per record member and sequence. Sparse records have no fixed bytes
+per token, so they keep their own path (copied together per step, cut and packed at the end).
 
 Guidance modes: "full" keeps each `NVFP4Tensor`; "compact" keeps `fp4rl.fp4.compact(t)`
 (mantissa bits and scales) for the latter ``fraction`` of the FP4 layers only and drops the
