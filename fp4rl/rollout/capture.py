@@ -208,7 +208,7 @@ class CaptureLog:
         ``spans`` holds ``(sequence capture, start, end)`` for each sequence fed this step (a
         prompt's rows go to each of its samples). Every step of a call must record the same
         things (same layout): a RuntimeError says which differ."""
-        if capture.packed is None and capture._routing.keys() | capture._sites.keys():
+        if capture.packed is None:
             capture = capture.holding(capture.pack(), capture.loose())
         self._check_like_the_first(capture, num_rows)
         step = len(self.steps)
@@ -287,9 +287,9 @@ def _row_index(seqs: list[SequenceCapture], offsets: np.ndarray) -> list[torch.T
     index = np.arange(int(ends[-1]) if len(ends) else 0) + np.repeat(
         starts - ends + lengths, lengths
     )
-    bounds = np.concatenate([[0], ends])[np.cumsum(counts)]
-    sizes = np.diff(np.concatenate([[0], bounds])).tolist()
-    return list(torch.from_numpy(index).split(sizes))
+    zero = np.zeros(1, dtype=np.int64)
+    sizes = np.diff(np.concatenate([zero, np.concatenate([zero, ends])[np.cumsum(counts)]]))
+    return list(torch.from_numpy(index).split(sizes.tolist()))
 
 
 def _gather_routing(layout: RowLayout, rows, index, moe_layers, top_k) -> list[torch.Tensor]:
@@ -301,6 +301,8 @@ def _gather_routing(layout: RowLayout, rows, index, moe_layers, top_k) -> list[t
     k = layout.members[0][0][2][0] if num else top_k
     # Bytes up to the first site record (or the row's end), the same for each layer's piece.
     end = layout.members[num][0][0] if num < len(layout.keys) else layout.row_bytes
+    if any(layout.members[i] != ((i * end // num, torch.int32, (k,)),) for i in range(num)):
+        raise ValueError(f"routing of layers {layers} is not int32 [T, {k}] in every layer")
     block = rows[:, :end]
     # Recorded layers that are MoE layers: where each goes in the record, where it comes from.
     wanted = {layer: i for i, layer in enumerate(moe_layers)}
