@@ -4,6 +4,8 @@ Both sides import this module and it imports neither (only the NVFP4 containers)
 never needs the engine package and the engine never needs the trainer's. `collate` packs
 completions into one `TrainBatch`: the token stream the trainer feeds, which rows it scores,
 the rollout's logprobs aligned to those rows, and the routing and guidance of the whole stream.
+`RowLayout` lays token-major records out as rows of bytes, one per token, so that the engine
+moves a step's records as one buffer and cuts each sequence's out of the rows of a call.
 
 Token alignment: a completion's model was fed ``T = len(prompt_ids) + len(completion_ids) - 1``
 tokens (the last sampled token never is). Row ``t`` of its routing record and of each guidance

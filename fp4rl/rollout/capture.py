@@ -129,13 +129,13 @@ class StepCapture:
 
     @property
     def routing(self) -> dict[int, torch.Tensor]:
-        """MoE layer -> int32 top-k ids ``[T, k]``."""
+        """MoE layer -> int32 top-k ids ``[T, k]`` (a fresh dict: record with `record_routing`)."""
         packed = {} if self.packed is None else self.packed.layout.unpack(self.packed.rows)
         return self._routing | {k: v for k, v in packed.items() if isinstance(k, int)}
 
     @property
     def sites(self) -> dict[SiteKey, SiteRecord]:
-        """Site -> record with leading dim T."""
+        """Site -> record with leading dim T (a fresh dict: record with `record`)."""
         packed = {} if self.packed is None else self.packed.layout.unpack(self.packed.rows)
         return {k: v for k, v in packed.items() if not isinstance(k, int)} | self._sites
 
