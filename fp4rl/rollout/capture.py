@@ -248,10 +248,12 @@ class CaptureLog:
         out = [(None, {}) for _ in seqs]
         if not steps:
             return out
-        packed = [c.packed for c in steps]
-        if packed[0] is not None:
-            layout = packed[0].layout
-            rows = packed[0].rows if len(packed) == 1 else torch.cat([p.rows for p in packed])
+        if steps[0].packed is not None:
+            layout = steps[0].packed.layout
+            rows = [c.packed.rows for c in steps]
+            rows = rows[0] if len(rows) == 1 else torch.cat(rows)
+            for c in steps:  # the steps' buffers go back before the records are gathered
+                c.packed = None
             index = [i.to(rows.device) for i in _row_index(seqs, offsets)]
             site_keys = [k for k in layout.keys if not isinstance(k, int)]
             sites = layout.gather(rows, index, site_keys)
