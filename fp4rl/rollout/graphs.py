@@ -108,8 +108,9 @@ class DecodeGraphs:
         self, segments: list[Segment], tokens: list[int], capture: StepCapture | None
     ) -> tuple[torch.Tensor, StepCapture | None]:
         """Logits ``[B, V]`` of one decode step (one token per segment), valid until the next
-        call, and the step's records in a fresh `StepCapture` like ``capture``, their copy to
-        pinned host memory queued behind the replay (`StepCapture.to_host`)."""
+        call, and the step's records in a fresh `StepCapture` like ``capture``: rows ``0..B`` of
+        the buffer the replay packed, their one copy to pinned host memory queued behind the
+        replay (`PackedRows.to_host`)."""
         B = len(segments)
         b = bucket_for(B)
         graph = self._graph(b, capture)
