@@ -191,8 +191,8 @@ class RowLayout:
         for key, item in zip(keys, items, strict=True):
             if not isinstance(item, _ROW_KINDS):
                 raise ValueError(f"{key!r}: a {type(item).__name__} has no fixed bytes per token")
-            members = tuple((m.dtype, m.shape[1:]) for m in _tensors(item))
-            signature.append((key, type(item), members))
+            kind = torch.Tensor if isinstance(item, torch.Tensor) else type(item)
+            signature.append((key, kind, tuple((m.dtype, m.shape[1:]) for m in _tensors(item))))
         return _row_layout(tuple(signature))
 
     def pack(self, items: Sequence[torch.Tensor | SiteRecord]) -> torch.Tensor:
