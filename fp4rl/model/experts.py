@@ -61,7 +61,7 @@ class RoutedExperts(nn.Module):
         w13, w2 = self.weights()
         x_TH = self.input_site(x_TH, guidance, capture)
         # Sort the T*k assignments by expert so each expert's rows are contiguous.
-        order_A = torch.argsort(topk_ids_Tk.flatten(), stable=True)
+        order_A = sort_by_expert(topk_ids_Tk, self.num_experts)
         counts_E = expert_counts(topk_ids_Tk, self.num_experts)
         x_AH = x_TH[order_A // k]
         gate_up_A2I = grouped_mm(x_AH, w13, counts_E)
@@ -77,6 +77,28 @@ class RoutedExperts(nn.Module):
         # Weighted sum over each token's k experts, back in token order.
         y_TkH = y_AH[row_order_Tk.flatten()].view(T, k, -1)
         return (y_TkH * topk_weights_Tk.unsqueeze(-1).to(y_TkH.dtype)).sum(1)
+
+
+def sort_by_expert(topk_ids_Tk: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """The assignments ``[T, k]`` ordered by expert, ties in flat order: int64 ``[A]``, the
+    permutation ``torch.argsort(ids.flatten(), stable=True)`` gives, bit for bit.
+
+    The ids must lie in ``[0, num_experts)`` (the router's top-k, replayed rows filled in
+    before the experts run); nothing checks this, since that would read them on the host.
+    Each assignment ``a`` gets the key ``id * A + a``: keys are unique, and they order by id
+    first and by position among equal ids, so the one order that sorts them is the stable
+    one and any sort returns it, its indices being that permutation. The keys fit int32 when
+    ``E * A < 2**31``; on the GPU an unstable sort of int32 keys is the cheap one (a bitonic
+    sort in one block up to 32 keys, half the radix passes of int64 ids beyond). Past that
+    bound the ids themselves are sorted stably. Nothing is read back to the host.
+    """
+    ids_A = topk_ids_Tk.flatten()
+    A = ids_A.numel()
+    if num_experts * A >= 2**31:
+        return torch.argsort(ids_A, stable=True)
+    keys_A = torch.arange(A, dtype=torch.int32, device=ids_A.device)
+    keys_A.add_(ids_A.to(torch.int32), alpha=A)
+    return torch.sort(keys_A).indices
 
 
 def expert_counts(topk_ids_Tk: torch.Tensor, num_experts: int) -> torch.Tensor:

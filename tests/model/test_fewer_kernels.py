@@ -3,7 +3,7 @@
 The previous formulations are written out here as the references: RMSNorm with its cast after
 the multiply, RoPE tables computed by every layer and applied with a negation, the router's
 weights cast after their normalization, the paged attention's gather and scatter of decode
-rows. Each new one is held to its reference bitwise
+rows, the stable argsort of the MoE dispatch. Each new one is held to its reference bitwise
 on many random inputs (special values included), outputs and gradients, and the whole model
 -- the engine's generation with its records, the trainer's logprobs and gradients under its
 three attention backends -- is held to the model running the references.
@@ -17,6 +17,7 @@ from tiny_models import FP4_EVERYWHERE, engine_config, packed_twin, qat_model, t
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fp4rl import ops
+from fp4rl.model import experts
 from fp4rl.model.attention import (
     Attention,
     Bf16KV,
@@ -118,6 +119,10 @@ def reference_router(self, x_TH, replay_Tk=None):
     return weights, ids, fallback
 
 
+def reference_sort_by_expert(topk_ids_Tk, num_experts):
+    return torch.argsort(topk_ids_Tk.flatten(), stable=True)
+
+
 def reference_moe_block(self, x_TH, *, replay_Tk=None, guidance=None, capture=None, stats=None):
     weights_Tk, ids_Tk, fallback = reference_router(self.router, x_TH, replay_Tk)
     if capture is not None:
@@ -139,6 +144,7 @@ def references(monkeypatch):
         monkeypatch.setattr(Attention, "forward", reference_attention)
         monkeypatch.setattr(PagedAttention, "attend", reference_paged_attend)
         monkeypatch.setattr(SparseMoeBlock, "forward", reference_moe_block)
+        monkeypatch.setattr(experts, "sort_by_expert", reference_sort_by_expert)
 
     return use
 
@@ -356,3 +362,101 @@ def test_rope_tables_are_computed_once_per_forward():
         model.hidden_states(torch.tensor([1, 2, 3, 4, 5, 6]), CausalAttention([4, 2]))
     # One cos, one sin, one negation (the signed sin) per forward; none per layer.
     assert [seen.names.count(f"aten::{op}") for op in ("cos", "sin", "neg")] == [1, 1, 1]
+
+
+# -- the MoE dispatch's sort -----------------------------------------------------------------
+
+
+class Sorts(TorchDispatchMode):
+    """The sorts run: ``(overload, key dtype)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name == "aten::sort":
+            self.seen.append((func._overloadname, args[0].dtype))
+        return func(*args, **(kwargs or {}))
+
+
+def routing_cases(g):
+    """``(ids [T, k], E)``: T from 0 up to a few thousand, k 1..8, E up to 256; uniform ids,
+    a few experts taking all (many ties), one expert for all, and ids in sorted and reverse
+    order."""
+    shapes = [(0, 8, 128), (1, 1, 1), (1, 8, 128), (1, 8, 8), (2, 2, 256), (3, 8, 2)]
+    shapes += [(64, 8, 128), (64, 4, 60), (512, 8, 256), (4096, 8, 128), (3000, 1, 7)]
+    shapes += [
+        (int(torch.randint(0, 700, (), generator=g)), k, E)
+        for k in range(1, 9)
+        for E in (k, 16, 256)
+    ]
+    for T, k, E in shapes:
+        yield torch.randint(0, E, (T, k), generator=g), E
+        few = torch.randint(0, E, (3,), generator=g)
+        yield few[torch.randint(0, 3, (T, k), generator=g)], E
+        yield torch.full((T, k), E - 1), E
+        yield torch.sort(torch.randint(0, E, (T * k,), generator=g)).values.view(T, k), E
+        yield torch.arange(T * k).flip(0).remainder(E).view(T, k), E
+
+
+@pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32])
+def test_sort_by_expert_is_the_stable_argsort(id_dtype):
+    g = torch.Generator().manual_seed(5)
+    for ids, E in routing_cases(g):
+        ids = ids.to(id_dtype)
+        with Sorts() as sorts:
+            order = experts.sort_by_expert(ids, E)
+        assert_bitwise(order, torch.argsort(ids.flatten(), stable=True))
+        # One sort of unique int32 keys, no stability asked for.
+        assert sorts.seen == [("default", torch.int32)]
+
+
+@pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32])
+def test_sort_by_expert_sorts_the_ids_stably_when_int32_keys_would_overflow(id_dtype):
+    g = torch.Generator().manual_seed(6)
+    for T, k, E, path in [
+        (1, 8, 2**28 - 1, ("default", torch.int32)),  # E * A = 2**31 - 8: keys up to 2**31 - 1
+        (1, 8, 2**28, ("stable", id_dtype)),  # E * A = 2**31
+        (1, 8, 2**28 + 1, ("stable", id_dtype)),  # keys past 2**31 - 1
+        (3000, 8, 2**17, ("stable", id_dtype)),
+    ]:
+        ids = torch.randint(E - 2, E, (T, k), generator=g)
+        ids.view(-1)[torch.randperm(T * k, generator=g)[: T * k // 2]] = 0
+        ids = ids.to(id_dtype)
+        with Sorts() as sorts:
+            order = experts.sort_by_expert(ids, E)
+        assert_bitwise(order, torch.argsort(ids.flatten(), stable=True))
+        assert sorts.seen == [path]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sort_by_expert_on_cuda_is_the_stable_argsort_without_a_sync():
+    g = torch.Generator().manual_seed(7)
+    cases = [
+        (ids.to(dtype), E) for ids, E in routing_cases(g) for dtype in (torch.int64, torch.int32)
+    ]
+    cases += [(torch.randint(0, 128, (16384, 8), generator=g), 128)]  # past the in-block sort
+    on_cuda = [(ids.cuda(), E) for ids, E in cases]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # nothing below may read a value back
+    try:
+        orders = [experts.sort_by_expert(ids, E) for ids, E in on_cuda]
+        stable = [torch.argsort(ids.flatten(), stable=True) for ids, _ in on_cuda]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for (ids, _), order, cuda_stable in zip(cases, orders, stable, strict=True):
+        assert_bitwise(order, cuda_stable)
+        assert_bitwise(order.cpu(), torch.argsort(ids.flatten(), stable=True))
+    # Captured in a CUDA graph and replayed on other ids.
+    static = torch.randint(0, 128, (64, 8), generator=g).cuda()
+    experts.sort_by_expert(static, 128)  # warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        order = experts.sort_by_expert(static, 128)
+    for _ in range(3):
+        static.copy_(torch.randint(0, 128, (64, 8), generator=g))
+        graph.replay()
+        assert_bitwise(order, torch.argsort(static.flatten(), stable=True))
