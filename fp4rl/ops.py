@@ -127,6 +127,16 @@ def paged_decode_attention(
     return _kernels(q_BHD).paged_decode_attention(q_BHD, k, v, block_table_BN, context_B)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """RMSNorm of the rows of ``x`` in one kernel on the GPU (`fp4rl.kernels.rms_norm`: a fixed
+    FP32 summation order, the same bits whatever the batch), for x and weight of one float
+    dtype; None elsewhere, where the caller runs the eager formulation."""
+    kernels = _kernels(x)
+    if kernels is None or weight.dtype != x.dtype or x.dtype not in kernels.rms_norm.DTYPES:
+        return None
+    return kernels.rms_norm_rows(x.contiguous(), weight.contiguous(), eps)
+
+
 def quantize_site(
     x: torch.Tensor, *, scaling: Scaling = "row", guidance: Guidance = None
 ) -> NVFP4Tensor:

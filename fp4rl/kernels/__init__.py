@@ -13,7 +13,7 @@ import torch
 from fp4rl.fp4.reference import Scaling
 from fp4rl.fp4.rounding import CompactCodes
 from fp4rl.fp4.tensor import NVFP4Tensor
-from fp4rl.kernels import dequant, guided, moe_gemm, nearest, paged_attention
+from fp4rl.kernels import dequant, guided, moe_gemm, nearest, paged_attention, rms_norm
 
 __all__ = [
     "dequantize",
@@ -22,6 +22,7 @@ __all__ = [
     "paged_decode_attention",
     "quantize",
     "round_guided_compact",
+    "rms_norm_rows",
     "round_guided_full",
 ]
 
@@ -73,3 +74,8 @@ def paged_decode_attention(q_BHD, k, v, block_table_BN, context_B) -> torch.Tens
     """`paged_attention.reference_decode`: one query token per sequence over its KV pages
     (BF16 tensors or NVFP4 decoded in registers)."""
     return paged_attention.launch(q_BHD, k, v, block_table_BN, context_B)
+
+
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`rms_norm.reference_rms_norm`: RMSNorm over the last dim, one program per row."""
+    return rms_norm.launch(x, weight, eps)

@@ -17,17 +17,53 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fp4rl import ops
+
 
 class RMSNorm(nn.Module):
+    """On the GPU one kernel per call (`fp4rl.ops.rms_norm`; its FP32 sum of squares in a fixed
+    order, so a row's result does not depend on the batch), gradients from the eager
+    formulation; elsewhere the eager formulation (`eager_rms_norm`)."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * op_to(torch.mul, x32, inv_rms, x.dtype)
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            if x.is_cuda:
+                return _KernelRMSNorm.apply(x, self.weight, self.eps)
+            return eager_rms_norm(x, self.weight, self.eps)
+        y = ops.rms_norm(x, self.weight, self.eps)
+        return eager_rms_norm(x, self.weight, self.eps) if y is None else y
+
+
+def eager_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The Qwen formulation: FP32 statistics, cast back before the weight multiply."""
+    x32 = x.float()
+    inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * op_to(torch.mul, x32, inv_rms, x.dtype)
+
+
+class _KernelRMSNorm(torch.autograd.Function):
+    """The kernel's values forward; backward, the gradients of the eager formulation (which
+    computes the same function up to the last bit of its inverse RMS), recomputed."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        ctx.eps = eps
+        ctx.save_for_backward(x, weight)
+        y = ops.rms_norm(x, weight, eps)
+        return eager_rms_norm(x, weight, eps) if y is None else y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            x, weight = x.detach().requires_grad_(), weight.detach().requires_grad_()
+            dx, dweight = torch.autograd.grad(eager_rms_norm(x, weight, ctx.eps), (x, weight), grad)
+        return dx, dweight, None
 
 
 def op_to(op, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
