@@ -137,6 +137,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     return kernels.rms_norm_rows(x.contiguous(), weight.contiguous(), eps)
 
 
+def apply_rope(
+    x_THD: torch.Tensor, cos_TD: torch.Tensor, signed_sin_TD: torch.Tensor
+) -> torch.Tensor | None:
+    """Rotary embedding of ``[T, H, D]`` rows in one kernel on the GPU (`fp4rl.kernels.rope`,
+    bitwise the eager formulation), for tables of x's dtype and a power-of-two D; None
+    elsewhere, where the caller runs the eager formulation."""
+    kernels = _kernels(x_THD)
+    if (
+        kernels is None
+        or x_THD.dim() != 3
+        or not kernels.rope.supported(x_THD)
+        or cos_TD.dtype != x_THD.dtype
+        or signed_sin_TD.dtype != x_THD.dtype
+    ):
+        return None
+    return kernels.rope_rows(x_THD.contiguous(), cos_TD.contiguous(), signed_sin_TD.contiguous())
+
+
 def quantize_site(
     x: torch.Tensor, *, scaling: Scaling = "row", guidance: Guidance = None
 ) -> NVFP4Tensor:

@@ -13,7 +13,7 @@ import torch
 from fp4rl.fp4.reference import Scaling
 from fp4rl.fp4.rounding import CompactCodes
 from fp4rl.fp4.tensor import NVFP4Tensor
-from fp4rl.kernels import dequant, guided, moe_gemm, nearest, paged_attention, rms_norm
+from fp4rl.kernels import dequant, guided, moe_gemm, nearest, paged_attention, rms_norm, rope
 
 __all__ = [
     "dequantize",
@@ -23,6 +23,7 @@ __all__ = [
     "quantize",
     "round_guided_compact",
     "rms_norm_rows",
+    "rope_rows",
     "round_guided_full",
 ]
 
@@ -79,3 +80,10 @@ def paged_decode_attention(q_BHD, k, v, block_table_BN, context_B) -> torch.Tens
 def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`rms_norm.reference_rms_norm`: RMSNorm over the last dim, one program per row."""
     return rms_norm.launch(x, weight, eps)
+
+
+def rope_rows(
+    x_THD: torch.Tensor, cos_TD: torch.Tensor, signed_sin_TD: torch.Tensor
+) -> torch.Tensor:
+    """`fp4rl.model.layers.apply_rope`, bit for bit, in one launch."""
+    return rope.launch(x_THD, cos_TD, signed_sin_TD)

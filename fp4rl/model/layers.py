@@ -110,7 +110,12 @@ def apply_rope(
     """Rotate-half RoPE, ``x * cos + cat(-x2, x1) * sin``, computed as ``x * cos + cat(x2, x1)
     * signed_sin`` where ``signed_sin = cat(-sin1, sin2)`` (`RopeTables`): negation is exact
     and a rounded product only changes sign with a factor, so the bits are the same, zeros'
-    signs included, without a negation per call."""
+    signs included, without a negation per call. On the GPU, outside autograd, one kernel
+    computes the same bits (`fp4rl.ops.apply_rope`)."""
+    if not (torch.is_grad_enabled() and x_THD.requires_grad):
+        out = ops.apply_rope(x_THD, cos_TD, signed_sin_TD)
+        if out is not None:
+            return out
     half = x_THD.shape[-1] // 2
     swapped = torch.cat((x_THD[..., half:], x_THD[..., :half]), dim=-1)
     return x_THD * cos_TD[:, None, :] + swapped * signed_sin_TD[:, None, :]
