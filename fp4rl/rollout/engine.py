@@ -233,17 +233,15 @@ class Engine:
         seqs = [s for group in groups for s in group]
         if not seqs:
             return []  # a step of prefill chunks only
-        _check_logits(logits_SV, groups)
+        # Nothing here waits for the device until the one read below: the sampler's kernels
+        # queue behind the forward while the host is still launching them.
+        bad_S = _bad_rows(logits_SV)
         rows = torch.tensor([i for i, group in enumerate(groups) for _ in group], device=device)
         out = sample(logits_SV[rows], [s.params for s in seqs], [s.generator for s in seqs])
+        bad, tokens, logprobs, raws = _read_back(bad_S, out)
+        _check_logits(bad, groups)
         finished = []
-        for seq, token, logprob, raw in zip(
-            seqs,
-            out.token_ids_B.tolist(),
-            out.logprobs_B.tolist(),
-            out.raw_logprobs_B.tolist(),
-            strict=True,
-        ):
+        for seq, token, logprob, raw in zip(seqs, tokens, logprobs, raws, strict=True):
             if seq.append(token, logprob, raw, self.config.max_model_len):
                 scheduler.finish(seq)
                 finished.append(seq)
@@ -317,14 +315,31 @@ def _per_prompt(sampling, num_prompts: int) -> list[tuple[SamplingParams, int]]:
     return [(p, seed_of(p)) for p in params]
 
 
-def _check_logits(logits_SV: torch.Tensor, groups: list[list[Sequence]]) -> None:
-    """Refuse to sample from NaN, +inf or all -inf logits: any token drawn from them would be
-    a plausible-looking lie in the training data."""
-    bad_S = logits_SV.isnan().any(-1) | logits_SV.isposinf().any(-1) | logits_SV.isneginf().all(-1)
-    if bad_S.any():
+def _bad_rows(logits_SV: torch.Tensor) -> torch.Tensor:
+    """Rows with a NaN or +inf logit, or no finite one (bool ``[S]``, on the device)."""
+    return logits_SV.isnan().any(-1) | logits_SV.isposinf().any(-1) | logits_SV.isneginf().all(-1)
+
+
+def _read_back(bad_S: torch.Tensor, out) -> tuple[list[bool], list[int], list[float], list[float]]:
+    """The bad-row flags and the sampled tokens, logprobs and raw logprobs on the host, in one
+    copy (one wait for the device): all as float64, which holds token ids and FP32 values
+    exactly."""
+    parts = (bad_S, out.token_ids_B, out.logprobs_B, out.raw_logprobs_B)
+    values = torch.cat([p.to(torch.float64) for p in parts]).tolist()
+    S, B = bad_S.shape[0], out.token_ids_B.shape[0]
+    bad, rest = values[:S], values[S:]
+    return [v != 0 for v in bad], [int(v) for v in rest[:B]], rest[B : 2 * B], rest[2 * B :]
+
+
+def _check_logits(bad_S: list[bool], groups: list[list[Sequence]]) -> None:
+    """Refuse to sample from NaN, +inf or all -inf logits (`_bad_rows`): any token drawn from
+    them would be a plausible-looking lie in the training data. Tokens drawn from such rows in
+    the same step are discarded with the step."""
+    if any(bad_S):
         names = [
             f"prompt {s.prompt_index} sample {s.sample_index}"
-            for i in bad_S.nonzero().flatten().tolist()
+            for i, bad in enumerate(bad_S)
+            if bad
             for s in groups[i]
         ]
         raise RuntimeError(f"non-finite logits for {', '.join(names)}; generation stopped")

@@ -32,7 +32,8 @@ order changes about one draw in twenty of randn * 4 logits, as the sorted float3
 by ~3e-5 there). Equal results rule that out. Nothing is read back from the device: which rows
 take which path follows from their SamplingParams.
 
-Outside the contract, as before: NaN logits (the engine refuses them) and the relative order
+Outside the contract, as before: NaN logits (the engine refuses them after the draw; the
+sampler only keeps every index in range for them) and the relative order
 of -0.0 and +0.0 (a GPU radix sort puts +0.0 first; the CPU sort and the tie repair here treat
 them as equal).
 
@@ -177,6 +178,9 @@ def _walk(sorted_BV, top_k_B, top_p_B, u_B):
     # are a prefix, as the logits are sorted) removes.
     rank_B = torch.searchsorted(cdf_BV, (u_B * cdf_BV[:, -1])[:, None], right=True)[:, 0]
     rank_B = torch.minimum(rank_B, (logprobs_BV > float("-inf")).sum(-1) - 1)
+    # A row with no positive rank (NaN or infinite logits, which the engine refuses once the
+    # step's tokens are read) still indexes in range: no device assert before that check.
+    rank_B = rank_B.clamp_(min=0)
     return rank_B, logprobs_BV.gather(1, rank_B[:, None])[:, 0]
 
 

@@ -326,11 +326,23 @@ def test_engine_settings_must_fit_the_model(models):
         Engine(packed, config(max_model_len=512, max_num_batched_tokens=512))
 
 
-def test_non_finite_logits_stop_generation(models):
+# The engine reads a step's tokens and its bad-row flags in one copy, after the sampler ran on
+# the bad rows too: every way of drawing must get there without an error of its own.
+@pytest.mark.parametrize("fill", [float("nan"), float("inf"), -float("inf")], ids=str)
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingParams(max_tokens=5),
+        SamplingParams(max_tokens=5, top_k=3, top_p=0.9),
+        SamplingParams(max_tokens=5, temperature=0.0),
+    ],
+    ids=["temperature", "top_k", "greedy"],
+)
+def test_non_finite_logits_stop_generation(models, fill, sampling):
     packed, _ = models[("bf16", "bf16")]
 
     class Poisoned:
-        """The model, with NaN logits once a sequence is longer than 3 tokens."""
+        """The model, with non-finite logits once a sequence is longer than 3 tokens."""
 
         def __init__(self, model):
             self.model = model
@@ -343,11 +355,11 @@ def test_non_finite_logits_stop_generation(models):
 
         def logits(self, h_NH):
             out = self.model.logits(h_NH)
-            return out.fill_(float("nan")) if self.long else out
+            return out.fill_(fill) if self.long else out
 
     engine = Engine(Poisoned(packed), config())
     with pytest.raises(RuntimeError, match="non-finite logits for prompt 0 sample 0"):
-        engine.generate([[1, 2]], SamplingParams(max_tokens=5))
+        engine.generate([[1, 2]], sampling)
 
 
 def test_kv_pages_can_be_given_back_and_taken_again(models):
