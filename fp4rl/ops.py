@@ -155,6 +155,21 @@ def apply_rope(
     return kernels.rope_rows(x_THD.contiguous(), cos_TD.contiguous(), signed_sin_TD.contiguous())
 
 
+def sort_by_expert(ids: torch.Tensor, num_experts: int) -> torch.Tensor | None:
+    """``torch.argsort(ids.flatten(), stable=True)`` (int64) for int32 or int64 expert ids in
+    ``[0, num_experts)``, as one counting-sort kernel on the GPU (`fp4rl.kernels.expert_sort`)
+    for sorts of decode size (shapes only decide); None elsewhere, where the caller sorts with
+    torch (`fp4rl.model.experts.sort_by_expert`)."""
+    kernels = _kernels(ids)
+    if (
+        kernels is None
+        or ids.dtype not in kernels.expert_sort.ID_DTYPES
+        or not kernels.expert_sort.supported(ids.numel(), num_experts)
+    ):
+        return None
+    return kernels.sort_expert_ids(ids.contiguous(), num_experts)
+
+
 def quantize_site(
     x: torch.Tensor, *, scaling: Scaling = "row", guidance: Guidance = None
 ) -> NVFP4Tensor:

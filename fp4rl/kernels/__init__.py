@@ -13,7 +13,16 @@ import torch
 from fp4rl.fp4.reference import Scaling
 from fp4rl.fp4.rounding import CompactCodes
 from fp4rl.fp4.tensor import NVFP4Tensor
-from fp4rl.kernels import dequant, guided, moe_gemm, nearest, paged_attention, rms_norm, rope
+from fp4rl.kernels import (
+    dequant,
+    expert_sort,
+    guided,
+    moe_gemm,
+    nearest,
+    paged_attention,
+    rms_norm,
+    rope,
+)
 
 __all__ = [
     "dequantize",
@@ -25,6 +34,7 @@ __all__ = [
     "rms_norm_rows",
     "rope_rows",
     "round_guided_full",
+    "sort_expert_ids",
 ]
 
 
@@ -87,3 +97,9 @@ def rope_rows(
 ) -> torch.Tensor:
     """`fp4rl.model.layers.apply_rope`, bit for bit, in one launch."""
     return rope.launch(x_THD, cos_TD, signed_sin_TD)
+
+
+def sort_expert_ids(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``torch.argsort(ids.flatten(), stable=True)`` for expert ids in ``[0, num_experts)``: a
+    counting sort in one launch (`expert_sort.launch`)."""
+    return expert_sort.launch(ids, num_experts)
