@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fp4rl import ops
 from fp4rl.fp4 import NVFP4Tensor
 from fp4rl.model.precision import EXPERT_SITES
 from fp4rl.model.sites import Capture, Fp4Site
@@ -90,8 +91,13 @@ def sort_by_expert(topk_ids_Tk: torch.Tensor, num_experts: int) -> torch.Tensor:
     one and any sort returns it, its indices being that permutation. The keys fit int32 when
     ``E * A < 2**31``; on the GPU an unstable sort of int32 keys is the cheap one (a bitonic
     sort in one block up to 32 keys, half the radix passes of int64 ids beyond). Past that
-    bound the ids themselves are sorted stably. Nothing is read back to the host.
+    bound the ids themselves are sorted stably. On the GPU, sorts of decode size (shapes
+    decide: `fp4rl.kernels.expert_sort.supported`) are instead one counting-sort kernel
+    (`fp4rl.ops.sort_by_expert`), the same permutation. Nothing is read back to the host.
     """
+    order_A = ops.sort_by_expert(topk_ids_Tk, num_experts)
+    if order_A is not None:
+        return order_A
     ids_A = topk_ids_Tk.flatten()
     A = ids_A.numel()
     if num_experts * A >= 2**31:
