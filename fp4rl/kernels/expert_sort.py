@@ -20,7 +20,8 @@ torch's sort spreads a large A over many blocks. `MAX_ASSIGNMENTS` (decode batch
 tokens of 8 experts) is where `fp4rl.ops` stops sending sorts here. The launch depends on
 shapes only (nothing is read on the host), so it can be captured in a CUDA graph.
 
-The ids must lie in ``[0, num_experts)`` (the callers' guarantee, as for `sort_by_expert`).
+The ids must lie in ``[0, num_experts)`` (the callers' guarantee, as for `sort_by_expert`);
+others make a wrong order but never a store outside it.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def _expert_sort_kernel(
         ids = tl.load(ids_A + a, mask=ok, other=0).to(tl.int32)
         same = (ids[:, None] == ids[None, :]) & before
         slot = tl.gather(next_slot, ids, 0) + tl.sum(same.to(tl.int32), axis=1)
-        tl.store(order_A + slot, a.to(tl.int64), mask=ok)
+        # In range whenever the ids are; the bound keeps ids that are not from writing elsewhere.
+        tl.store(order_A + slot, a.to(tl.int64), mask=ok & (slot >= 0) & (slot < A))
         next_slot += tl.histogram(ids, E_BLOCK, mask=ok)
 
 
