@@ -1,0 +1,95 @@
+"""The MoE dispatch's sort by expert: the counting-sort kernel against the int32-key torch sort
+it replaces, by the number of assignments A and experts E, outputs checked bitwise.
+
+One H200 (seconds): ``python benchmarks/expert_sort.py``; a CPU smoke check under Triton's
+interpreter: ``python benchmarks/expert_sort.py --device cpu``. Prints a markdown table and
+writes it to ``$OUT/expert_sort.md`` when OUT is set; exits 1 if an order differs from
+``torch.argsort(ids, stable=True)``.
+
+"kernel" is `fp4rl.kernels.expert_sort.launch`; "torch" is what `fp4rl.model.experts.
+sort_by_expert` runs where the kernel does not (keys ``id * A + position`` sorted as int32).
+Times: CUDA-graph replays of one call per input (the GPU's time alone, as decode steps replay
+it), median over repeats, us per call. The kernel's time grows with A (one program walks the
+ids), torch's with its sort's passes: where they cross is where `expert_sort.MAX_ASSIGNMENTS`
+belongs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+
+import torch
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--device", default="cuda", choices=["cuda", "cpu"], help="cpu runs a smoke check"
+    )
+    parser.add_argument("--assignments", default="8,64,512,1024,2048,4096,8192")
+    parser.add_argument("--experts", default="128,256")
+    parser.add_argument("--repeats", type=int, default=20)
+    return parser.parse_args()
+
+
+ARGS = parse_args()
+if ARGS.device == "cpu":  # kernels must be decorated interpreted: before fp4rl.kernels loads
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from _timing import median_ms, report, run_header  # noqa: E402
+
+from fp4rl.kernels import expert_sort  # noqa: E402
+
+
+def torch_sort(ids_A: torch.Tensor) -> torch.Tensor:
+    """`sort_by_expert`'s torch path (E * A < 2**31): one sort of unique int32 keys."""
+    A = ids_A.numel()
+    keys_A = torch.arange(A, dtype=torch.int32, device=ids_A.device)
+    keys_A.add_(ids_A.to(torch.int32), alpha=A)
+    return torch.sort(keys_A).indices
+
+
+def main() -> int:
+    cuda = ARGS.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU; --device cpu runs a smoke check under TRITON_INTERPRET")
+    sizes = [int(a) for a in ARGS.assignments.split(",")]
+    experts = [int(e) for e in ARGS.experts.split(",")]
+    if not cuda:
+        sizes, experts = [a for a in sizes if a <= 512], experts[:1]
+    repeats = ARGS.repeats if cuda else 1
+    lines = [
+        run_header(" ".join(["python", *sys.argv])),
+        "",
+        f"Uniform int64 ids (the router's top-k dtype). CUDA-graph replay, median of {repeats}, "
+        "us per call.",
+        "",
+        "| A | E | kernel us | torch us | torch / kernel | order |",
+        "|---:|---:|---:|---:|---:|---|",
+    ]
+    all_equal = True
+    for E in experts:
+        for A in sizes:
+            g = torch.Generator().manual_seed(A + E)
+            inputs = [torch.randint(0, E, (A,), generator=g).to(ARGS.device) for _ in range(8)]
+            kernel = functools.partial(expert_sort.launch, num_experts=E)
+            times = [
+                median_ms(fn, inputs, warmup=2, repeats=repeats, graph=cuda) * 1e3
+                for fn in (kernel, torch_sort)
+            ]
+            want = torch.argsort(inputs[0].cpu(), stable=True)
+            equal = all(torch.equal(fn(inputs[0]).cpu(), want) for fn in (kernel, torch_sort))
+            all_equal &= equal
+            lines.append(
+                f"| {A} | {E} | {times[0]:.1f} | {times[1]:.1f} | {times[1] / times[0]:.2f}x | "
+                f"{'bitwise equal' if equal else 'DIFFERS'} |"
+            )
+    report("expert_sort.md", lines)
+    return 0 if all_equal else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
