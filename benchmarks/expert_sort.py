@@ -31,6 +31,9 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--assignments", default="8,64,512,1024,2048,4096,8192")
     parser.add_argument("--experts", default="128,256")
+    parser.add_argument(
+        "--tiles", default="32:4,64:8,128:8", help="other kernel tiles CHUNK:WARPS, timed too"
+    )
     parser.add_argument("--repeats", type=int, default=20)
     return parser.parse_args()
 
@@ -57,6 +60,8 @@ def main() -> int:
     if cuda and not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU; --device cpu runs a smoke check under TRITON_INTERPRET")
     sizes = [int(a) for a in ARGS.assignments.split(",")]
+    tiles = [expert_sort.SortTile(*(int(v) for v in t.split(":"))) for t in ARGS.tiles.split(",")]
+    tiles = [expert_sort.DEFAULT_TILE] + [t for t in tiles if t != expert_sort.DEFAULT_TILE]
     experts = [int(e) for e in ARGS.experts.split(",")]
     if not cuda:
         sizes, experts = [a for a in sizes if a <= 512], experts[:1]
@@ -67,25 +72,31 @@ def main() -> int:
         f"Uniform int64 ids (the router's top-k dtype). CUDA-graph replay, median of {repeats}, "
         "us per call.",
         "",
-        "| A | E | kernel us | torch us | torch / kernel | order |",
-        "|---:|---:|---:|---:|---:|---|",
+        f"Kernel tiles CHUNK:WARPS; the first is the default ({expert_sort.DEFAULT_TILE}).",
+        "",
+        "| A | E | torch us | "
+        + " | ".join(f"kernel {t.chunk}:{t.num_warps} us" for t in tiles)
+        + " | torch / default kernel | orders |",
+        "|---:|---:|---:|" + "---:|" * len(tiles) + "---:|---|",
     ]
     all_equal = True
     for E in experts:
         for A in sizes:
             g = torch.Generator().manual_seed(A + E)
             inputs = [torch.randint(0, E, (A,), generator=g).to(ARGS.device) for _ in range(8)]
-            kernel = functools.partial(expert_sort.launch, num_experts=E)
+            sorts = [torch_sort] + [
+                functools.partial(expert_sort.launch, num_experts=E, tile=t) for t in tiles
+            ]
             times = [
-                median_ms(fn, inputs, warmup=2, repeats=repeats, graph=cuda) * 1e3
-                for fn in (kernel, torch_sort)
+                median_ms(fn, inputs, warmup=2, repeats=repeats, graph=cuda) * 1e3 for fn in sorts
             ]
             want = torch.argsort(inputs[0].cpu(), stable=True)
-            equal = all(torch.equal(fn(inputs[0]).cpu(), want) for fn in (kernel, torch_sort))
+            equal = all(torch.equal(fn(inputs[0]).cpu(), want) for fn in sorts)
             all_equal &= equal
             lines.append(
-                f"| {A} | {E} | {times[0]:.1f} | {times[1]:.1f} | {times[1] / times[0]:.2f}x | "
-                f"{'bitwise equal' if equal else 'DIFFERS'} |"
+                f"| {A} | {E} | "
+                + " | ".join(f"{t:.1f}" for t in times)
+                + f" | {times[0] / times[1]:.2f}x | {'bitwise equal' if equal else 'DIFFER'} |"
             )
     report("expert_sort.md", lines)
     return 0 if all_equal else 1

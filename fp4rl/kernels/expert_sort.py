@@ -17,14 +17,17 @@ Bounds: a program holds one ``[CHUNK, CHUNK]`` tile and two ``[E_BLOCK]`` vector
 so registers bound the tile and the experts (`MAX_EXPERTS` bins, as in DeepSeek-V3's 256), not
 A. A bounds the time: the chunks run one after another on one SM, ``A / CHUNK`` steps, while
 torch's sort spreads a large A over many blocks. `MAX_ASSIGNMENTS` (decode batches: 1,024
-tokens of 8 experts) is where `fp4rl.ops` stops sending sorts here. The launch depends on
-shapes only (nothing is read on the host), so it can be captured in a CUDA graph.
+tokens of 8 experts) is where `fp4rl.ops` stops sending sorts here, set before a GPU measured
+where the two cross (`benchmarks/expert_sort.py` times both). The launch depends on shapes only
+(nothing is read on the host), so it can be captured in a CUDA graph.
 
 The ids must lie in ``[0, num_experts)`` (the callers' guarantee, as for `sort_by_expert`);
 others make a wrong order but never a store outside it.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -35,9 +38,27 @@ from fp4rl.kernels.launch import check_contiguous, check_kernel_device, device_o
 ID_DTYPES = (torch.int32, torch.int64)
 MAX_ASSIGNMENTS = 8192
 MAX_EXPERTS = 256
-MAX_CHUNK = 64  # [64, 64] comparisons a step: 32 per thread at 4 warps
 MAX_COUNT_CHUNK = 1024
-NUM_WARPS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class SortTile:
+    """Rank chunks of up to ``chunk`` ids (a power of two >= 16: ``[chunk, chunk]``
+    comparisons a step) on ``num_warps`` warps. Fewer, larger steps shorten the serial walk
+    until the tile no longer fits the registers (sm_90, Triton 3.6: 64 on 4 warps takes 128
+    registers a thread, 128 on 8 warps 254)."""
+
+    chunk: int
+    num_warps: int
+
+    def __post_init__(self) -> None:
+        if self.chunk < 16 or self.chunk & (self.chunk - 1):
+            raise ValueError(f"chunk must be a power of two >= 16; got {self.chunk}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16; got {self.num_warps}")
+
+
+DEFAULT_TILE = SortTile(chunk=64, num_warps=4)  # 32 comparisons per thread a step
 
 
 @triton.jit
@@ -76,9 +97,10 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def launch(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+def launch(ids: torch.Tensor, num_experts: int, tile: SortTile = DEFAULT_TILE) -> torch.Tensor:
     """``torch.argsort(ids.flatten(), stable=True)`` (int64 ``[A]``) for int32 or int64 ids in
-    ``[0, num_experts)``, in one launch; ``supported(A, num_experts)`` must hold."""
+    ``[0, num_experts)``, in one launch; ``supported(A, num_experts)`` must hold. ``tile``
+    other than the default is for benchmarking variants (benchmarks/expert_sort.py)."""
     check_kernel_device("ids", ids)
     if ids.dtype not in ID_DTYPES:
         raise ValueError(f"ids must be one of {ID_DTYPES}; got {ids.dtype}")
@@ -99,7 +121,7 @@ def launch(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     with device_of(ids):
         _expert_sort_kernel[(1,)](
             ids, order_A, A,
-            CHUNK=min(MAX_CHUNK, whole), COUNT_CHUNK=min(MAX_COUNT_CHUNK, whole),
-            E_BLOCK=max(16, _pow2_at_least(num_experts)), num_warps=NUM_WARPS,
+            CHUNK=min(tile.chunk, whole), COUNT_CHUNK=min(MAX_COUNT_CHUNK, whole),
+            E_BLOCK=max(16, _pow2_at_least(num_experts)), num_warps=tile.num_warps,
         )  # fmt: skip
     return order_A

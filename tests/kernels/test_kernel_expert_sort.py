@@ -37,8 +37,8 @@ def assert_same_order(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     )
 
 
-def assert_sorts(ids: torch.Tensor, E: int, device: str, what: str) -> None:
-    order = expert_sort.launch(ids.to(device), E)
+def assert_sorts(ids, E, device, what, tile=expert_sort.DEFAULT_TILE) -> None:
+    order = expert_sort.launch(ids.to(device), E, tile)
     assert order.dtype == torch.int64 and order.device.type == device, what
     assert_same_order(order, torch.argsort(ids.flatten(), stable=True), what)
 
@@ -58,6 +58,14 @@ def test_across_chunk_boundaries(device, A):
     """Ties run over the rank chunks (64) and the counting chunks (1024); A not a multiple."""
     for name, ids in id_patterns(A, 5, seed=A):
         assert_sorts(ids.to(torch.int32), 5, device, f"{name} A={A}")
+
+
+@pytest.mark.parametrize("tile", [(16, 1), (32, 2), (128, 8)])
+def test_other_tiles(device, tile):
+    tile = expert_sort.SortTile(*tile)
+    for A in (15, 200):
+        for name, ids in id_patterns(A, 9, seed=A):
+            assert_sorts(ids, 9, device, f"{name} A={A} {tile}", tile)
 
 
 def test_token_by_expert_ids(device):
@@ -80,6 +88,14 @@ def test_checks_name_the_values(device):
     too_many = torch.zeros(expert_sort.MAX_ASSIGNMENTS + 1, dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match="got 8193 assignments"):
         expert_sort.launch(too_many, 4)
+
+
+def test_tiles_are_checked():
+    for chunk in (8, 48):
+        with pytest.raises(ValueError, match=f"chunk must be a power of two >= 16; got {chunk}"):
+            expert_sort.SortTile(chunk, 4)
+    with pytest.raises(ValueError, match="num_warps must be 1, 2, 4, 8 or 16; got 3"):
+        expert_sort.SortTile(64, 3)
 
 
 def test_supported_is_decided_by_shapes():
