@@ -68,6 +68,23 @@ def test_other_tiles(device, tile):
             assert_sorts(ids, 9, device, f"{name} A={A} {tile}", tile)
 
 
+@pytest.mark.parametrize("id_dtype", ID_DTYPES, ids=str)
+def test_any_ids(device, id_dtype):
+    """Hypothesis draws A, E and ids in [0, E), skewed toward few distinct experts."""
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+
+    @hypothesis.settings(max_examples=40, deadline=None)
+    @hypothesis.given(st.integers(1, 256).flatmap(lambda E: st.tuples(
+        st.just(E), st.lists(st.integers(0, E - 1) | st.sampled_from([0, E - 1]), max_size=300)
+    )))  # fmt: skip
+    def check(case):
+        E, ids = case
+        assert_sorts(torch.tensor(ids, dtype=id_dtype), E, device, f"E={E} ids={ids}")
+
+    check()
+
+
 def test_token_by_expert_ids(device):
     """``[T, k]`` top-k ids are sorted in flat order, with experts of no assignment."""
     g = torch.Generator().manual_seed(0)
