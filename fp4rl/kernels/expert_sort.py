@@ -1,25 +1,28 @@
 """The MoE dispatch's sort of assignments by expert as a counting sort in one launch.
 
 `fp4rl.model.experts.sort_by_expert` orders the A = T*k token-expert assignments by expert id,
-ties in flat order: the permutation ``torch.argsort(ids, stable=True)`` gives. With at most a
-few hundred experts that order is a counting sort. One program reads the ids twice:
+ties in flat order: the permutation ``torch.argsort(ids, stable=True)`` gives. Assignment a's
+place in it is the number of assignments with a smaller id, plus the number before a with its
+id. Program p takes the chunk of ``CHUNK`` assignments from ``p * CHUNK`` on and splits the
+second count at its chunk's start:
 
-1. the assignments of each expert (``tl.histogram``, ``COUNT_CHUNK`` ids a step), whose
-   exclusive cumulative sum is each expert's first slot, ``next_slot``;
-2. chunk by chunk (``CHUNK`` ids), assignment a goes to ``next_slot[id[a]]`` plus the number of
-   assignments before a in its chunk with its id (a ``[CHUNK, CHUNK]`` comparison, so the work
-   does not grow with the number of experts), and ``next_slot`` moves past the chunk's
-   assignments (their histogram). It stores ``order[slot] = a``.
+1. over all ids (``COUNT_CHUNK`` a step), one histogram of ``2 * id + (b >= start)``: its
+   exclusive cumulative sum at bin ``2 * e + 1`` is the number of assignments with an id below
+   e plus those of id e before the chunk, ``next_slot[e]``;
+2. for its chunk, slot = ``next_slot[id[a]]`` (a gather) plus the assignments before a in the
+   chunk with its id (a ``[CHUNK, CHUNK]`` comparison, so no step grows with the number of
+   experts), and it stores ``order[slot] = a``.
 
-Slots are exact integers, so the result is the stable argsort bit for bit.
+Slots are exact integers, so the result is the stable argsort bit for bit. The programs share
+nothing, so the launch takes as long as one program: one pass over the ids and one chunk.
 
-Bounds: a program holds one ``[CHUNK, CHUNK]`` tile and two ``[E_BLOCK]`` vectors whatever A,
-so registers bound the tile and the experts (`MAX_EXPERTS` bins, as in DeepSeek-V3's 256), not
-A. A bounds the time: the chunks run one after another on one SM, ``A / CHUNK`` steps, while
-torch's sort spreads a large A over many blocks. `MAX_ASSIGNMENTS` (decode batches: 1,024
-tokens of 8 experts) is where `fp4rl.ops` stops sending sorts here, set before a GPU measured
-where the two cross (`benchmarks/expert_sort.py` times both). The launch depends on shapes only
-(nothing is read on the host), so it can be captured in a CUDA graph.
+Bounds: a program holds one ``[CHUNK, CHUNK]`` tile and a histogram of ``2 * E_BLOCK`` bins
+whatever A; `MAX_EXPERTS` (256, as in DeepSeek-V3) keeps that small. Every program reads all
+A ids, ``A**2 / CHUNK`` reads in all: at `MAX_ASSIGNMENTS` (8,192: decode batches up to 1,024
+tokens of 8 experts) 128 programs read 8 MB from L2 in 8 steps each, past it the reads grow
+quadratically and torch's multi-block sort (`fp4rl.ops` sends larger sorts there) wins.
+`benchmarks/expert_sort.py` times both. The launch depends on shapes only (nothing is read on
+the host), so it can be captured in a CUDA graph.
 
 The ids must lie in ``[0, num_experts)`` (the callers' guarantee, as for `sort_by_expert`);
 others make a wrong order but never a store outside it.
@@ -43,10 +46,9 @@ MAX_COUNT_CHUNK = 1024
 
 @dataclass(frozen=True, slots=True)
 class SortTile:
-    """Rank chunks of up to ``chunk`` ids (a power of two >= 16: ``[chunk, chunk]``
-    comparisons a step) on ``num_warps`` warps. Fewer, larger steps shorten the serial walk
-    until the tile no longer fits the registers (sm_90, Triton 3.6: 64 on 4 warps takes 128
-    registers a thread, 128 on 8 warps 254)."""
+    """Programs of ``chunk`` assignments (a power of two >= 16: ``[chunk, chunk]``
+    comparisons each) on ``num_warps`` warps. Larger chunks mean fewer programs reading all
+    the ids, until the tile no longer fits the registers."""
 
     chunk: int
     num_warps: int
@@ -58,34 +60,33 @@ class SortTile:
             raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16; got {self.num_warps}")
 
 
-DEFAULT_TILE = SortTile(chunk=64, num_warps=4)  # 32 comparisons per thread a step
+DEFAULT_TILE = SortTile(chunk=64, num_warps=4)  # 32 comparisons per thread
 
 
 @triton.jit
 def _expert_sort_kernel(
     ids_A, order_A, A, CHUNK: tl.constexpr, COUNT_CHUNK: tl.constexpr, E_BLOCK: tl.constexpr
 ):
-    # Pass 1: assignments per expert; each expert's first slot.
-    counts = tl.zeros([E_BLOCK], dtype=tl.int32)
+    start = tl.program_id(0) * CHUNK
+    # Bin 2 * id + (b >= start): below bin 2e + 1 lie the assignments of smaller ids and those
+    # of id e before this chunk.
+    bins = tl.zeros([2 * E_BLOCK], dtype=tl.int32)
     lanes = tl.arange(0, COUNT_CHUNK)
-    for start in range(0, A, COUNT_CHUNK):
-        a = start + lanes
-        ok = a < A
-        ids = tl.load(ids_A + a, mask=ok, other=0).to(tl.int32)
-        counts += tl.histogram(ids, E_BLOCK, mask=ok)
-    next_slot = tl.cumsum(counts, axis=0) - counts
-    # Pass 2: slot = next_slot[id] + the assignments before a in the chunk with a's id.
+    for base in range(0, A, COUNT_CHUNK):
+        b = base + lanes
+        ok = b < A
+        ids = tl.load(ids_A + b, mask=ok, other=0).to(tl.int32)
+        bins += tl.histogram(2 * ids + (b >= start).to(tl.int32), 2 * E_BLOCK, mask=ok)
+    below = tl.cumsum(bins, axis=0) - bins
+    # This chunk: slot = below[2 * id + 1] + the assignments before a in it with a's id.
     rows = tl.arange(0, CHUNK)
-    before = rows[None, :] < rows[:, None]
-    for start in range(0, A, CHUNK):
-        a = start + rows
-        ok = a < A
-        ids = tl.load(ids_A + a, mask=ok, other=0).to(tl.int32)
-        same = (ids[:, None] == ids[None, :]) & before
-        slot = tl.gather(next_slot, ids, 0) + tl.sum(same.to(tl.int32), axis=1)
-        # In range whenever the ids are; the bound keeps ids that are not from writing elsewhere.
-        tl.store(order_A + slot, a.to(tl.int64), mask=ok & (slot >= 0) & (slot < A))
-        next_slot += tl.histogram(ids, E_BLOCK, mask=ok)
+    a = start + rows
+    ok = a < A
+    ids = tl.load(ids_A + a, mask=ok, other=0).to(tl.int32)
+    same = (ids[:, None] == ids[None, :]) & (rows[None, :] < rows[:, None])
+    slot = tl.gather(below, 2 * ids + 1, 0) + tl.sum(same.to(tl.int32), axis=1)
+    # In range whenever the ids are; the bound keeps ids that are not from writing elsewhere.
+    tl.store(order_A + slot, a.to(tl.int64), mask=ok & (slot >= 0) & (slot < A))
 
 
 def supported(num_assignments: int, num_experts: int) -> bool:
@@ -118,10 +119,11 @@ def launch(ids: torch.Tensor, num_experts: int, tile: SortTile = DEFAULT_TILE) -
         return order_A
     # Tiles as powers of two of at least 16, no larger than A needs: few compiled variants.
     whole = max(16, _pow2_at_least(A))
+    chunk = min(tile.chunk, whole)
     with device_of(ids):
-        _expert_sort_kernel[(1,)](
+        _expert_sort_kernel[(-(-A // chunk),)](
             ids, order_A, A,
-            CHUNK=min(tile.chunk, whole), COUNT_CHUNK=min(MAX_COUNT_CHUNK, whole),
+            CHUNK=chunk, COUNT_CHUNK=min(MAX_COUNT_CHUNK, whole),
             E_BLOCK=max(16, _pow2_at_least(num_experts)), num_warps=tile.num_warps,
         )  # fmt: skip
     return order_A

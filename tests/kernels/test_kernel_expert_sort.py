@@ -55,7 +55,7 @@ def test_the_stable_argsort(device, id_dtype, A, E):
 
 @pytest.mark.parametrize("A", [63, 65, 129, 1023, 1025, 2100])
 def test_across_chunk_boundaries(device, A):
-    """Ties run over the rank chunks (64) and the counting chunks (1024); A not a multiple."""
+    """Ties run over the programs' chunks (64) and the counting steps (1024); A not a multiple."""
     for name, ids in id_patterns(A, 5, seed=A):
         assert_sorts(ids.to(torch.int32), 5, device, f"{name} A={A}")
 
