@@ -9,9 +9,9 @@ writes it to ``$OUT/expert_sort.md`` when OUT is set; exits 1 if an order differ
 "kernel" is `fp4rl.kernels.expert_sort.launch`; "torch" is what `fp4rl.model.experts.
 sort_by_expert` runs where the kernel does not (keys ``id * A + position`` sorted as int32).
 Times: CUDA-graph replays of one call per input (the GPU's time alone, as decode steps replay
-it), median over repeats, us per call. The kernel's time grows with A (one program walks the
-ids), torch's with its sort's passes: where they cross is where `expert_sort.MAX_ASSIGNMENTS`
-belongs.
+it), median over repeats, us per call. The kernel's time grows with A (every program reads all
+the ids), torch's with its sort's passes: where they cross is where
+`expert_sort.MAX_ASSIGNMENTS` belongs.
 """
 
 from __future__ import annotations
