@@ -150,6 +150,8 @@ def test_captured_in_a_cuda_graph_without_a_sync(id_dtype):
     g = torch.Generator().manual_seed(1)
     static = torch.randint(0, 128, (64, 8), generator=g).to(id_dtype).cuda()
     expert_sort.launch(static, 128)  # compile outside the capture
+    # New ids already on the device: a copy from pageable host memory would itself wait.
+    fresh = [torch.randint(0, few, (64, 8), generator=g).to(id_dtype).cuda() for few in (128, 3, 1)]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # nothing below may read a value back
     try:
@@ -157,8 +159,8 @@ def test_captured_in_a_cuda_graph_without_a_sync(id_dtype):
         with torch.cuda.graph(graph):
             order = expert_sort.launch(static, 128)
         replays = []
-        for few in (128, 3, 1):
-            static.copy_(torch.randint(0, few, (64, 8), generator=g).to(id_dtype))
+        for ids in fresh:
+            static.copy_(ids)
             graph.replay()
             replays.append((static.clone(), order.clone()))
     finally:
