@@ -24,7 +24,8 @@ kinds of rows do without it, with results bitwise equal to the definition's:
   the same bits on any device (given, as the reproducibility above already does, that torch's
   kernels compute a row alike whatever other rows share the tensor).
 
-Rows without top-k keep the sort. Their top-p masses and logprobs are normalized by a float32
+Rows without top-k keep the sort; when none of them cuts by top-p either (the plain
+temperature draw), their masks would keep every token and are not computed. Their top-p masses and logprobs are normalized by a float32
 sum over the sorted vocabulary, whose rounding depends on that order: summed in any other
 order (without a sort), the normalizer differs in its last bits, which moves CDF boundaries
 and, with them, some tokens (on the CPU at V = 151936, `sum` in token order instead of sorted
@@ -117,8 +118,11 @@ def sample(
         )
     if by_sort:
         pick = _pick(sort_rows, B)
+        # Rows without top-k whose top_p keeps every token (the plain temperature draw) mask
+        # nothing: their walk skips computing masks that would keep all.
+        masked = any(params[b].top_p < 1.0 for b in by_sort)
         drawn.append(
-            (pick, *_draw_sorted(scaled_BV[pick], top_k_B[pick], top_p_B[pick], u_B[pick]))
+            (pick, *_draw_sorted(scaled_BV[pick], top_k_B[pick], top_p_B[pick], u_B[pick], masked))
         )
     if len(drawn) == 1:  # one way for every row (the usual case): nothing to scatter
         _, token_B, processed_B = drawn[0]
@@ -141,10 +145,10 @@ def _pick(rows_b: torch.Tensor, B: int):
     return slice(None) if rows_b.shape[0] == B else rows_b
 
 
-def _draw_sorted(scaled_BV, top_k_B, top_p_B, u_B):
+def _draw_sorted(scaled_BV, top_k_B, top_p_B, u_B, masked=True):
     """The definition: ``(token, logprob)`` per row of temperature-scaled logits."""
     sorted_BV, order_BV = torch.sort(scaled_BV, dim=-1, descending=True, stable=True)
-    rank_B, logprob_B = _walk(sorted_BV, top_k_B, top_p_B, u_B)
+    rank_B, logprob_B = _walk(sorted_BV, top_k_B, top_p_B, u_B, masked)
     return order_BV.gather(1, rank_B[:, None])[:, 0], logprob_B
 
 
@@ -159,19 +163,14 @@ def _draw_top_k(scaled_BV, K, top_k_B, top_p_B, u_B):
     return ids_BK.gather(1, rank_B[:, None])[:, 0], logprob_B
 
 
-def _walk(sorted_BV, top_k_B, top_p_B, u_B):
+def _walk(sorted_BV, top_k_B, top_p_B, u_B, masked=True):
     """``(rank, logprob)`` drawn from each sorted row: top-k and top-p masks, ``log_softmax`` of
-    what they keep, and the first rank whose float64 CDF exceeds ``u * total``."""
-    rank_V = torch.arange(sorted_BV.shape[1], device=sorted_BV.device)
-    keep_BV = rank_V[None, :] < top_k_B[:, None]
-    probs_BV = torch.softmax(sorted_BV.masked_fill(~keep_BV, float("-inf")), dim=-1)
-    # Top-p keeps the smallest prefix whose mass reaches top_p: a token stays when the mass
-    # strictly before it is still short of top_p (so the top token always stays). top_p = 1
-    # keeps every token: the FP32 running mass reaches 1.0 before the tail (rounding), and
-    # comparing against it would drop the tail's tokens.
-    mass_before_BV = probs_BV.cumsum(-1) - probs_BV
-    keep_BV &= (mass_before_BV < top_p_B[:, None]) | (top_p_B[:, None] >= 1.0)
-    logprobs_BV = torch.log_softmax(sorted_BV.masked_fill(~keep_BV, float("-inf")), -1)
+    what they keep, and the first rank whose float64 CDF exceeds ``u * total``. ``masked=False``
+    says every row keeps every token (top-k V, top_p >= 1): the masks would be all true, and
+    ``log_softmax`` of the row itself is the same."""
+    if masked:
+        sorted_BV = sorted_BV.masked_fill(~_keep(sorted_BV, top_k_B, top_p_B), float("-inf"))
+    logprobs_BV = torch.log_softmax(sorted_BV, -1)
     cdf_BV = logprobs_BV.double().exp().cumsum(-1)
     # First rank whose CDF exceeds u * total: never a zero-probability rank, except through
     # rounding at the very top, which the clamp to the last positive rank (the positive ranks
@@ -182,6 +181,19 @@ def _walk(sorted_BV, top_k_B, top_p_B, u_B):
     # step's tokens are read) still indexes in range: no device assert before that check.
     rank_B = rank_B.clamp_(min=0)
     return rank_B, logprobs_BV.gather(1, rank_B[:, None])[:, 0]
+
+
+def _keep(sorted_BV, top_k_B, top_p_B):
+    """Which ranks of each sorted row the top-k and top-p masks keep (bool ``[B, V]``)."""
+    rank_V = torch.arange(sorted_BV.shape[1], device=sorted_BV.device)
+    keep_BV = rank_V[None, :] < top_k_B[:, None]
+    probs_BV = torch.softmax(sorted_BV.masked_fill(~keep_BV, float("-inf")), dim=-1)
+    # Top-p keeps the smallest prefix whose mass reaches top_p: a token stays when the mass
+    # strictly before it is still short of top_p (so the top token always stays). top_p = 1
+    # keeps every token: the FP32 running mass reaches 1.0 before the tail (rounding), and
+    # comparing against it would drop the tail's tokens.
+    mass_before_BV = probs_BV.cumsum(-1) - probs_BV
+    return keep_BV & ((mass_before_BV < top_p_B[:, None]) | (top_p_B[:, None] >= 1.0))
 
 
 def _candidates(scaled_BV, K):

@@ -199,6 +199,30 @@ def test_results_equal_the_full_sort_bitwise_for_mixed_settings_in_one_batch(kin
         _assert_same(out, reference_sample(logits, params, _gens(B, seed)))
 
 
+# Rows that sort without a top-p cut (top_p = 1, top-k none or past V) skip computing their
+# all-true masks when every such row of the batch has them; top-k and greedy rows beside them.
+_UNMASKED = [
+    SamplingParams(),
+    SamplingParams(temperature=0.7),
+    SamplingParams(top_k=10**6, temperature=1.3),
+    SamplingParams(top_k=50),
+    SamplingParams(temperature=0),
+]
+
+
+@pytest.mark.parametrize("kind", ["flat", "peaked", "tiny", "ties", "-inf"])
+def test_results_equal_the_full_sort_bitwise_without_a_top_p_cut(kind):
+    B, V = 40, 4096
+    for seed in range(4):
+        logits = _logits(kind, B, V, seed)
+        for params in (
+            [_UNMASKED[0]] * B,
+            [_UNMASKED[(b + seed) % len(_UNMASKED)] for b in range(B)],
+        ):
+            out = sample(logits, params, _gens(B, seed))
+            _assert_same(out, reference_sample(logits, params, _gens(B, seed)))
+
+
 def test_results_equal_the_full_sort_at_qwen3s_vocabulary():
     B, V = 12, 151936
     logits = _logits("peaked", B, V, 7)
