@@ -7,6 +7,11 @@ everything else runs the plain-PyTorch specification in `fp4rl.fp4.reference` /
 is missing on a CUDA machine the call raises instead of silently running the slow path. Sparse
 guidance (`SparseCodes`) is the one exception: no kernel reads its layout yet, so its rounding
 runs the PyTorch reference on every device.
+
+Three pieces of the model's glue also have a kernel here, each returning None where it does not
+run (the caller then runs its eager formulation): `apply_rope` and `sort_by_expert`, bitwise
+the eager results, and `rms_norm`, the eager arithmetic but for the order of one FP32 sum per
+row (docs/numerics.md, "What is bitwise").
 """
 
 from __future__ import annotations

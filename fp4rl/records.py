@@ -305,7 +305,7 @@ class Completion:
     # temperature / top-k / top-p), and under the unprocessed logits; None unless requested.
     logprobs: torch.Tensor | None = None
     raw_logprobs: torch.Tensor | None = None
-    # The records are in host memory (pinned, when the engine ran on a GPU): the trainer moves
+    # The records are in host memory (pageable; each completion owns its own): the trainer moves
     # them to its device when it uses them.
     routing: torch.Tensor | None = None  # int32 [L_moe, T, top_k], -1 = no record
     # (layer, site) -> record with leading dim T: NVFP4Tensor ("full"), CompactCodes or

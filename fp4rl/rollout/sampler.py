@@ -24,19 +24,18 @@ kinds of rows do without it, with results bitwise equal to the definition's:
   the same bits on any device (given, as the reproducibility above already does, that torch's
   kernels compute a row alike whatever other rows share the tensor).
 
-Rows without top-k keep the sort; when none of them cuts by top-p either (the plain
-temperature draw), their masks would keep every token and are not computed. Their top-p masses and logprobs are normalized by a float32
-sum over the sorted vocabulary, whose rounding depends on that order: summed in any other
-order (without a sort), the normalizer differs in its last bits, which moves CDF boundaries
-and, with them, some tokens (on the CPU at V = 151936, `sum` in token order instead of sorted
-order changes about one draw in twenty of randn * 4 logits, as the sorted float32 sum is off
-by ~3e-5 there). Equal results rule that out. Nothing is read back from the device: which rows
-take which path follows from their SamplingParams.
+Rows without top-k keep the sort; when none of them cuts by top-p either (the plain temperature
+draw), their masks would keep every token and are not computed. Their top-p masses and logprobs
+are normalized by a float32 sum over the sorted vocabulary, whose rounding depends on that
+order: summed in any other order (without a sort), the normalizer differs in its last bits,
+which moves CDF boundaries and, with them, some tokens (on the CPU at V = 151936, `sum` in
+token order instead of sorted order changes about one draw in twenty of randn * 4 logits, as
+the sorted float32 sum is off by ~3e-5 there). Equal results rule that out. Nothing is read
+back from the device: which rows take which path follows from their SamplingParams.
 
 Outside the contract, as before: NaN logits (the engine refuses them after the draw; the
-sampler only keeps every index in range for them) and the relative order
-of -0.0 and +0.0 (a GPU radix sort puts +0.0 first; the CPU sort and the tie repair here treat
-them as equal).
+sampler only keeps every index in range for them) and the relative order of -0.0 and +0.0 (a
+GPU radix sort puts +0.0 first; the CPU sort and the tie repair here treat them as equal).
 
 Legend: B rows (sequences), V vocab, K top-k candidates per row.
 """
