@@ -30,7 +30,7 @@ from fp4rl.rollout.generation_config import eos_token_ids
 from fp4rl.rollout.graphs import DecodeGraphs, graphs_unsupported
 from fp4rl.rollout.kv_cache import KVCache, num_blocks_for_budget
 from fp4rl.rollout.model_layout import ModelLayout
-from fp4rl.rollout.sampler import make_generator, sample
+from fp4rl.rollout.sampler import make_generator, sample, to_device
 from fp4rl.rollout.scheduler import Group, Scheduler, Step
 from fp4rl.rollout.sequence import Sequence
 
@@ -236,7 +236,9 @@ class Engine:
         # Nothing here waits for the device until the one read below: the sampler's kernels
         # queue behind the forward while the host is still launching them.
         bad_S = _bad_rows(logits_SV)
-        rows = torch.tensor([i for i, group in enumerate(groups) for _ in group], device=device)
+        rows = to_device(
+            torch.tensor([i for i, group in enumerate(groups) for _ in group]), torch.device(device)
+        )
         out = sample(logits_SV[rows], [s.params for s in seqs], [s.generator for s in seqs])
         bad, tokens, logprobs, raws = _read_back(bad_S, out)
         _check_logits(bad, groups)

@@ -91,16 +91,18 @@ def sample(
     by_top_k = [b for b, p in enumerate(params) if not p.greedy and top_k[b] < V]
     by_sort = [b for b, p in enumerate(params) if not p.greedy and top_k[b] == V]
     # One draw per row from its own generator, in float64 so tokens of tiny probability keep
-    # their chance; drawn on the CPU. What the rows need crosses to the device in two copies
-    # (torch waits for the device's queue to finish a blocking copy from the host).
+    # their chance; drawn on the CPU. What the rows need crosses to the device in one float64
+    # copy (it holds the integers exactly) that nothing waits for (`to_device`).
     u_B = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
     temperature = [1.0 if p.greedy else p.temperature for p in params]
-    floats = torch.cat(
-        [u_B, torch.tensor(temperature + [p.top_p for p in params], dtype=torch.float64)]
+    rest = [p.top_p for p in params] + [float(p.greedy) for p in params] + top_k
+    host = torch.cat(
+        [u_B, torch.tensor(temperature + rest + by_top_k + by_sort, dtype=torch.float64)]
     )
-    u_B, temperature_B, top_p_B = floats.to(device).view(3, B)
+    values = to_device(host, device)
+    u_B, temperature_B, top_p_B = values[: 3 * B].view(3, B)
     temperature_B, top_p_B = temperature_B.float(), top_p_B.float()
-    ints = torch.tensor([p.greedy for p in params] + top_k + by_top_k + by_sort).to(device)
+    ints = values[3 * B :].long()
     greedy_B, top_k_B = ints[:B].bool(), ints[B : 2 * B]
     top_k_rows, sort_rows = ints[2 * B :].split([len(by_top_k), len(by_sort)])
 
@@ -137,6 +139,15 @@ def sample(
         logprobs_B=torch.where(greedy_B, raw_B, processed_B),
         raw_logprobs_B=raw_B,
     )
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` (on the CPU) on ``device``. To a GPU the copy goes through pinned memory and is only
+    queued: a copy from pageable memory would make the host wait for everything queued before
+    it (the step's forward), where the host could be launching the step's sampling instead."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _pick(rows_b: torch.Tensor, B: int):

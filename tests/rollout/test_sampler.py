@@ -282,6 +282,23 @@ def test_sampling_reads_nothing_back_from_the_device(monkeypatch):
     _assert_same(out, reference_sample(logits, _SETTINGS, _gens(len(_SETTINGS))))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sampling_never_waits_for_the_device():
+    """The step's values cross to the GPU by queued copies from pinned memory: a blocking copy
+    would wait for the forward queued before the sampler (sync-debug raises on one)."""
+    logits = _logits("peaked", len(_SETTINGS), 3000, 1)
+    on_gpu = logits.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = sample(on_gpu, _SETTINGS, _gens(len(_SETTINGS)))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    # The definition on the same device (the same kernels, so the same bits).
+    _assert_same(out, reference_sample(on_gpu, _SETTINGS, _gens(len(_SETTINGS))))
+
+
 def test_the_benchmark_smoke_run_finds_equal_outputs():
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "sampler.py"
     argv = ["--device", "cpu", "--vocab", "3000", "--batch", "1,5", "--repeats", "1"]
