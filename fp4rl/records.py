@@ -4,8 +4,6 @@ Both sides import this module and it imports neither (only the NVFP4 containers)
 never needs the engine package and the engine never needs the trainer's. `collate` packs
 completions into one `TrainBatch`: the token stream the trainer feeds, which rows it scores,
 the rollout's logprobs aligned to those rows, and the routing and guidance of the whole stream.
-`RowLayout` lays token-major records out as rows of bytes, one per token, so that the engine
-moves a step's records as one buffer and cuts each sequence's out of the rows of a call.
 
 Token alignment: a completion's model was fed ``T = len(prompt_ids) + len(completion_ids) - 1``
 tokens (the last sampled token never is). Row ``t`` of its routing record and of each guidance
@@ -18,8 +16,6 @@ token, B sequences.
 
 from __future__ import annotations
 
-import functools
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -38,7 +34,7 @@ SiteRecord = NVFP4Tensor | CompactCodes | SparseCodes | PackedSparse
 GuidanceMap = Mapping[SiteKey, SiteRecord | None]
 
 
-def _members(r: SiteRecord) -> tuple[torch.Tensor, ...]:
+def record_members(r: SiteRecord) -> tuple[torch.Tensor, ...]:
     """The record's tensors in field order, the first with one row per token (sparse entries
     and packed streams have not)."""
     if isinstance(r, NVFP4Tensor | SparseCodes | PackedSparse):
@@ -69,7 +65,7 @@ def record_rows(r: SiteRecord, start: int, end: int) -> SiteRecord:
         return r.rows(start, end)
     if isinstance(r, PackedSparse):
         return r.unpack().rows(start, end).pack()
-    return _rebuild(r, [m[start:end] for m in _members(r)])
+    return _rebuild(r, [m[start:end] for m in record_members(r)])
 
 
 def record_gather(r: SiteRecord, spans: Sequence[tuple[int, int]]) -> SiteRecord:
@@ -80,8 +76,8 @@ def record_gather(r: SiteRecord, spans: Sequence[tuple[int, int]]) -> SiteRecord
     if isinstance(r, SparseCodes):
         return SparseCodes.cat([r.rows(a, b) for a, b in spans])
     rows = [i for a, b in spans for i in range(a, b)]
-    index = torch.tensor(rows, dtype=torch.long).to(_members(r)[0].device, non_blocking=True)
-    return _rebuild(r, [m[index] for m in _members(r)])
+    index = torch.tensor(rows, dtype=torch.long).to(record_members(r)[0].device, non_blocking=True)
+    return _rebuild(r, [m[index] for m in record_members(r)])
 
 
 def record_gather_packed(
@@ -107,15 +103,17 @@ def record_cat(records: Sequence[SiteRecord]) -> SiteRecord:
         return PackedSparse.unpack_cat(records).pack()
     if isinstance(records[0], SparseCodes):
         return SparseCodes.cat(records)
-    return _rebuild(records[0], [torch.cat(ms) for ms in zip(*map(_members, records), strict=True)])
+    return _rebuild(
+        records[0], [torch.cat(ms) for ms in zip(*map(record_members, records), strict=True)]
+    )
 
 
 def record_nbytes(r: SiteRecord) -> int:
-    return sum(m.numel() * m.element_size() for m in _members(r))
+    return sum(m.numel() * m.element_size() for m in record_members(r))
 
 
 def record_num_rows(r: SiteRecord) -> int:
-    return _members(r)[0].shape[0]
+    return record_members(r)[0].shape[0]
 
 
 def record_to(
@@ -123,10 +121,10 @@ def record_to(
 ) -> SiteRecord:
     """The record on ``device``. From a CUDA device to the CPU with ``non_blocking``, the copy
     lands in pinned memory and is only queued: read it after the stream has been synchronized."""
-    return _rebuild(r, [m.to(device, non_blocking=non_blocking) for m in _members(r)])
+    return _rebuild(r, [m.to(device, non_blocking=non_blocking) for m in record_members(r)])
 
 
-_ALIGN = 16  # bytes: every piece of a host buffer starts at a multiple of any element size
+ALIGN_BYTES = 16  # every piece of a host buffer starts at a multiple of any element size
 
 
 def to_host_together(items: Sequence[torch.Tensor | SiteRecord]) -> list[torch.Tensor | SiteRecord]:
@@ -136,21 +134,21 @@ def to_host_together(items: Sequence[torch.Tensor | SiteRecord]) -> list[torch.T
     as a view of that buffer. A step's records thus cost two operations instead of one per
     tensor. The copy is only queued: read the results after the stream has been synchronized.
     (From the CPU the buffer is a plain one and the copy immediate.)"""
-    parts = [[t] if isinstance(t, torch.Tensor) else list(_members(t)) for t in items]
+    parts = [[t] if isinstance(t, torch.Tensor) else list(record_members(t)) for t in items]
     flat = [t for tensors in parts for t in tensors]
     if not flat:
         return list(items)
     device = flat[0].device
-    pad = torch.empty(_ALIGN, dtype=torch.uint8, device=device)  # never read
+    pad = torch.empty(ALIGN_BYTES, dtype=torch.uint8, device=device)  # never read
     pieces, offsets, offset = [], [], 0
     for t in flat:
         data = t.contiguous().reshape(-1).view(torch.uint8)
         pieces.append(data)
         offsets.append(offset)
         offset += data.numel()
-        if offset % _ALIGN:
-            pieces.append(pad[: _ALIGN - offset % _ALIGN])
-            offset += _ALIGN - offset % _ALIGN
+        if offset % ALIGN_BYTES:
+            pieces.append(pad[: ALIGN_BYTES - offset % ALIGN_BYTES])
+            offset += ALIGN_BYTES - offset % ALIGN_BYTES
     host = torch.empty(offset, dtype=torch.uint8, pin_memory=device.type == "cuda")
     host.copy_(torch.cat(pieces), non_blocking=True)
     views = iter(
@@ -162,135 +160,6 @@ def to_host_together(items: Sequence[torch.Tensor | SiteRecord]) -> list[torch.T
         mine = [next(views) for _ in tensors]
         out.append(mine[0] if isinstance(item, torch.Tensor) else _rebuild(item, mine))
     return out
-
-
-# The token-major record kinds `RowLayout` lays out: every member has one row per token.
-_ROW_KINDS = (torch.Tensor, NVFP4Tensor, CompactCodes)
-
-
-@dataclass(frozen=True, slots=True)
-class RowLayout:
-    """Where each member of some token-major items (tensors and records, each under a key) lies
-    in one row of bytes: ``members[i]`` holds ``(offset, dtype, shape)`` per member of item
-    ``i``, its bytes of one token at ``offset`` (16-aligned) of a ``row_bytes`` row, ``shape``
-    the member's shape without its leading token dim. A step's items pack into one uint8 buffer
-    of ``[tokens, row_bytes]`` (`pack`), so that any prefix of its rows is the records of those
-    tokens and one copy moves them; the layout does not depend on the number of tokens, only
-    on the keys, kinds, dtypes and per-token shapes, and is made once for each (`of`)."""
-
-    keys: tuple
-    kinds: tuple[type, ...]  # torch.Tensor or the record's class, per item
-    members: tuple[tuple[tuple[int, torch.dtype, tuple[int, ...]], ...], ...]
-    row_bytes: int
-
-    @staticmethod
-    def of(keys: Sequence, items: Sequence[torch.Tensor | SiteRecord]) -> RowLayout:
-        """The layout of ``items`` (the same for any number of tokens): computed on its first
-        use, then cached. Raises ValueError naming the key of an item that is not token-major."""
-        signature = []
-        for key, item in zip(keys, items, strict=True):
-            if not isinstance(item, _ROW_KINDS):
-                raise ValueError(f"{key!r}: a {type(item).__name__} has no fixed bytes per token")
-            kind = torch.Tensor if isinstance(item, torch.Tensor) else type(item)
-            signature.append((key, kind, tuple((m.dtype, m.shape[1:]) for m in _tensors(item))))
-        return _row_layout(tuple(signature))
-
-    def pack(self, items: Sequence[torch.Tensor | SiteRecord]) -> torch.Tensor:
-        """uint8 ``[tokens, row_bytes]`` on the items' device: their bytes, token by token, by
-        one concatenation (the bytes that align each member are junk, and never read). Raises
-        ValueError naming the key of an item that does not fit the layout."""
-        if len(items) != len(self.keys) or not items:
-            raise ValueError(f"{len(items)} items for a layout of keys {self.keys}")
-        flat = [
-            (key, m) for key, item in zip(self.keys, items, strict=True) for m in _tensors(item)
-        ]
-        rows = flat[0][1].shape[0]
-        pad = torch.empty(rows, _ALIGN, dtype=torch.uint8, device=flat[0][1].device)
-        pieces, end = [], 0
-        for (key, m), (offset, dtype, shape) in zip(flat, _flat(self.members), strict=True):
-            if (m.shape[0], m.shape[1:], m.dtype) != (rows, shape, dtype):
-                raise ValueError(
-                    f"{key!r}: a member of {m.dtype} {tuple(m.shape)} in a layout of {dtype} "
-                    f"{(rows, *shape)}"
-                )
-            if offset > end:
-                pieces.append(pad[:, : offset - end])
-            piece = m.reshape(rows, math.prod(shape)).view(torch.uint8)
-            pieces.append(piece)
-            end = offset + piece.shape[1]
-        if self.row_bytes > end:
-            pieces.append(pad[:, : self.row_bytes - end])
-        return torch.cat(pieces, dim=1)
-
-    def column(self, rows: torch.Tensor, item: int, member: int) -> torch.Tensor:
-        """The bytes of one member in packed ``rows``: a uint8 ``[tokens, nbytes]`` view."""
-        offset, dtype, shape = self.members[item][member]
-        return rows[:, offset : offset + math.prod(shape) * dtype.itemsize]
-
-    def gather(self, rows: torch.Tensor, indices: Sequence[torch.Tensor], keys=None) -> list[dict]:
-        """For each index tensor, key -> item over those rows of packed ``rows``, for ``keys``
-        (all by default): one gather per member and index, each a contiguous tensor of its own
-        (a completion's records share no storage with another's)."""
-        chosen = [i for i, key in enumerate(self.keys) if keys is None or key in keys]
-        # Per chosen item, per member: its bytes' column of ``rows``, dtype and shape per row.
-        plan = [
-            [
-                (self.column(rows, i, j), dt, shape)
-                for j, (_, dt, shape) in enumerate(self.members[i])
-            ]
-            for i in chosen
-        ]
-        out = []
-        for index in indices:
-            n = index.shape[0]
-            out.append({
-                self.keys[i]: _assemble(self.kinds[i], [
-                    column.index_select(0, index).view(dtype).view(n, *shape)
-                    for column, dtype, shape in members
-                ])
-                for i, members in zip(chosen, plan, strict=True)
-            })  # fmt: skip
-        return out
-
-    def unpack(self, rows: torch.Tensor) -> dict:
-        """Key -> item as views of packed ``rows`` (no copy)."""
-        n = rows.shape[0]
-        return {
-            key: _assemble(
-                kind,
-                [
-                    self.column(rows, i, j).view(dtype).view(n, *shape)
-                    for j, (_, dtype, shape) in enumerate(self.members[i])
-                ],
-            )
-            for i, (key, kind) in enumerate(zip(self.keys, self.kinds, strict=True))
-        }
-
-
-def _assemble(kind: type, members: list[torch.Tensor]) -> torch.Tensor | SiteRecord:
-    return members[0] if kind is torch.Tensor else kind(*members)
-
-
-def _tensors(item: torch.Tensor | SiteRecord) -> tuple[torch.Tensor, ...]:
-    return (item,) if isinstance(item, torch.Tensor) else _members(item)
-
-
-def _flat(members):
-    return [m for item in members for m in item]
-
-
-@functools.lru_cache(maxsize=256)
-def _row_layout(signature: tuple) -> RowLayout:
-    keys, kinds, members, offset = [], [], [], 0
-    for key, kind, specs in signature:
-        placed = []
-        for dtype, shape in specs:
-            placed.append((offset, dtype, tuple(shape)))
-            offset += -(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
-        keys.append(key)
-        kinds.append(kind)
-        members.append(tuple(placed))
-    return RowLayout(tuple(keys), tuple(kinds), tuple(members), offset)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

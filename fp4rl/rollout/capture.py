@@ -6,7 +6,7 @@ top-k ids). Every record has one row per step token, and every row is quantized 
 (per-row global scales), so a sequence's records are rows cut from the steps' records.
 
 A step's token-major records (routing, full and compact guidance) leave it as one uint8 buffer
-of a row per token (`PackedRows`, laid out by a cached `fp4rl.records.RowLayout`): one
+of a row per token (`PackedRows`, laid out by a cached `fp4rl.rollout.rows.RowLayout`): one
 concatenation (inside the graph, for a graphed decode step) and one copy to pinned host memory,
 whatever the number of records. A generate call's `CaptureLog` keeps each step's buffer whole
 and each sequence's `SequenceCapture` the row ranges that are its own; `CaptureLog.assemble`
@@ -37,7 +37,6 @@ import torch
 from fp4rl.fp4 import NVFP4Tensor, SparseCodes, compact, sparse
 from fp4rl.fp4.sparse_guidance import PackedSparse
 from fp4rl.records import (
-    RowLayout,
     SiteKey,
     SiteRecord,
     record_cat,
@@ -45,6 +44,7 @@ from fp4rl.records import (
     record_rows,
     to_host_together,
 )
+from fp4rl.rollout.rows import RowLayout
 
 
 def kept_layers(mode: str | None, fp4_layers: tuple[int, ...], fraction: float) -> frozenset[int]:
@@ -61,7 +61,7 @@ def kept_layers(mode: str | None, fp4_layers: tuple[int, ...], fraction: float) 
 @dataclass(frozen=True, slots=True)
 class PackedRows:
     """A step's token-major records (routing and full or compact guidance) as one uint8 buffer
-    ``[tokens, layout.row_bytes]`` (`fp4rl.records.RowLayout`): keys are MoE layers (int) for
+    ``[tokens, layout.row_bytes]`` (`fp4rl.rollout.rows.RowLayout`): keys are MoE layers (int) for
     routing, `SiteKey`s for site records."""
 
     layout: RowLayout

@@ -16,7 +16,7 @@ outputs are dropped.
 What a graph writes lives in the graph's own memory and is overwritten by the next replay: the
 logits, and, when the engine captures them, the step's routing and guidance records packed by
 the graph's last kernel into one uint8 buffer of ``[b, row_bytes]`` (`StepCapture.pack`: each
-token's records in one row, by a `fp4rl.records.RowLayout` made when the graph is captured).
+token's records in one row, by a `fp4rl.rollout.rows.RowLayout` made when the graph is captured).
 `run` hands out the logits for this step only and queues one copy of the buffer's rows
 ``0..B`` to pinned host memory behind the replay, on the same stream, so the next replay cannot
 overwrite them first: the host's whole share of the capture is that copy.

@@ -6,8 +6,9 @@ import torch
 
 from fp4rl.fp4 import CompactCodes, compact, sparse
 from fp4rl.ops import quantize
-from fp4rl.records import RowLayout, record_cat, record_gather, record_rows, to_host_together
+from fp4rl.records import record_cat, record_gather, record_rows, to_host_together
 from fp4rl.rollout.capture import CaptureLog, SequenceCapture, StepCapture, kept_layers
+from fp4rl.rollout.rows import RowLayout
 
 
 def test_kept_layers():

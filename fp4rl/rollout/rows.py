@@ -1,0 +1,145 @@
+"""A step's token-major records as rows of bytes, one per token (`RowLayout`): how the engine
+moves a step's routing and full or compact guidance off the GPU as one buffer, and cuts each
+sequence's records out of the rows of a call (`fp4rl.rollout.capture`). The records themselves,
+and what crosses to the trainer, are `fp4rl.records`'.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from fp4rl.fp4 import CompactCodes, NVFP4Tensor
+from fp4rl.records import ALIGN_BYTES, SiteRecord, record_members
+
+# The token-major record kinds `RowLayout` lays out: every member has one row per token.
+_ROW_KINDS = (torch.Tensor, NVFP4Tensor, CompactCodes)
+
+
+@dataclass(frozen=True, slots=True)
+class RowLayout:
+    """Where each member of some token-major items (tensors and records, each under a key) lies
+    in one row of bytes: ``members[i]`` holds ``(offset, dtype, shape)`` per member of item
+    ``i``, its bytes of one token at ``offset`` (16-aligned) of a ``row_bytes`` row, ``shape``
+    the member's shape without its leading token dim. A step's items pack into one uint8 buffer
+    of ``[tokens, row_bytes]`` (`pack`), so that any prefix of its rows is the records of those
+    tokens and one copy moves them; the layout does not depend on the number of tokens, only
+    on the keys, kinds, dtypes and per-token shapes, and is made once for each (`of`)."""
+
+    keys: tuple
+    kinds: tuple[type, ...]  # torch.Tensor or the record's class, per item
+    members: tuple[tuple[tuple[int, torch.dtype, tuple[int, ...]], ...], ...]
+    row_bytes: int
+
+    @staticmethod
+    def of(keys: Sequence, items: Sequence[torch.Tensor | SiteRecord]) -> RowLayout:
+        """The layout of ``items`` (the same for any number of tokens): computed on its first
+        use, then cached. Raises ValueError naming the key of an item that is not token-major."""
+        signature = []
+        for key, item in zip(keys, items, strict=True):
+            if not isinstance(item, _ROW_KINDS):
+                raise ValueError(f"{key!r}: a {type(item).__name__} has no fixed bytes per token")
+            kind = torch.Tensor if isinstance(item, torch.Tensor) else type(item)
+            signature.append((key, kind, tuple((m.dtype, m.shape[1:]) for m in _tensors(item))))
+        return _row_layout(tuple(signature))
+
+    def pack(self, items: Sequence[torch.Tensor | SiteRecord]) -> torch.Tensor:
+        """uint8 ``[tokens, row_bytes]`` on the items' device: their bytes, token by token, by
+        one concatenation (the bytes that align each member are junk, and never read). Raises
+        ValueError naming the key of an item that does not fit the layout."""
+        if len(items) != len(self.keys) or not items:
+            raise ValueError(f"{len(items)} items for a layout of keys {self.keys}")
+        flat = [
+            (key, m) for key, item in zip(self.keys, items, strict=True) for m in _tensors(item)
+        ]
+        rows = flat[0][1].shape[0]
+        pad = torch.empty(rows, ALIGN_BYTES, dtype=torch.uint8, device=flat[0][1].device)
+        pieces, end = [], 0
+        for (key, m), (offset, dtype, shape) in zip(flat, _flat(self.members), strict=True):
+            if (m.shape[0], m.shape[1:], m.dtype) != (rows, shape, dtype):
+                raise ValueError(
+                    f"{key!r}: a member of {m.dtype} {tuple(m.shape)} in a layout of {dtype} "
+                    f"{(rows, *shape)}"
+                )
+            if offset > end:
+                pieces.append(pad[:, : offset - end])
+            piece = m.reshape(rows, math.prod(shape)).view(torch.uint8)
+            pieces.append(piece)
+            end = offset + piece.shape[1]
+        if self.row_bytes > end:
+            pieces.append(pad[:, : self.row_bytes - end])
+        return torch.cat(pieces, dim=1)
+
+    def column(self, rows: torch.Tensor, item: int, member: int) -> torch.Tensor:
+        """The bytes of one member in packed ``rows``: a uint8 ``[tokens, nbytes]`` view."""
+        offset, dtype, shape = self.members[item][member]
+        return rows[:, offset : offset + math.prod(shape) * dtype.itemsize]
+
+    def gather(self, rows: torch.Tensor, indices: Sequence[torch.Tensor], keys=None) -> list[dict]:
+        """For each index tensor, key -> item over those rows of packed ``rows``, for ``keys``
+        (all by default): one gather per member and index, each a contiguous tensor of its own
+        (a completion's records share no storage with another's)."""
+        chosen = [i for i, key in enumerate(self.keys) if keys is None or key in keys]
+        # Per chosen item, per member: its bytes' column of ``rows``, dtype and shape per row.
+        plan = [
+            [
+                (self.column(rows, i, j), dt, shape)
+                for j, (_, dt, shape) in enumerate(self.members[i])
+            ]
+            for i in chosen
+        ]
+        out = []
+        for index in indices:
+            n = index.shape[0]
+            out.append({
+                self.keys[i]: _assemble(self.kinds[i], [
+                    column.index_select(0, index).view(dtype).view(n, *shape)
+                    for column, dtype, shape in members
+                ])
+                for i, members in zip(chosen, plan, strict=True)
+            })  # fmt: skip
+        return out
+
+    def unpack(self, rows: torch.Tensor) -> dict:
+        """Key -> item as views of packed ``rows`` (no copy)."""
+        n = rows.shape[0]
+        return {
+            key: _assemble(
+                kind,
+                [
+                    self.column(rows, i, j).view(dtype).view(n, *shape)
+                    for j, (_, dtype, shape) in enumerate(self.members[i])
+                ],
+            )
+            for i, (key, kind) in enumerate(zip(self.keys, self.kinds, strict=True))
+        }
+
+
+def _assemble(kind: type, members: list[torch.Tensor]) -> torch.Tensor | SiteRecord:
+    return members[0] if kind is torch.Tensor else kind(*members)
+
+
+def _tensors(item: torch.Tensor | SiteRecord) -> tuple[torch.Tensor, ...]:
+    return (item,) if isinstance(item, torch.Tensor) else record_members(item)
+
+
+def _flat(members):
+    return [m for item in members for m in item]
+
+
+@functools.lru_cache(maxsize=256)
+def _row_layout(signature: tuple) -> RowLayout:
+    keys, kinds, members, offset = [], [], [], 0
+    for key, kind, specs in signature:
+        placed = []
+        for dtype, shape in specs:
+            placed.append((offset, dtype, tuple(shape)))
+            offset += -(-math.prod(shape) * dtype.itemsize // ALIGN_BYTES) * ALIGN_BYTES
+        keys.append(key)
+        kinds.append(kind)
+        members.append(tuple(placed))
+    return RowLayout(tuple(keys), tuple(kinds), tuple(members), offset)
