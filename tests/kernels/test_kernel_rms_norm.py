@@ -16,7 +16,7 @@ pytest.importorskip("triton", reason="the kernels need triton (pip install 'fp4r
 from kernel_checks import DTYPES  # noqa: E402
 
 from fp4rl.kernels import rms_norm  # noqa: E402
-from fp4rl.model.layers import eager_rms_norm  # noqa: E402
+from fp4rl.model.layers import RMSNorm, _KernelRMSNorm, eager_rms_norm  # noqa: E402
 
 
 def rows(shape, dtype, seed, scale=1.0):
@@ -80,6 +80,26 @@ def test_a_row_does_not_depend_on_its_batch(device):
     for r in (0, 17, 32):
         assert torch.equal(rms_norm.launch(x[r : r + 1].contiguous(), w, 1e-6)[0], batch[r])
     assert_close_to_eager(batch, x.cpu(), w.cpu(), 1e-6, "64 x 2048")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gradients_are_the_eager_formulations(device, dtype):
+    """Where autograd records (the trainer), `RMSNorm` takes the kernel's values forward (on the
+    GPU) and the eager formulation's gradients backward, for x and the weight."""
+    x = rows((6, 32), dtype, seed=7, scale=2.0).to(device)
+    norm = RMSNorm(32, 1e-6).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.copy_(rows((32,), dtype, seed=8) + 1)
+    grad = rows((6, 32), dtype, seed=9).to(device)
+    x1 = x.clone().requires_grad_()
+    norm(x1).backward(grad)
+    x2, w2 = x.clone().requires_grad_(), norm.weight.detach().clone().requires_grad_()
+    eager_rms_norm(x2, w2, 1e-6).backward(grad)
+    assert torch.equal(x1.grad, x2.grad) and torch.equal(norm.weight.grad, w2.grad)
+    # The autograd function itself, which `RMSNorm` takes on the GPU only.
+    x3, w3 = x.clone().requires_grad_(), norm.weight.detach().clone().requires_grad_()
+    _KernelRMSNorm.apply(x3, w3, 1e-6).backward(grad)
+    assert torch.equal(x3.grad, x2.grad) and torch.equal(w3.grad, w2.grad)
 
 
 def test_checks_name_the_values(device):
