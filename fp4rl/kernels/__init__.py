@@ -88,7 +88,7 @@ def paged_decode_attention(q_BHD, k, v, block_table_BN, context_B) -> torch.Tens
 
 
 def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`rms_norm.reference_rms_norm`: RMSNorm over the last dim, one program per row."""
+    """`fp4rl.model.layers.eager_rms_norm` up to its FP32 sum's order: one program per row."""
     return rms_norm.launch(x, weight, eps)
 
 
