@@ -48,6 +48,14 @@ def quantize(
     return impl.quantize(x, scaling=scaling, global_scale=global_scale)
 
 
+def quantize_into(x_TKD: torch.Tensor, pages: NVFP4Tensor, slots_T: torch.Tensor) -> None:
+    """``quantize(x_TKD, scaling="row")`` (``[T, heads, K]``, a global scale per row) stored as
+    rows ``slots_T`` of ``pages`` (a paged cache's `NVFP4Tensor` ``[N, P, heads, K]``, slot
+    ``n * P + p``); on the GPU one kernel, with no quantized copy in between."""
+    impl = _kernels(x_TKD) or reference
+    impl.quantize_into(x_TKD, pages, slots_T)
+
+
 def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     impl = _kernels(t.codes) or reference
     return impl.dequantize(t, dtype)

@@ -227,3 +227,15 @@ def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tens
     values = e2m1_value(unpack_e2m1(t.codes)).unflatten(-1, (-1, BLOCK_SIZE))
     scaled = values * t.block_scale.float().unsqueeze(-1)  # exact: E2M1 x E4M3 fits in FP32
     return (scaled.flatten(-2) * t.global_scale).to(dtype)
+
+
+def put_rows(pages: NVFP4Tensor, slots_T: torch.Tensor, t: NVFP4Tensor) -> None:
+    """Store ``t``'s rows ``[T, ...]`` as rows ``slots_T`` of ``pages`` flattened over its
+    first two dims (a paged cache's ``[N, P, ...]``: slot ``n * P + p``)."""
+    for page, value in zip(pages.tensors(), t.tensors(), strict=True):
+        page.flatten(0, 1)[slots_T] = value
+
+
+def quantize_into(x_TKD: torch.Tensor, pages: NVFP4Tensor, slots_T: torch.Tensor) -> None:
+    """``quantize(x_TKD, scaling="row")`` stored as rows ``slots_T`` of ``pages``."""
+    put_rows(pages, slots_T, quantize(x_TKD, scaling="row"))

@@ -30,6 +30,7 @@ __all__ = [
     "grouped_mm",
     "paged_decode_attention",
     "quantize",
+    "quantize_into",
     "round_guided_compact",
     "rms_norm_rows",
     "rope_rows",
@@ -43,6 +44,11 @@ def quantize(
 ) -> NVFP4Tensor:
     """`reference.quantize`: round-to-nearest NVFP4."""
     return nearest.launch(x, scaling=scaling, global_scale=global_scale, fake=False)
+
+
+def quantize_into(x_TKD: torch.Tensor, pages: NVFP4Tensor, slots_T: torch.Tensor) -> None:
+    """`reference.quantize_into`: per-row quantization stored straight into paged rows."""
+    nearest.launch_into(x_TKD, pages, slots_T)
 
 
 def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

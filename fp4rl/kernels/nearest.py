@@ -12,6 +12,10 @@ One kernel; SCALE_SOURCE says where each row's FP32 global scale comes from:
   those up to its ``MAX_GROUP_BYTES``.
 - ``"given"``: the caller's global scale per group (a group spanning several tensors).
 
+With SCATTER (per-row scaling only) row ``r`` of x is stored as row ``slots[r // heads] * heads
++ r % heads`` of the outputs: x ``[T, heads, K]`` quantized straight into a paged KV cache's
+NVFP4 pages at the tokens' slots (`launch_into`), with the bits of `launch`.
+
 With FAKE the kernel stores ``dequantize(quantize(x))`` in x's dtype instead of codes, block
 scales and global scales: the trainer's forward needs only those values.
 """
@@ -29,12 +33,14 @@ from fp4rl.kernels import amax, expert_quant
 from fp4rl.kernels.launch import (
     CONFIGS,
     TileConfig,
+    check_contiguous,
     check_device,
     check_x,
     device_of,
     outputs,
     pair_view,
     rows_per_group,
+    word_view,
 )
 from fp4rl.kernels.numerics import global_scale_from_amax, is_finite, max_nan, ratio_divisor
 from fp4rl.kernels.tiles import block_amax, load_pairs, program_rows, quantize_chunk, row_amax
@@ -49,11 +55,14 @@ def _quantize_kernel(
     fake_RK,
     scale_in_G,
     global_scale_G,
+    slots_T,
     R,
     K,
     rows_per_group,
+    heads,
     SCALE_SOURCE: tl.constexpr,
     FAKE: tl.constexpr,
+    SCATTER: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
@@ -61,6 +70,10 @@ def _quantize_kernel(
 ):
     rows_R, row_ok_R = program_rows(R, BLOCK_R)
     group_R = rows_R // rows_per_group
+    out_R = rows_R  # where the row's codes, block scales and (per-row) global scale go
+    if SCATTER:
+        slot_R = tl.load(slots_T + rows_R // heads, mask=row_ok_R, other=0).to(tl.int64)
+        out_R = slot_R * heads + rows_R % heads
     if SCALE_SOURCE == "given":
         s_R = tl.load(scale_in_G + group_R, mask=row_ok_R, other=0.0)
     else:
@@ -75,7 +88,9 @@ def _quantize_kernel(
             amax_bits_R = tl.load(scale_in_G + group_R, mask=row_ok_R, other=0)
             amax_R = amax_bits_R.to(tl.float32, bitcast=True)
         s_R = global_scale_from_amax(amax_R, is_finite(amax_R))
-        if not FAKE:  # one store per group: by the program holding its first row
+        if SCATTER:  # groups are rows
+            tl.store(global_scale_G + out_R, s_R, mask=row_ok_R)
+        elif not FAKE:  # one store per group: by the program holding its first row
             tl.store(global_scale_G + group_R, s_R, mask=row_ok_R & (rows_R % rows_per_group == 0))
     scale_R, d_scaled_R, reciprocal_R = ratio_divisor(s_R)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
@@ -84,7 +99,7 @@ def _quantize_kernel(
             block_amax_RB = block_amax(x_even, x_odd)
         quantize_chunk(
             x_even, x_odd, block_amax_RB, s_R, scale_R, d_scaled_R, reciprocal_R, fake_RK,
-            codes_RK8, block_scale_RKB, rows_R, row_ok_R, k0, K,
+            codes_RK8, block_scale_RKB, out_R, row_ok_R, k0, K,
             POISON_BLOCKS=SCALE_SOURCE == "given", FAKE=FAKE, BLOCK_K=BLOCK_K,
         )  # fmt: skip
 
@@ -144,12 +159,55 @@ def launch(
         one_chunk = source == "row_amax" and k <= meta["BLOCK_K"]
         with device_of(x):
             _quantize_kernel[grid](
-                pair_view(x_RK), codes_words, block_scale, fake_RK, scale_in, s, num_rows, k,
-                group_rows,
-                SCALE_SOURCE=source, FAKE=fake, ONE_CHUNK=one_chunk, **meta,
+                pair_view(x_RK), codes_words, block_scale, fake_RK, scale_in, s, x_RK, num_rows,
+                k, group_rows, 1,
+                SCALE_SOURCE=source, FAKE=fake, SCATTER=False, ONE_CHUNK=one_chunk, **meta,
             )  # fmt: skip
     if fake:
         return fake_RK.view(x.shape)
     return NVFP4Tensor(
         codes=codes, block_scale=block_scale.view(torch.float8_e4m3fn), global_scale=s
     )
+
+
+def launch_into(x_TKD: torch.Tensor, pages: NVFP4Tensor, slots_T: torch.Tensor) -> None:
+    """Store ``reference.quantize(x_TKD, scaling="row")`` (one global scale per ``[t, h]`` row)
+    as rows ``slots_T[t]`` of ``pages`` (`NVFP4Tensor` ``[N, P, heads, K / 2]`` codes and the
+    like: slot ``n * P + p``), bitwise what `launch` returns, in one launch: no quantized copy of
+    x is made. ``slots_T`` (int64, distinct) must lie within the pages; that is not checked (it
+    would need a device sync)."""
+    check_x(x_TKD)
+    if x_TKD.dim() != 3:
+        raise ValueError(f"x_TKD must be [T, heads, K]; got shape {tuple(x_TKD.shape)}")
+    T, heads, k = x_TKD.shape
+    lead = tuple(pages.codes.shape[:-1])
+    if len(lead) != 3 or tuple(pages.shape[2:]) != (heads, k):
+        raise ValueError(
+            f"pages must be [N, P, heads, K] = [N, P, {heads}, {k}] for x_TKD of shape "
+            f"{tuple(x_TKD.shape)}; got {tuple(pages.shape)}"
+        )
+    if pages.global_scale.shape != (*lead, 1):
+        raise ValueError(
+            f"pages.global_scale must hold one scale per row, shape {(*lead, 1)}; got "
+            f"{tuple(pages.global_scale.shape)}"
+        )
+    for name, t in (("codes", pages.codes), ("block_scale", pages.block_scale),
+                    ("global_scale", pages.global_scale), ("slots_T", slots_T)):  # fmt: skip
+        check_device(name, t, x_TKD.device)
+        check_contiguous(name, t)
+    if slots_T.dtype != torch.int64 or tuple(slots_T.shape) != (T,):
+        raise ValueError(
+            f"slots_T must be int64 of shape ({T},); got {slots_T.dtype} of shape "
+            f"{tuple(slots_T.shape)}"
+        )
+    if T == 0:
+        return
+    x_RK = x_TKD.view(-1, k)
+    grid, meta = _default_config("row_amax", k, False).launch(x_RK.shape[0], k)
+    with device_of(x_TKD):
+        _quantize_kernel[grid](
+            pair_view(x_RK), word_view(pages.codes), pages.block_scale.view(torch.uint8), x_RK,
+            x_RK, pages.global_scale, slots_T, x_RK.shape[0], k, 1, heads,
+            SCALE_SOURCE="row_amax", FAKE=False, SCATTER=True, ONE_CHUNK=k <= meta["BLOCK_K"],
+            **meta,
+        )  # fmt: skip

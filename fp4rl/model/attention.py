@@ -43,6 +43,9 @@ class Bf16KV:
     def packed(self, k_TKD, v_TKD, guidance, capture) -> tuple[KVEntry, KVEntry]:
         return k_TKD, v_TKD
 
+    def store(self, kv: NewKV, cache, layer: int, slots_T: torch.Tensor) -> None:
+        cache.write(layer, slots_T, kv.k_TKD, kv.v_TKD)
+
 
 class Nvfp4KV:
     """A layer whose K (after RoPE) and V pass through NVFP4 sites, one global scale per
@@ -62,11 +65,19 @@ class Nvfp4KV:
             self.v_site.quantize(v_TKD, guidance, capture),
         )
 
+    def store(self, kv: NewKV, cache, layer: int, slots_T: torch.Tensor) -> None:
+        """`packed()`'s entries, each site storing its own into the cache's pages (straight
+        from the K/V values where nothing records them: `Fp4Site.store`)."""
+        k_pages, v_pages = cache.nvfp4_pages(layer)
+        self.k_site.store(kv.k_TKD, k_pages, slots_T, kv.guidance, kv.capture)
+        self.v_site.store(kv.v_TKD, v_pages, slots_T, kv.guidance, kv.capture)
+
 
 @dataclass(frozen=True, slots=True)
 class NewKV:
     """One layer's K/V of this forward with the layer's KV format and the forward's guidance
-    and capture: a backend attends over `values()` or stores `packed()`, never both."""
+    and capture: a backend attends over `values()` or stores `packed()` (`store` writes them
+    into a paged cache), never both."""
 
     k_TKD: torch.Tensor
     v_TKD: torch.Tensor
@@ -79,6 +90,11 @@ class NewKV:
 
     def packed(self) -> tuple[KVEntry, KVEntry]:
         return self.format.packed(self.k_TKD, self.v_TKD, self.guidance, self.capture)
+
+    def store(self, cache, layer: int, slots_T: torch.Tensor) -> None:
+        """Write `packed()`'s entries into a paged ``cache`` (`fp4rl.rollout.KVCache`: its
+        ``write`` and ``nvfp4_pages``) at ``slots_T``, recording what `packed()` records."""
+        self.format.store(self, cache, layer, slots_T)
 
 
 class AttentionBackend(Protocol):

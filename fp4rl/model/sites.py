@@ -15,7 +15,8 @@ from typing import Protocol
 import torch
 
 from fp4rl.fp4 import CompactCodes, NVFP4Tensor, SparseCodes
-from fp4rl.ops import dequantize, fake_quantize, quantize_site
+from fp4rl.fp4.reference import put_rows
+from fp4rl.ops import dequantize, fake_quantize, quantize_into, quantize_site
 from fp4rl.records import GuidanceMap, SiteKey
 
 
@@ -26,6 +27,10 @@ class Capture(Protocol):
     quantized (same layout): sparse guidance needs to know how close each was to a boundary."""
 
     keeps_values: bool
+
+    def records(self, layer: int, site: str) -> bool:
+        """Whether `record` keeps anything of this site (else a site may skip making it)."""
+        ...
 
     def record(
         self, layer: int, site: str, t: NVFP4Tensor, x: torch.Tensor | None = None
@@ -43,6 +48,9 @@ class SiteRecords:
     def __init__(self) -> None:
         self.sites: dict[SiteKey, NVFP4Tensor] = {}
         self.routing: dict[int, torch.Tensor] = {}
+
+    def records(self, layer: int, site: str) -> bool:
+        return True
 
     def record(self, layer: int, site: str, t: NVFP4Tensor, x=None) -> None:
         self.sites[(layer, site)] = t
@@ -106,6 +114,25 @@ class Fp4Site:
         """The site's `NVFP4Tensor` of ``x [..., K]`` (rows in canonical order): what a cache
         stores. Its dequantized value is bitwise what ``self(x, guidance, capture)`` returns."""
         return self._quantize(x, self._guidance(guidance, x, None), capture, None)
+
+    def store(
+        self,
+        x_TKD: torch.Tensor,
+        pages: NVFP4Tensor,
+        slots_T: torch.Tensor,
+        guidance: GuidanceMap | None = None,
+        capture: Capture | None = None,
+    ) -> None:
+        """Store ``self.quantize(x_TKD, guidance, capture)``'s rows at ``slots_T`` of a paged
+        cache's ``pages`` (`reference.put_rows`). A site that follows no guidance and whose
+        record nobody keeps quantizes straight into the pages (`ops.quantize_into`: one kernel
+        on the GPU, the same bits)."""
+        g = self._guidance(guidance, x_TKD, None)
+        if g is None and (capture is None or not capture.records(self.layer, self.name)):
+            with self._named():
+                quantize_into(x_TKD.detach(), pages, slots_T)
+            return
+        put_rows(pages, slots_T, self._quantize(x_TKD, g, capture, None))
 
     def _quantize(self, x, g, capture, row_order) -> NVFP4Tensor:
         x = x.detach()

@@ -105,9 +105,9 @@ class AttentionMetadata:
 class PagedAttention:
     """`fp4rl.model.attention.AttentionBackend` over a `KVCache` for one step.
 
-    Stores what the layer's KV sites produce (`NewKV.packed`: the tensors of a BF16 layer, the
-    `NVFP4Tensor`s of an NVFP4 one, recorded by the sites when the forward captures), then
-    attends over the cache.
+    Stores what the layer's KV sites produce (`NewKV.store`: the tensors of a BF16 layer, the
+    `NVFP4Tensor`s of an NVFP4 one, recorded by the sites when the forward captures; unrecorded
+    NVFP4 rows are quantized straight into the pages), then attends over the cache.
     """
 
     def __init__(self, cache: KVCache, meta: AttentionMetadata) -> None:
@@ -116,7 +116,7 @@ class PagedAttention:
 
     def attend(self, layer: int, q_THD: torch.Tensor, kv: NewKV) -> torch.Tensor:
         m = self.meta
-        self.cache.write(layer, m.slots_T, *kv.packed())
+        kv.store(self.cache, layer, m.slots_T)
         if m.decode_rows_B.shape[0] == q_THD.shape[0]:
             # Decodes alone (a graphed step): their rows are all rows, in order, so the
             # queries and outputs need no gather and no scatter.

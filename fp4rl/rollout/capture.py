@@ -107,8 +107,11 @@ class StepCapture:
         self._sites: dict[SiteKey, SiteRecord] = {}
         self.packed: PackedRows | None = None
 
+    def records(self, layer: int, site: str) -> bool:
+        return self.guidance is not None and (layer, site) in self.keep
+
     def record(self, layer: int, site: str, t: NVFP4Tensor, x: torch.Tensor | None = None) -> None:
-        if self.guidance is None or (layer, site) not in self.keep:
+        if not self.records(layer, site):
             return
         # Compact or sparsify the whole step at once: one pass instead of one per sequence.
         if self.guidance == "compact":

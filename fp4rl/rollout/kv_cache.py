@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from fp4rl.fp4 import BLOCK_SIZE, NVFP4Tensor
+from fp4rl.fp4.reference import put_rows
 from fp4rl.model.attention import KVEntry
 from fp4rl.model.precision import KV_FORMATS
 from fp4rl.ops import dequantize
@@ -97,19 +98,14 @@ def _empty_nvfp4(num_blocks, block_size, K, D, device) -> NVFP4Tensor:
     )
 
 
-def _put(pages: NVFP4Tensor, slots_T: torch.Tensor, t: NVFP4Tensor) -> None:
-    for page, value in zip(pages.tensors(), t.tensors(), strict=True):
-        page.flatten(0, 1)[slots_T] = value
-
-
 class _Nvfp4Pages:
     def __init__(self, num_blocks, block_size, K, D, dtype, device) -> None:
         self.k = _empty_nvfp4(num_blocks, block_size, K, D, device)
         self.v = _empty_nvfp4(num_blocks, block_size, K, D, device)
 
     def write(self, slots_T, k: NVFP4Tensor, v: NVFP4Tensor) -> None:
-        _put(self.k, slots_T, k)
-        _put(self.v, slots_T, v)
+        put_rows(self.k, slots_T, k)
+        put_rows(self.v, slots_T, v)
 
     def read(self, slots_C, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         def rows(m: torch.Tensor) -> torch.Tensor:
@@ -137,14 +133,25 @@ class KVCache:
     def write(self, layer: int, slots_T: torch.Tensor, k: KVEntry, v: KVEntry) -> None:
         """Store this step's K/V entries of ``layer`` at ``slots_T``: tensors ``[T, K, D]``
         for a "bf16" layer, the K/V sites' `NVFP4Tensor`s for an "nvfp4" one."""
-        fmt = self.spec.layer_formats[layer]
-        if isinstance(k, NVFP4Tensor) != (fmt == "nvfp4") or type(k) is not type(v):
-            raise TypeError(
-                f"layers.{layer}: the cache holds {fmt} KV but was given "
-                f"{type(k).__name__}/{type(v).__name__} entries; the cache and the model must "
-                "come from one precision plan"
-            )
+        formats = {"nvfp4" if isinstance(x, NVFP4Tensor) else "bf16" for x in (k, v)}
+        given = formats.pop() if len(formats) == 1 else "mixed"
+        self._check_format(layer, given, f"{type(k).__name__}/{type(v).__name__}")
         self.layers[layer].write(slots_T, k, v)
+
+    def nvfp4_pages(self, layer: int) -> tuple[NVFP4Tensor, NVFP4Tensor]:
+        """``layer``'s K and V pages, for a model whose NVFP4 K/V sites quantize straight into
+        them (`fp4rl.model.attention.Nvfp4KV.store`)."""
+        self._check_format(layer, "nvfp4", "NVFP4 rows")
+        p = self.layers[layer]
+        return p.k, p.v
+
+    def _check_format(self, layer: int, given: str, entries: str) -> None:
+        fmt = self.spec.layer_formats[layer]
+        if given != fmt:
+            raise TypeError(
+                f"layers.{layer}: the cache holds {fmt} KV but was given {entries} entries; the "
+                "cache and the model must come from one precision plan"
+            )
 
     def pages(self, layer: int) -> tuple[KVEntry, KVEntry]:
         """``layer``'s K and V pages as stored: ``[N, B, K, D]`` tensors or `NVFP4Tensor`s."""

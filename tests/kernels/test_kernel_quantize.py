@@ -1,5 +1,6 @@
 """Round-to-nearest quantize and its fused fake-quant against the reference, bit for bit."""
 
+import dataclasses
 import math
 
 import pytest
@@ -136,6 +137,53 @@ def test_nonfinite_values_poison_their_group(device, dtype):
     check_quantize(x.view(5, 3, 16), 2)
     # A finite caller-given scale still poisons the blocks that hold inf or NaN.
     check_quantize(x, "row", global_scale=torch.full((5, 1), 0.01, device=device))
+
+
+def paged(num_slots: int, heads: int, k: int, device) -> "R.NVFP4Tensor":
+    """Pages ``[num_slots / 4, 4, heads, k]`` filled with a recognisable pattern."""
+    lead = (num_slots // 4, 4, heads)
+    fill = torch.arange(math.prod(lead) * k // 2, dtype=torch.int64) % 251
+    return R.NVFP4Tensor(
+        codes=fill.to(torch.uint8).view(*lead, k // 2).to(device),
+        block_scale=torch.full((*lead, k // 16), 0x38, dtype=torch.uint8)
+        .view(torch.float8_e4m3fn)
+        .to(device),
+        global_scale=torch.full((*lead, 1), 7.0).to(device),
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("tokens", "heads", "k"), [(1, 4, 128), (5, 2, 32), (9, 3, 16)])
+def test_quantize_into_pages_is_quantize_then_put(device, dtype, tokens, heads, k):
+    """Rows written straight into the pages at the slots hold the bits of quantize + put,
+    special rows included, and every other slot keeps what it held."""
+    x = randn((tokens, heads, k), dtype, device, seed=tokens * heads + k)
+    g = torch.Generator().manual_seed(k)
+    x[0, 0] = poisoned_rows(k, dtype, g)[0].to(device)  # inf/NaN: the row's group is poisoned
+    if tokens > 1:
+        x[1] = 0.0
+    slots = torch.randperm(4 * tokens + 4, generator=g)[:tokens].to(device)
+    want = paged(4 * tokens + 4, heads, k, "cpu")
+    R.put_rows(want, slots.cpu(), R.quantize(x.cpu(), scaling="row"))
+    got = paged(4 * tokens + 4, heads, k, device)
+    kernels.quantize_into(x, got, slots)
+    assert_nvfp4_equal(cpu(got), want, f"quantize_into {dtype} {tuple(x.shape)}")
+
+
+def test_quantize_into_checks_name_the_values(device):
+    x = randn((3, 2, 32), torch.bfloat16, device, seed=0)
+    pages = paged(16, 2, 32, device)
+    slots = torch.arange(3, device=device)
+    with pytest.raises(ValueError, match=r"pages must be \[N, P, heads, K\] = \[N, P, 2, 32\]"):
+        kernels.quantize_into(x, paged(16, 4, 32, device), slots)
+    with pytest.raises(ValueError, match=r"x_TKD must be \[T, heads, K\]; got shape \(6, 32\)"):
+        kernels.quantize_into(x.view(6, 32), pages, slots)
+    with pytest.raises(ValueError, match=r"slots_T must be int64 of shape \(3,\); got torch.int32"):
+        kernels.quantize_into(x, pages, slots.to(torch.int32))
+    with pytest.raises(ValueError, match="global_scale must hold one scale per row"):
+        kernels.quantize_into(
+            x, dataclasses.replace(pages, global_scale=torch.ones(1, 1, 1, 1, device=device)), slots
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from fp4rl.model.attention import Bf16KV, NewKV, Nvfp4KV
 from fp4rl.model.precision import SITES
 from fp4rl.model.sites import SiteRecords
-from fp4rl.ops import dequantize, quantize
+from fp4rl.ops import dequantize, quantize, quantize_into
 from fp4rl.rollout.attention import AttentionMetadata, PagedAttention, Segment
 from fp4rl.rollout.kv_cache import KVCache, KVCacheSpec
 
@@ -130,3 +130,41 @@ def test_cache_refuses_entries_of_another_format():
     q = quantize(x, scaling="row")
     with pytest.raises(TypeError, match="layers.0: the cache holds bf16 KV but was given NVFP4"):
         cache.write(0, slots, q, q)
+    with pytest.raises(TypeError, match="layers.0: the cache holds bf16 KV but was given NVFP4"):
+        cache.nvfp4_pages(0)
+
+
+class _Keeps(SiteRecords):
+    """Records only the K site."""
+
+    def records(self, layer, site):
+        return site == "k"
+
+
+@pytest.mark.parametrize("capture", [None, _Keeps()], ids=["unrecorded", "k recorded"])
+def test_nvfp4_sites_store_the_bits_of_quantize_then_write(monkeypatch, capture):
+    """An NVFP4 layer's K/V sites store into the pages what writing their quantized entries
+    stores; a site whose record nobody keeps quantizes straight into the pages, a recorded one
+    is recorded first."""
+    from fp4rl.model import sites
+
+    g = torch.Generator().manual_seed(3)
+    spec = KVCacheSpec(layer_formats=("nvfp4",), num_kv_heads=HKV, head_dim=D, dtype=torch.bfloat16)
+    caches = [KVCache(spec, num_blocks=8, block_size=BLOCK, device="cpu") for _ in range(2)]
+    k, v = (torch.randn(6, HKV, D, generator=g).to(torch.bfloat16) for _ in range(2))
+    slots = torch.randperm(8 * BLOCK, generator=g)[:6]
+    direct = []
+    monkeypatch.setattr(
+        sites, "quantize_into", lambda x, *a: direct.append(x) or quantize_into(x, *a)
+    )
+    NewKV(k, v, Nvfp4KV(0, SITES), capture=capture).store(caches[0], 0, slots)
+    caches[1].write(0, slots, quantize(k, scaling="row"), quantize(v, scaling="row"))
+    for got, want in zip(caches[0].layers[0].tensors(), caches[1].layers[0].tensors(), strict=True):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    if capture is None:
+        assert len(direct) == 2 and torch.equal(direct[0], k) and torch.equal(direct[1], v)
+    else:
+        assert len(direct) == 1 and torch.equal(direct[0], v)
+        assert list(capture.sites) == [(0, "k")] and capture.sites[(0, "k")].equal(
+            quantize(k, scaling="row")
+        )
