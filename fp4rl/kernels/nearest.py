@@ -60,6 +60,7 @@ def _quantize_kernel(
     K,
     rows_per_group,
     heads,
+    slot_stride,
     SCALE_SOURCE: tl.constexpr,
     FAKE: tl.constexpr,
     SCATTER: tl.constexpr,
@@ -72,7 +73,8 @@ def _quantize_kernel(
     group_R = rows_R // rows_per_group
     out_R = rows_R  # where the row's codes, block scales and (per-row) global scale go
     if SCATTER:
-        slot_R = tl.load(slots_T + rows_R // heads, mask=row_ok_R, other=0).to(tl.int64)
+        slot_R = tl.load(slots_T + (rows_R // heads) * slot_stride, mask=row_ok_R, other=0)
+        slot_R = slot_R.to(tl.int64)
         out_R = slot_R * heads + rows_R % heads
     if SCALE_SOURCE == "given":
         s_R = tl.load(scale_in_G + group_R, mask=row_ok_R, other=0.0)
@@ -160,7 +162,7 @@ def launch(
         with device_of(x):
             _quantize_kernel[grid](
                 pair_view(x_RK), codes_words, block_scale, fake_RK, scale_in, s, x_RK, num_rows,
-                k, group_rows, 1,
+                k, group_rows, 1, 1,
                 SCALE_SOURCE=source, FAKE=fake, SCATTER=False, ONE_CHUNK=one_chunk, **meta,
             )  # fmt: skip
     if fake:
@@ -174,8 +176,8 @@ def launch_into(x_TKD: torch.Tensor, pages: NVFP4Tensor, slots_T: torch.Tensor) 
     """Store ``reference.quantize(x_TKD, scaling="row")`` (one global scale per ``[t, h]`` row)
     as rows ``slots_T[t]`` of ``pages`` (`NVFP4Tensor` ``[N, P, heads, K / 2]`` codes and the
     like: slot ``n * P + p``), bitwise what `launch` returns, in one launch: no quantized copy of
-    x is made. ``slots_T`` (int64, distinct) must lie within the pages; that is not checked (it
-    would need a device sync)."""
+    x is made. ``slots_T`` (int64, distinct, any stride: a view of the engine's staged rows)
+    must lie within the pages; that is not checked (it would need a device sync)."""
     check_x(x_TKD)
     if x_TKD.dim() != 3:
         raise ValueError(f"x_TKD must be [T, heads, K]; got shape {tuple(x_TKD.shape)}")
@@ -192,9 +194,10 @@ def launch_into(x_TKD: torch.Tensor, pages: NVFP4Tensor, slots_T: torch.Tensor) 
             f"{tuple(pages.global_scale.shape)}"
         )
     for name, t in (("codes", pages.codes), ("block_scale", pages.block_scale),
-                    ("global_scale", pages.global_scale), ("slots_T", slots_T)):  # fmt: skip
+                    ("global_scale", pages.global_scale)):  # fmt: skip
         check_device(name, t, x_TKD.device)
         check_contiguous(name, t)
+    check_device("slots_T", slots_T, x_TKD.device)
     if slots_T.dtype != torch.int64 or tuple(slots_T.shape) != (T,):
         raise ValueError(
             f"slots_T must be int64 of shape ({T},); got {slots_T.dtype} of shape "
@@ -207,7 +210,7 @@ def launch_into(x_TKD: torch.Tensor, pages: NVFP4Tensor, slots_T: torch.Tensor) 
     with device_of(x_TKD):
         _quantize_kernel[grid](
             pair_view(x_RK), word_view(pages.codes), pages.block_scale.view(torch.uint8), x_RK,
-            x_RK, pages.global_scale, slots_T, x_RK.shape[0], k, 1, heads,
+            x_RK, pages.global_scale, slots_T, x_RK.shape[0], k, 1, heads, slots_T.stride(0),
             SCALE_SOURCE="row_amax", FAKE=False, SCATTER=True, ONE_CHUNK=k <= meta["BLOCK_K"],
             **meta,
         )  # fmt: skip

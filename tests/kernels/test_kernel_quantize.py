@@ -162,10 +162,13 @@ def test_quantize_into_pages_is_quantize_then_put(device, dtype, tokens, heads, 
     x[0, 0] = poisoned_rows(k, dtype, g)[0].to(device)  # inf/NaN: the row's group is poisoned
     if tokens > 1:
         x[1] = 0.0
-    slots = torch.randperm(4 * tokens + 4, generator=g)[:tokens].to(device)
-    want = paged(4 * tokens + 4, heads, k, "cpu")
+    # A strided view, as the engine's slots are (a row of its staged step buffer).
+    slots = torch.randperm(8 * tokens + 8, generator=g)[:tokens]
+    slots = torch.stack([slots, -slots], dim=1).to(device)[:, 0]
+    assert slots.stride(0) == 2
+    want = paged(8 * tokens + 8, heads, k, "cpu")
     R.put_rows(want, slots.cpu(), R.quantize(x.cpu(), scaling="row"))
-    got = paged(4 * tokens + 4, heads, k, device)
+    got = paged(8 * tokens + 8, heads, k, device)
     kernels.quantize_into(x, got, slots)
     assert_nvfp4_equal(cpu(got), want, f"quantize_into {dtype} {tuple(x.shape)}")
 
