@@ -1,13 +1,15 @@
 """The MoE dispatch's sort by expert: the counting-sort kernel against the int32-key torch sort
-it replaces, by the number of assignments A and experts E, outputs checked bitwise.
+and inverse scatter it replaces, by the number of assignments A and experts E, outputs checked
+bitwise.
 
 One H200 (seconds): ``python benchmarks/expert_sort.py``; a CPU smoke check under Triton's
 interpreter: ``python benchmarks/expert_sort.py --device cpu``. Prints a markdown table and
 writes it to ``$OUT/expert_sort.md`` when OUT is set; exits 1 if an order differs from
-``torch.argsort(ids, stable=True)``.
+``torch.argsort(ids, stable=True)`` or an inverse from its inverse permutation.
 
-"kernel" is `fp4rl.kernels.expert_sort.launch`; "torch" is what `fp4rl.model.experts.
-sort_by_expert` runs where the kernel does not (keys ``id * A + position`` sorted as int32).
+"kernel" is `fp4rl.kernels.expert_sort.launch` (the order and its inverse); "torch" is what
+`fp4rl.model.experts.dispatch_order` runs where the kernel does not (keys ``id * A +
+position`` sorted as int32, then the inverse as a scatter of ``arange(A)``).
 Times: CUDA-graph replays of one call per input (the GPU's time alone, as decode steps replay
 it), median over repeats, us per call. The kernel's time grows with A (every program reads all
 the ids), torch's with its sort's passes: where they cross is where
@@ -47,12 +49,21 @@ from _timing import median_ms, report, run_header  # noqa: E402
 from fp4rl.kernels import expert_sort  # noqa: E402
 
 
-def torch_sort(ids_A: torch.Tensor) -> torch.Tensor:
-    """`sort_by_expert`'s torch path (E * A < 2**31): one sort of unique int32 keys."""
+def torch_sort(ids_A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`dispatch_order`'s torch path (E * A < 2**31): one sort of unique int32 keys, then the
+    inverse permutation by a scatter."""
     A = ids_A.numel()
     keys_A = torch.arange(A, dtype=torch.int32, device=ids_A.device)
     keys_A.add_(ids_A.to(torch.int32), alpha=A)
-    return torch.sort(keys_A).indices
+    order_A = torch.sort(keys_A).indices
+    positions_A = torch.arange(A, device=ids_A.device)
+    return order_A, torch.empty_like(order_A).scatter_(0, order_A, positions_A)
+
+
+def sorted_correctly(pair: tuple[torch.Tensor, torch.Tensor], want: torch.Tensor) -> bool:
+    """The order is ``want`` bit for bit, the inverse its inverse permutation."""
+    order, inverse = (t.cpu() for t in pair)
+    return torch.equal(order, want) and torch.equal(inverse[want], torch.arange(want.numel()))
 
 
 def main() -> int:
@@ -76,7 +87,7 @@ def main() -> int:
         "",
         "| A | E | torch us | "
         + " | ".join(f"kernel {t.chunk}:{t.num_warps} us" for t in tiles)
-        + " | torch / default kernel | orders |",
+        + " | torch / default kernel | orders, inverses |",
         "|---:|---:|---:|" + "---:|" * len(tiles) + "---:|---|",
     ]
     all_equal = True
@@ -91,7 +102,7 @@ def main() -> int:
                 median_ms(fn, inputs, warmup=2, repeats=repeats, graph=cuda) * 1e3 for fn in sorts
             ]
             want = torch.argsort(inputs[0].cpu(), stable=True)
-            equal = all(torch.equal(fn(inputs[0]).cpu(), want) for fn in sorts)
+            equal = all(sorted_correctly(fn(inputs[0]), want) for fn in sorts)
             all_equal &= equal
             lines.append(
                 f"| {A} | {E} | "

@@ -8,10 +8,11 @@ is missing on a CUDA machine the call raises instead of silently running the slo
 guidance (`SparseCodes`) is the one exception: no kernel reads its layout yet, so its rounding
 runs the PyTorch reference on every device.
 
-Three pieces of the model's glue also have a kernel here, each returning None where it does not
-run (the caller then runs its eager formulation): `apply_rope` and `sort_by_expert`, bitwise
-the eager results, and `rms_norm`, the eager arithmetic but for the order of one FP32 sum per
-row (docs/numerics.md, "What is bitwise").
+Four pieces of the model's glue also have a kernel here, each returning None where it does not
+run (the caller then runs its eager formulation): `apply_rope` and `sort_by_expert` (with the
+inverse permutation), bitwise the eager results, and `rms_norm` and `moe_combine`, the eager
+arithmetic but for the order of one FP32 sum per output (docs/numerics.md, "What is
+bitwise").
 """
 
 from __future__ import annotations
@@ -168,11 +169,12 @@ def apply_rope(
     return kernels.rope_rows(x_THD.contiguous(), cos_TD.contiguous(), signed_sin_TD.contiguous())
 
 
-def sort_by_expert(ids: torch.Tensor, num_experts: int) -> torch.Tensor | None:
-    """``torch.argsort(ids.flatten(), stable=True)`` (int64) for int32 or int64 expert ids in
-    ``[0, num_experts)``, as one counting-sort kernel on the GPU (`fp4rl.kernels.expert_sort`)
-    for sorts of decode size (shapes only decide); None elsewhere, where the caller sorts with
-    torch (`fp4rl.model.experts.sort_by_expert`)."""
+def sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(order, inverse)``: ``order = torch.argsort(ids.flatten(), stable=True)`` (int64) for
+    int32 or int64 expert ids in ``[0, num_experts)`` and its inverse permutation
+    (``inverse[order] = arange``), as one counting-sort kernel on the GPU
+    (`fp4rl.kernels.expert_sort`) for sorts of decode size (shapes only decide); None
+    elsewhere, where the caller sorts with torch (`fp4rl.model.experts.dispatch_order`)."""
     kernels = _kernels(ids)
     if (
         kernels is None
@@ -181,6 +183,22 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int) -> torch.Tensor | None:
     ):
         return None
     return kernels.sort_expert_ids(ids.contiguous(), num_experts)
+
+
+def moe_combine(
+    y_AH: torch.Tensor, row_order_Tk: torch.Tensor, weights_Tk: torch.Tensor
+) -> torch.Tensor | None:
+    """The MoE combine ``out[t] = sum_j y[row_order[t, j]] * weights[t, j]`` (``[T, H]`` in y's
+    dtype) in one kernel on the GPU (`fp4rl.kernels.moe_combine`: the eager arithmetic, the k
+    products summed in a fixed FP32 order, the same bits whatever the batch), for shapes and
+    dtypes it takes (`moe_combine.supported`); None elsewhere, where the caller runs the eager
+    formulation (`fp4rl.model.experts.eager_combine`)."""
+    kernels = _kernels(y_AH)
+    if kernels is None or not kernels.moe_combine.supported(y_AH, row_order_Tk, weights_Tk):
+        return None
+    return kernels.combine_rows(
+        y_AH.contiguous(), row_order_Tk.contiguous(), weights_Tk.contiguous()
+    )
 
 
 def quantize_site(

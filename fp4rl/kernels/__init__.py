@@ -17,6 +17,7 @@ from fp4rl.kernels import (
     dequant,
     expert_sort,
     guided,
+    moe_combine,
     moe_gemm,
     nearest,
     paged_attention,
@@ -25,6 +26,7 @@ from fp4rl.kernels import (
 )
 
 __all__ = [
+    "combine_rows",
     "dequantize",
     "fake_quantize",
     "grouped_mm",
@@ -87,6 +89,14 @@ def grouped_mm(x_AK: torch.Tensor, w: NVFP4Tensor, counts_E: torch.Tensor) -> to
     return moe_gemm.launch(x_AK, w, counts_E)
 
 
+def combine_rows(
+    y_AH: torch.Tensor, row_order_Tk: torch.Tensor, weights_Tk: torch.Tensor
+) -> torch.Tensor:
+    """`fp4rl.model.experts.eager_combine` up to its FP32 sum's order: one program per token and
+    chunk of H."""
+    return moe_combine.launch(y_AH, row_order_Tk, weights_Tk)
+
+
 def paged_decode_attention(q_BHD, k, v, block_table_BN, context_B) -> torch.Tensor:
     """`paged_attention.reference_decode`: one query token per sequence over its KV pages
     (BF16 tensors or NVFP4 decoded in registers)."""
@@ -105,7 +115,7 @@ def rope_rows(
     return rope.launch(x_THD, cos_TD, signed_sin_TD)
 
 
-def sort_expert_ids(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """``torch.argsort(ids.flatten(), stable=True)`` for expert ids in ``[0, num_experts)``: a
-    counting sort in one launch (`expert_sort.launch`)."""
+def sort_expert_ids(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.argsort(ids.flatten(), stable=True)`` for expert ids in ``[0, num_experts)`` and
+    its inverse permutation: a counting sort in one launch (`expert_sort.launch`)."""
     return expert_sort.launch(ids, num_experts)

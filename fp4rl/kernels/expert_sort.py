@@ -11,10 +11,13 @@ second count at its chunk's start:
    e plus those of id e before the chunk, ``next_slot[e]``;
 2. for its chunk, slot = ``next_slot[id[a]]`` (a gather) plus the assignments before a in the
    chunk with its id (a ``[CHUNK, CHUNK]`` comparison, so no step grows with the number of
-   experts), and it stores ``order[slot] = a``.
+   experts), and it stores ``order[slot] = a`` and ``inverse[a] = slot``.
 
-Slots are exact integers, so the result is the stable argsort bit for bit. The programs share
-nothing, so the launch takes as long as one program: one pass over the ids and one chunk.
+Slots are exact integers, so the result is the stable argsort bit for bit, and its inverse
+permutation (the dispatch's ``row_order``: the sorted row of each assignment, which the
+combine gathers by) comes with it for one more store instead of an arange and a scatter. The
+programs share nothing, so the launch takes as long as one program: one pass over the ids and
+one chunk.
 
 Bounds: a program holds one ``[CHUNK, CHUNK]`` tile and a histogram of ``2 * E_BLOCK`` bins
 whatever A; `MAX_EXPERTS` (256, as in DeepSeek-V3) keeps that small. Every program reads all
@@ -25,7 +28,7 @@ quadratically and torch's multi-block sort (`fp4rl.ops` sends larger sorts there
 the host), so it can be captured in a CUDA graph.
 
 The ids must lie in ``[0, num_experts)`` (the callers' guarantee, as for `sort_by_expert`);
-others make a wrong order but never a store outside it.
+others make a wrong order and inverse but never a store outside them.
 """
 
 from __future__ import annotations
@@ -65,7 +68,13 @@ DEFAULT_TILE = SortTile(chunk=64, num_warps=4)  # 32 comparisons per thread
 
 @triton.jit
 def _expert_sort_kernel(
-    ids_A, order_A, A, CHUNK: tl.constexpr, COUNT_CHUNK: tl.constexpr, E_BLOCK: tl.constexpr
+    ids_A,
+    order_A,
+    inverse_A,
+    A,
+    CHUNK: tl.constexpr,
+    COUNT_CHUNK: tl.constexpr,
+    E_BLOCK: tl.constexpr,
 ):
     start = tl.program_id(0) * CHUNK
     # Bin 2 * id + (b >= start): below bin 2e + 1 lie the assignments of smaller ids and those
@@ -87,6 +96,7 @@ def _expert_sort_kernel(
     slot = tl.gather(below, 2 * ids + 1, 0) + tl.sum(same.to(tl.int32), axis=1)
     # In range whenever the ids are; the bound keeps ids that are not from writing elsewhere.
     tl.store(order_A + slot, a.to(tl.int64), mask=ok & (slot >= 0) & (slot < A))
+    tl.store(inverse_A + a, slot.to(tl.int64), mask=ok)
 
 
 def supported(num_assignments: int, num_experts: int) -> bool:
@@ -98,10 +108,13 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def launch(ids: torch.Tensor, num_experts: int, tile: SortTile = DEFAULT_TILE) -> torch.Tensor:
-    """``torch.argsort(ids.flatten(), stable=True)`` (int64 ``[A]``) for int32 or int64 ids in
-    ``[0, num_experts)``, in one launch; ``supported(A, num_experts)`` must hold. ``tile``
-    other than the default is for benchmarking variants (benchmarks/expert_sort.py)."""
+def launch(
+    ids: torch.Tensor, num_experts: int, tile: SortTile = DEFAULT_TILE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(order, inverse)``, int64 ``[A]`` each, for int32 or int64 ids in ``[0, num_experts)``,
+    in one launch: ``order = torch.argsort(ids.flatten(), stable=True)`` and its inverse
+    permutation, ``inverse[order] = arange(A)``; ``supported(A, num_experts)`` must hold.
+    ``tile`` other than the default is for benchmarking variants (benchmarks/expert_sort.py)."""
     check_kernel_device("ids", ids)
     if ids.dtype not in ID_DTYPES:
         raise ValueError(f"ids must be one of {ID_DTYPES}; got {ids.dtype}")
@@ -115,15 +128,16 @@ def launch(ids: torch.Tensor, num_experts: int, tile: SortTile = DEFAULT_TILE) -
             f"experts; got {A} assignments, num_experts={num_experts}"
         )
     order_A = torch.empty(A, dtype=torch.int64, device=ids.device)
+    inverse_A = torch.empty_like(order_A)
     if A == 0:
-        return order_A
+        return order_A, inverse_A
     # Tiles as powers of two of at least 16, no larger than A needs: few compiled variants.
     whole = max(16, _pow2_at_least(A))
     chunk = min(tile.chunk, whole)
     with device_of(ids):
         _expert_sort_kernel[(-(-A // chunk),)](
-            ids, order_A, A,
+            ids, order_A, inverse_A, A,
             CHUNK=chunk, COUNT_CHUNK=min(MAX_COUNT_CHUNK, whole),
             E_BLOCK=max(16, _pow2_at_least(num_experts)), num_warps=tile.num_warps,
         )  # fmt: skip
-    return order_A
+    return order_A, inverse_A

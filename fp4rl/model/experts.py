@@ -58,26 +58,38 @@ class RoutedExperts(nn.Module):
         guidance: GuidanceMap | None = None,
         capture: Capture | None = None,
     ) -> torch.Tensor:
-        T, k = topk_ids_Tk.shape
+        k = topk_ids_Tk.shape[1]
         w13, w2 = self.weights()
         x_TH = self.input_site(x_TH, guidance, capture)
-        # Sort the T*k assignments by expert so each expert's rows are contiguous.
-        order_A = sort_by_expert(topk_ids_Tk, self.num_experts)
+        # Sort the T*k assignments by expert so each expert's rows are contiguous;
+        # row_order[t, j]: the sorted row that holds assignment (t, j).
+        order_A, row_order_Tk = dispatch_order(topk_ids_Tk, self.num_experts)
         counts_E = expert_counts(topk_ids_Tk, self.num_experts)
         x_AH = x_TH[order_A // k]
         gate_up_A2I = grouped_mm(x_AH, w13, counts_E)
         h_AI = F.silu(gate_up_A2I[:, : self.intermediate]) * gate_up_A2I[:, self.intermediate :]
-        # row_order[t, j]: the sorted row that holds assignment (t, j).
-        row_order_Tk = (
-            torch.empty_like(order_A)
-            .scatter_(0, order_A, torch.arange(T * k, device=order_A.device))
-            .view(T, k)
-        )
         h_AI = self.hidden_site(h_AI, row_order_Tk, guidance, capture)
         y_AH = grouped_mm(h_AI, w2, counts_E)
         # Weighted sum over each token's k experts, back in token order.
-        y_TkH = y_AH[row_order_Tk.flatten()].view(T, k, -1)
-        return (y_TkH * topk_weights_Tk.unsqueeze(-1).to(y_TkH.dtype)).sum(1)
+        return combine(y_AH, row_order_Tk, topk_weights_Tk)
+
+
+def dispatch_order(
+    topk_ids_Tk: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(order_A, row_order_Tk)``: the assignments ordered by expert (`sort_by_expert`) and
+    the inverse permutation shaped ``[T, k]``, ``row_order[t, j]`` the sorted row that holds
+    assignment ``(t, j)``; int64 both. On the GPU, sorts of decode size are one kernel that
+    gives both (`fp4rl.ops.sort_by_expert`); elsewhere torch sorts and the inverse is a
+    scatter of ``arange(A)``. The same integers either way."""
+    kernel_pair = ops.sort_by_expert(topk_ids_Tk, num_experts)
+    if kernel_pair is not None:
+        order_A, inverse_A = kernel_pair
+    else:
+        order_A = sort_by_expert(topk_ids_Tk, num_experts)
+        positions_A = torch.arange(order_A.numel(), device=order_A.device)
+        inverse_A = torch.empty_like(order_A).scatter_(0, order_A, positions_A)
+    return order_A, inverse_A.view(topk_ids_Tk.shape)
 
 
 def sort_by_expert(topk_ids_Tk: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -95,9 +107,9 @@ def sort_by_expert(topk_ids_Tk: torch.Tensor, num_experts: int) -> torch.Tensor:
     decide: `fp4rl.kernels.expert_sort.supported`) are instead one counting-sort kernel
     (`fp4rl.ops.sort_by_expert`), the same permutation. Nothing is read back to the host.
     """
-    order_A = ops.sort_by_expert(topk_ids_Tk, num_experts)
-    if order_A is not None:
-        return order_A
+    kernel_pair = ops.sort_by_expert(topk_ids_Tk, num_experts)
+    if kernel_pair is not None:
+        return kernel_pair[0]
     ids_A = topk_ids_Tk.flatten()
     A = ids_A.numel()
     if num_experts * A >= 2**31:
@@ -105,6 +117,53 @@ def sort_by_expert(topk_ids_Tk: torch.Tensor, num_experts: int) -> torch.Tensor:
     keys_A = torch.arange(A, dtype=torch.int32, device=ids_A.device)
     keys_A.add_(ids_A.to(torch.int32), alpha=A)
     return torch.sort(keys_A).indices
+
+
+def combine(
+    y_AH: torch.Tensor, row_order_Tk: torch.Tensor, topk_weights_Tk: torch.Tensor
+) -> torch.Tensor:
+    """Each token's expert outputs weighted by its top-k weights and summed: ``[T, H]`` in y's
+    dtype, the arithmetic of `eager_combine`. On the GPU one kernel (`fp4rl.ops.moe_combine`,
+    the k products summed in a fixed FP32 order, so a token's result does not depend on the
+    batch), for the engine and, with the eager formulation's gradients, for the trainer;
+    elsewhere (or for shapes the kernel does not take) the eager formulation."""
+    if torch.is_grad_enabled() and (y_AH.requires_grad or topk_weights_Tk.requires_grad):
+        if y_AH.is_cuda:
+            return _KernelCombine.apply(y_AH, row_order_Tk, topk_weights_Tk)
+        return eager_combine(y_AH, row_order_Tk, topk_weights_Tk)
+    out_TH = ops.moe_combine(y_AH, row_order_Tk, topk_weights_Tk)
+    return eager_combine(y_AH, row_order_Tk, topk_weights_Tk) if out_TH is None else out_TH
+
+
+def eager_combine(
+    y_AH: torch.Tensor, row_order_Tk: torch.Tensor, topk_weights_Tk: torch.Tensor
+) -> torch.Tensor:
+    """The combine as torch ops: gather each token's k sorted rows, multiply by the weights
+    cast to y's dtype (each product rounded to it), sum over k (in FP32, rounded once)."""
+    T, k = row_order_Tk.shape
+    y_TkH = y_AH[row_order_Tk.flatten()].view(T, k, -1)
+    return (y_TkH * topk_weights_Tk.unsqueeze(-1).to(y_TkH.dtype)).sum(1)
+
+
+class _KernelCombine(torch.autograd.Function):
+    """The kernel's values forward; backward, the gradients of `eager_combine` (the same
+    function up to the order of its FP32 sum), recomputed."""
+
+    @staticmethod
+    def forward(ctx, y_AH, row_order_Tk, topk_weights_Tk):
+        ctx.save_for_backward(y_AH, row_order_Tk, topk_weights_Tk)
+        out_TH = ops.moe_combine(y_AH, row_order_Tk, topk_weights_Tk)
+        return eager_combine(y_AH, row_order_Tk, topk_weights_Tk) if out_TH is None else out_TH
+
+    @staticmethod
+    def backward(ctx, grad_TH):
+        y_AH, row_order_Tk, weights_Tk = ctx.saved_tensors
+        with torch.enable_grad():
+            y_AH, weights_Tk = y_AH.detach().requires_grad_(), weights_Tk.detach().requires_grad_()
+            dy_AH, dweights_Tk = torch.autograd.grad(
+                eager_combine(y_AH, row_order_Tk, weights_Tk), (y_AH, weights_Tk), grad_TH
+            )
+        return dy_AH, None, dweights_Tk
 
 
 def expert_counts(topk_ids_Tk: torch.Tensor, num_experts: int) -> torch.Tensor:

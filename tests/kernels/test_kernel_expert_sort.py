@@ -1,7 +1,8 @@
 """The counting-sort kernel of the MoE dispatch against the stable argsort it replaces on the
-GPU: the same permutation, bit for bit, for int32 and int64 ids, at every A the kernel takes
-(chunk boundaries, ties spread over chunks, experts left empty), with nothing read back to the
-host and replayed in a CUDA graph on new ids."""
+GPU: the same permutation, bit for bit, and its inverse (``inverse[order] == arange``, the
+dispatch's ``row_order``), for int32 and int64 ids, at every A the kernel takes (chunk
+boundaries, ties spread over chunks, experts left empty), with nothing read back to the host
+and replayed in a CUDA graph on new ids."""
 
 import pytest
 import torch
@@ -37,10 +38,21 @@ def assert_same_order(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     )
 
 
+def assert_inverts(inverse: torch.Tensor, order: torch.Tensor, what: str) -> None:
+    """``inverse`` is the inverse permutation of ``order`` (int64 ``[A]``, as the dispatch's
+    ``scatter_`` of ``arange`` makes it)."""
+    inverse = inverse.cpu()
+    assert inverse.dtype == torch.int64 and inverse.shape == order.shape, f"{what}: inverse"
+    assert torch.equal(inverse[order], torch.arange(order.numel())), f"{what}: inverse"
+
+
 def assert_sorts(ids, E, device, what, tile=expert_sort.DEFAULT_TILE) -> None:
-    order = expert_sort.launch(ids.to(device), E, tile)
+    order, inverse = expert_sort.launch(ids.to(device), E, tile)
     assert order.dtype == torch.int64 and order.device.type == device, what
-    assert_same_order(order, torch.argsort(ids.flatten(), stable=True), what)
+    assert inverse.device.type == device, what
+    want = torch.argsort(ids.flatten(), stable=True)
+    assert_same_order(order, want, what)
+    assert_inverts(inverse, want, what)
 
 
 @pytest.mark.parametrize("id_dtype", ID_DTYPES, ids=str)
@@ -132,9 +144,11 @@ def test_ops_leaves_cpu_tensors_to_torch():
 def test_up_to_the_bound_on_gpu(id_dtype, A, E):
     for name, ids in id_patterns(A, E, seed=A + E):
         ids = ids.to(id_dtype).cuda()
-        order = ops.sort_by_expert(ids, E)
-        assert order is not None, f"{name} A={A} E={E}: the kernel did not run"
-        assert_same_order(order, torch.argsort(ids.cpu(), stable=True), f"{name} A={A} E={E}")
+        pair = ops.sort_by_expert(ids, E)
+        assert pair is not None, f"{name} A={A} E={E}: the kernel did not run"
+        want = torch.argsort(ids.cpu(), stable=True)
+        assert_same_order(pair[0], want, f"{name} A={A} E={E}")
+        assert_inverts(pair[1], want, f"{name} A={A} E={E}")
 
 
 @pytest.mark.gpu
@@ -157,13 +171,15 @@ def test_captured_in_a_cuda_graph_without_a_sync(id_dtype):
     try:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            order = expert_sort.launch(static, 128)
+            order, inverse = expert_sort.launch(static, 128)
         replays = []
         for ids in fresh:
             static.copy_(ids)
             graph.replay()
-            replays.append((static.clone(), order.clone()))
+            replays.append((static.clone(), order.clone(), inverse.clone()))
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    for i, (ids, got) in enumerate(replays):
-        assert_same_order(got, torch.argsort(ids.cpu().flatten(), stable=True), f"replay {i}")
+    for i, (ids, got, got_inverse) in enumerate(replays):
+        want = torch.argsort(ids.cpu().flatten(), stable=True)
+        assert_same_order(got, want, f"replay {i}")
+        assert_inverts(got_inverse, want, f"replay {i}")
