@@ -185,6 +185,17 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, t
     return kernels.sort_expert_ids(ids.contiguous(), num_experts)
 
 
+def swiglu(gate_up_A2I: torch.Tensor, *, quantize: bool = False) -> torch.Tensor | None:
+    """The experts' ``silu(gate) * up`` of rows ``[gate | up]`` in one kernel on the GPU
+    (`fp4rl.kernels.swiglu`, bitwise `fp4rl.model.experts.eager_swiglu`); with ``quantize``, the
+    intermediate site's round-to-nearest values of it too (``fake_quantize(h, scaling="row")``).
+    None elsewhere or for shapes the kernel does not take; the caller then runs the eager ops."""
+    kernels = _kernels(gate_up_A2I)
+    if kernels is None or not kernels.swiglu.supported(gate_up_A2I):
+        return None
+    return kernels.swiglu_rows(gate_up_A2I.contiguous(), quantize=quantize)
+
+
 def moe_combine(
     y_AH: torch.Tensor, row_order_Tk: torch.Tensor, weights_Tk: torch.Tensor
 ) -> torch.Tensor | None:

@@ -23,6 +23,7 @@ from fp4rl.kernels import (
     paged_attention,
     rms_norm,
     rope,
+    swiglu,
 )
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "rope_rows",
     "round_guided_full",
     "sort_expert_ids",
+    "swiglu_rows",
 ]
 
 
@@ -119,3 +121,9 @@ def sort_expert_ids(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, 
     """``torch.argsort(ids.flatten(), stable=True)`` for expert ids in ``[0, num_experts)`` and
     its inverse permutation: a counting sort in one launch (`expert_sort.launch`)."""
     return expert_sort.launch(ids, num_experts)
+
+
+def swiglu_rows(gate_up: torch.Tensor, *, quantize: bool = False) -> torch.Tensor:
+    """`fp4rl.model.experts.eager_swiglu` bit for bit in one launch; with ``quantize`` the
+    intermediate site's fake quantization of it in the same pass."""
+    return swiglu.launch(gate_up, quantize=quantize)

@@ -23,6 +23,11 @@ rounding, multiply-highs for shifts) rather than on chains of comparisons and sh
 import triton
 import triton.language as tl
 
+try:  # where Triton keeps libdevice moved between versions
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    from triton.language.extra.cuda import libdevice
+
 from fp4rl.fp4.format import E4M3_MAX, GLOBAL_SCALE_DIVISOR, MIN_GLOBAL_SCALE
 
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
@@ -287,6 +292,16 @@ def scale_back(value, block_scale, global_scale):
     """``value * block_scale * global_scale``, left to right: two FP32 products (the first exact
     for an E2M1 value and an E4M3 scale)."""
     return (value * block_scale) * global_scale
+
+
+@triton.jit
+def exp_rn(v):
+    """FP32 ``exp(v)`` as CUDA's accurate ``expf`` computes it (libdevice's), where ``tl.exp`` is
+    a faster approximation; under the interpreter numpy's exp, which may differ in the last bit.
+    """
+    if _INTERPRETED:
+        return tl.exp(v)
+    return libdevice.exp(v)
 
 
 @triton.jit

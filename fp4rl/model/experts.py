@@ -50,6 +50,11 @@ class RoutedExperts(nn.Module):
     def hidden_site(self, h_AI, row_order_Tk, guidance, capture):
         return h_AI
 
+    def intermediate_values(self, gate_up_A2I, row_order_Tk, guidance, capture):
+        """What the down GEMM multiplies: the SwiGLU of ``gate_up``, through the intermediate
+        site."""
+        return self.hidden_site(swiglu(gate_up_A2I), row_order_Tk, guidance, capture)
+
     def forward(
         self,
         x_TH: torch.Tensor,
@@ -67,8 +72,7 @@ class RoutedExperts(nn.Module):
         counts_E = expert_counts(topk_ids_Tk, self.num_experts)
         x_AH = x_TH[order_A // k]
         gate_up_A2I = grouped_mm(x_AH, w13, counts_E)
-        h_AI = F.silu(gate_up_A2I[:, : self.intermediate]) * gate_up_A2I[:, self.intermediate :]
-        h_AI = self.hidden_site(h_AI, row_order_Tk, guidance, capture)
+        h_AI = self.intermediate_values(gate_up_A2I, row_order_Tk, guidance, capture)
         y_AH = grouped_mm(h_AI, w2, counts_E)
         # Weighted sum over each token's k experts, back in token order.
         return combine(y_AH, row_order_Tk, topk_weights_Tk)
@@ -90,6 +94,23 @@ def dispatch_order(
         positions_A = torch.arange(order_A.numel(), device=order_A.device)
         inverse_A = torch.empty_like(order_A).scatter_(0, order_A, positions_A)
     return order_A, inverse_A.view(topk_ids_Tk.shape)
+
+
+def swiglu(gate_up_A2I: torch.Tensor) -> torch.Tensor:
+    """`eager_swiglu`; on the GPU one kernel (`fp4rl.ops.swiglu`, bit for bit) where no
+    gradient is wanted of it."""
+    if not gate_up_A2I.requires_grad:
+        h_AI = ops.swiglu(gate_up_A2I)
+        if h_AI is not None:
+            return h_AI
+    return eager_swiglu(gate_up_A2I)
+
+
+def eager_swiglu(gate_up_A2I: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of rows ``[gate | up]``: the formulation `fp4rl.kernels.swiglu`
+    follows bit for bit."""
+    gate, up = gate_up_A2I.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def sort_by_expert(topk_ids_Tk: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -141,7 +162,7 @@ def eager_combine(
     """The combine as torch ops: gather each token's k sorted rows, multiply by the weights
     cast to y's dtype (each product rounded to it), sum over k (in FP32, rounded once)."""
     T, k = row_order_Tk.shape
-    y_TkH = y_AH[row_order_Tk.flatten()].view(T, k, -1)
+    y_TkH = y_AH[row_order_Tk.flatten()].view(T, k, y_AH.shape[-1])
     return (y_TkH * topk_weights_Tk.unsqueeze(-1).to(y_TkH.dtype)).sum(1)
 
 
@@ -200,6 +221,16 @@ class Fp4Sites:
 
     def hidden_site(self, h_AI, row_order_Tk, guidance, capture):
         return self._hidden(h_AI, guidance, capture, row_order=row_order_Tk)
+
+    def intermediate_values(self, gate_up_A2I, row_order_Tk, guidance, capture):
+        """Where no gradient is wanted (the engine) and the intermediate site rounds to nearest
+        with nobody keeping its record, on the GPU one kernel makes the site's values from
+        ``gate_up`` (`fp4rl.ops.swiglu`, the same bits as the SwiGLU then the site)."""
+        if not gate_up_A2I.requires_grad and self._hidden.follows_nothing(guidance, capture):
+            h_AI = ops.swiglu(gate_up_A2I, quantize=True)
+            if h_AI is not None:
+                return h_AI
+        return super().intermediate_values(gate_up_A2I, row_order_Tk, guidance, capture)
 
 
 class QatExperts(Fp4Sites, Experts):

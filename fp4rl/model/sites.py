@@ -127,12 +127,19 @@ class Fp4Site:
         cache's ``pages`` (`reference.put_rows`). A site that follows no guidance and whose
         record nobody keeps quantizes straight into the pages (`ops.quantize_into`: one kernel
         on the GPU, the same bits)."""
-        g = self._guidance(guidance, x_TKD, None)
-        if g is None and (capture is None or not capture.records(self.layer, self.name)):
+        if self.follows_nothing(guidance, capture):
             with self._named():
                 quantize_into(x_TKD.detach(), pages, slots_T)
             return
+        g = self._guidance(guidance, x_TKD, None)
         put_rows(pages, slots_T, self._quantize(x_TKD, g, capture, None))
+
+    def follows_nothing(self, guidance: GuidanceMap | None, capture: Capture | None) -> bool:
+        """Whether this site rounds to nearest and nobody keeps its record: then a kernel may
+        quantize it on the way (`store`, the experts' SwiGLU) without making its
+        `NVFP4Tensor`."""
+        unguided = guidance is None or not self.guided
+        return unguided and (capture is None or not capture.records(self.layer, self.name))
 
     def _quantize(self, x, g, capture, row_order) -> NVFP4Tensor:
         x = x.detach()

@@ -1,0 +1,76 @@
+"""The experts' SwiGLU kernel against the eager formulation (`experts.eager_swiglu`), and its
+fused intermediate site against the fake quantization of its own output, bit for bit."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the kernels need triton (pip install 'fp4rl[kernels]')")
+
+from kernel_checks import assert_same_values  # noqa: E402
+
+from fp4rl.fp4 import reference as R  # noqa: E402
+from fp4rl.kernels import swiglu  # noqa: E402
+from fp4rl.model.experts import eager_swiglu  # noqa: E402
+
+
+def gate_up(A, I, seed, scale=4.0):  # noqa: E741
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(A, 2 * I, generator=g) * scale).to(torch.bfloat16)
+
+
+def every_bf16_gate(I=512):  # noqa: E741
+    """All 65,536 BF16 values as gates (NaNs, infinities, signed zeros included), up 1.5."""
+    gates = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    gates = gates.view(-1, I)
+    return torch.cat([gates, torch.full_like(gates, 1.5)], dim=1)
+
+
+def check_against_eager(x: torch.Tensor, device: str) -> None:
+    """Bitwise on the GPU (NaN payloads aside); under the interpreter (numpy's exp) within one
+    unit in the last place and over 99 % bitwise, except where the silu of a gate is an FP32
+    subnormal (|gate| < 2**-124), which the interpreter does not round as the GPU does."""
+    got = swiglu.launch(x.to(device)).cpu()
+    want = eager_swiglu(x.to(device)).cpu()
+    if device == "cuda":
+        assert_same_values(got, want, f"swiglu {tuple(x.shape)}")
+        return
+    assert torch.equal(got.isnan(), want.isnan())
+    g, w = got.float(), want.float()
+    ulp = 2.0 ** (torch.floor(torch.log2(w.abs())) - 7)
+    tiny = x[:, : x.shape[1] // 2].float().abs() < 2.0**-124
+    close = (g == w) | ((g - w).abs() <= ulp) | tiny
+    assert (close | w.isnan()).all()
+    assert ((g == w) | tiny | w.isnan()).float().mean() > 0.99
+
+
+@pytest.mark.parametrize(("A", "I"), [(1, 768), (5, 32), (17, 48), (3, 256)])
+def test_kernel_equals_eager(device, A, I):  # noqa: E741
+    check_against_eager(gate_up(A, I, seed=A * I), device)
+
+
+def test_every_bf16_gate(device):
+    check_against_eager(every_bf16_gate(), device)
+
+
+@pytest.mark.parametrize(("A", "I"), [(1, 768), (7, 48), (4, 256), (0, 32)])
+def test_fused_site_is_the_fake_quantization_of_the_output(device, A, I):  # noqa: E741
+    x = gate_up(A, I, seed=A + I).to(device)
+    if A > 2:
+        x[1] = 0.0  # a zero row: zero scales, zero values
+        x[2, 3] = float("inf")  # an inf gate poisons its row's scale
+    h = swiglu.launch(x)
+    got = swiglu.launch(x, quantize=True)
+    want = R.dequantize(R.quantize(h.cpu(), scaling="row"), torch.bfloat16)
+    assert_same_values(got, want, f"swiglu + site {tuple(x.shape)}")
+
+
+def test_checks_name_the_values(device):
+    x = gate_up(2, 32, seed=0).to(device)
+    with pytest.raises(ValueError, match=r"got torch.float32 of shape \(2, 64\)"):
+        swiglu.launch(x.float())
+    with pytest.raises(
+        ValueError, match=r"I a multiple of 16 .*; got torch.bfloat16 of shape \(2, 48\)"
+    ):
+        swiglu.launch(x[:, :48].contiguous())
+    with pytest.raises(ValueError, match="gate_up must be contiguous"):
+        swiglu.launch(torch.cat([x, x], dim=1)[:, ::2])
