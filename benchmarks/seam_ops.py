@@ -135,11 +135,11 @@ class Recorder:
     def grouped_mm(self, original):
         """A wrapper of the experts' grouped GEMM recording its rows as (token, slot) rows."""
 
-        def wrapped(x_AK, w, counts_E):
-            out_A = original(x_AK, w, counts_E)
+        def wrapped(x_AK, w, counts_E, **gather):
+            out_A = original(x_AK, w, counts_E, **gather)
             ids_Tk = self._ids_Tk
             T, k = ids_Tk.shape
-            order_A = torch.argsort(ids_Tk.flatten(), stable=True)
+            order_A = experts_module.sort_by_expert(ids_Tk, w.shape[0])
             by_token = torch.empty_like(out_A)
             by_token[order_A] = out_A
             self.put(self._gemm.pop(0), by_token.view(T, k * out_A.shape[-1]))

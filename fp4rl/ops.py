@@ -86,9 +86,18 @@ FUSED_GEMM_MAX_ROWS = 16384
 
 
 def grouped_mm(
-    x_AK: torch.Tensor, w_ENK: torch.Tensor | NVFP4Tensor, counts_E: torch.Tensor
+    x_AK: torch.Tensor,
+    w_ENK: torch.Tensor | NVFP4Tensor,
+    counts_E: torch.Tensor,
+    *,
+    order_A: torch.Tensor | None = None,
+    top_k: int = 1,
 ) -> torch.Tensor:
     """Rows of ``x`` grouped by expert (``counts_E[e]`` rows each) times each expert's ``w.T``.
+
+    With ``order_A`` (the MoE dispatch's assignments sorted by expert) x holds tokens and row a
+    is ``x[order_A[a] // top_k]``: the fused kernel reads those rows where they lie, the other
+    paths gather them first.
 
     ``w`` is a tensor, or packed NVFP4 weights: on the GPU in BF16 those are decoded in
     registers by one fused kernel (only experts with rows are read), elsewhere dequantized to
@@ -96,12 +105,15 @@ def grouped_mm(
     only the FP32 accumulation order differs. On the GPU the group offsets stay on the device
     (no host sync); the CPU path is a loop of plain matmuls.
     """
+    rows = x_AK.shape[0] if order_A is None else order_A.shape[0]
     if isinstance(w_ENK, NVFP4Tensor):
-        fused = x_AK.dtype == torch.bfloat16 and x_AK.shape[0] <= FUSED_GEMM_MAX_ROWS
+        fused = x_AK.dtype == torch.bfloat16 and rows <= FUSED_GEMM_MAX_ROWS
         kernels = _kernels(x_AK)
         if kernels is not None and fused:
-            return kernels.grouped_mm(x_AK.contiguous(), w_ENK, counts_E)
+            return kernels.grouped_mm(x_AK.contiguous(), w_ENK, counts_E, order_A, top_k)
         w_ENK = dequantize(w_ENK, x_AK.dtype)
+    if order_A is not None:
+        x_AK = x_AK[order_A // top_k]
     if x_AK.is_cuda and x_AK.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
         offsets = counts_E.cumsum(0).to(torch.int32)
         return torch._grouped_mm(x_AK, w_ENK.transpose(-2, -1), offs=offsets)

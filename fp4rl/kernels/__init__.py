@@ -85,10 +85,16 @@ def fake_quantize(
     return guided.launch(x, guidance, fake=True)
 
 
-def grouped_mm(x_AK: torch.Tensor, w: NVFP4Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-    """`moe_gemm.reference_gemm`: expert-grouped rows times packed NVFP4 weights, decoded in
-    registers."""
-    return moe_gemm.launch(x_AK, w, counts_E)
+def grouped_mm(
+    x_AK: torch.Tensor,
+    w: NVFP4Tensor,
+    counts_E: torch.Tensor,
+    order_A: torch.Tensor | None = None,
+    top_k: int = 1,
+) -> torch.Tensor:
+    """`moe_gemm.reference_gemm`: expert-grouped rows (or tokens gathered by ``order_A //
+    top_k`` as they are read) times packed NVFP4 weights, decoded in registers."""
+    return moe_gemm.launch(x_AK, w, counts_E, order_A=order_A, top_k=top_k)
 
 
 def combine_rows(

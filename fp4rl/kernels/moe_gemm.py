@@ -156,7 +156,7 @@ def _expert_tile(counts_E, tile, num_rows, E, BLOCK_M: tl.constexpr, BLOCK_E: tl
 
 
 # A changes with every batch: no recompiling for A == 1 or A % 16 == 0.
-@triton.jit(do_not_specialize=["A"])
+@triton.jit(do_not_specialize=["A", "top_k"])
 def _moe_gemm_kernel(
     x_AK,
     codes_ENW,
@@ -164,11 +164,14 @@ def _moe_gemm_kernel(
     scale_G,
     counts_E,
     y_AN,
+    order_A,
     A,
     N,
     K,
     E,
     rows_per_group,
+    top_k,
+    GATHER: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -186,7 +189,10 @@ def _moe_gemm_kernel(
     w_rows_N = expert.to(tl.int64) * N + cols_N
     s_N = tl.load(scale_G + w_rows_N // rows_per_group) * GLOBAL_SCALE_BIAS
 
-    x_ptrs = x_AK + rows_M.to(tl.int64)[:, None] * K + tl.arange(0, BLOCK_K)[None, :]
+    x_rows_M = rows_M.to(tl.int64)
+    if GATHER:  # x holds tokens: row a of the product is token order[a] // top_k
+        x_rows_M = tl.load(order_A + rows_M, mask=row_ok_M, other=0).to(tl.int64) // top_k
+    x_ptrs = x_AK + x_rows_M[:, None] * K + tl.arange(0, BLOCK_K)[None, :]
     word_ptrs = codes_ENW + w_rows_N[:, None] * (K // 8) + tl.arange(0, BLOCK_K // 8)[None, :]
     # Block scales as int32 words of 4 (K % 64 == 0) or as bytes; see `_block_scales`.
     SCALES_PER_LOAD: tl.constexpr = 4 if BLOCK_K >= 64 else 1
@@ -273,10 +279,17 @@ def launch(
     *,
     config: GemmTile | None = None,
     global_scale_on_accumulator: bool = False,
+    order_A: torch.Tensor | None = None,
+    top_k: int = 1,
 ) -> torch.Tensor:
     """``[A, N]`` BF16: rows ``x_AK`` sorted by expert (``counts_E[e]`` rows of expert e, in
     order) times ``dequantize(w, bf16)[e].T``. ``counts_E`` must sum to A; that is not checked
     (it would need a device sync), but rows past A are never read or written.
+
+    With ``order_A`` (int64 ``[A]``, the MoE dispatch's assignments sorted by expert) x holds
+    tokens and the product's row a is x's row ``order_A[a] // top_k``, read where it lies: the
+    same bits as gathering ``x_AK[order_A // top_k]`` first, without the gather. The indices
+    must lie within x (not checked: it would need a device sync).
 
     ``global_scale_on_accumulator`` is a measured alternative, not the numerics contract: the
     dot then sees ``bf16(e2m1 * block_scale)`` (exact) and the FP32 sum is multiplied by the
@@ -314,6 +327,17 @@ def launch(
     check_contiguous("counts_E", counts_E)
 
     A = x_AK.shape[0]
+    if order_A is not None:
+        check_device("order_A", order_A, x_AK.device)
+        if order_A.dtype != torch.int64 or order_A.dim() != 1:
+            raise ValueError(
+                f"order_A must be a 1-D int64 tensor; got {order_A.dtype} of shape "
+                f"{tuple(order_A.shape)}"
+            )
+        check_contiguous("order_A", order_A)
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+            raise ValueError(f"top_k must be a positive int; got {top_k!r}")
+        A = order_A.shape[0]
     y_AN = torch.empty((A, N), dtype=torch.bfloat16, device=x_AK.device)
     if A == 0 or E == 0:
         return y_AN
@@ -325,7 +349,8 @@ def launch(
     with device_of(x_AK):
         _moe_gemm_kernel[grid](
             x_AK, w.codes.view(torch.int32), w.block_scale.view(torch.uint8), scale_G, counts_E,
-            y_AN, A, N, K, E, rows_per_group,
+            y_AN, x_AK if order_A is None else order_A, A, N, K, E, rows_per_group, top_k,
+            GATHER=order_A is not None,
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
             BLOCK_E=triton.next_power_of_2(E), NUM_STAGES=tile.num_stages,
             SCALE_AFTER=global_scale_on_accumulator, num_warps=tile.num_warps,

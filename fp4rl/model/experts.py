@@ -70,8 +70,8 @@ class RoutedExperts(nn.Module):
         # row_order[t, j]: the sorted row that holds assignment (t, j).
         order_A, row_order_Tk = dispatch_order(topk_ids_Tk, self.num_experts)
         counts_E = expert_counts(topk_ids_Tk, self.num_experts)
-        x_AH = x_TH[order_A // k]
-        gate_up_A2I = grouped_mm(x_AH, w13, counts_E)
+        # Row a of the product is token order_A[a] // k (gathered by the GEMM).
+        gate_up_A2I = grouped_mm(x_TH, w13, counts_E, order_A=order_A, top_k=k)
         h_AI = self.intermediate_values(gate_up_A2I, row_order_Tk, guidance, capture)
         y_AH = grouped_mm(h_AI, w2, counts_E)
         # Weighted sum over each token's k experts, back in token order.

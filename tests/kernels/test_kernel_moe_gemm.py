@@ -164,6 +164,27 @@ def test_random_rows_against_twin_and_float64(device, counts):
     assert_fp32_accumulated(reference_gemm(x, w, counts), x, w, counts, "twin")
 
 
+@pytest.mark.parametrize("tile", TINY_TILES, ids=str)
+def test_tokens_gathered_by_the_dispatch_order(device, tile):
+    """With the dispatch's order the kernel reads token rows where they lie: bitwise the
+    product of the gathered rows ``x[order // top_k]``."""
+    e, k_top, tokens = 4, 2, 9
+    w = random_weights(e, 32, 64, "cpu", seed=7).map(lambda t: t.to(device))
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, e, (tokens, k_top), generator=g)
+    order = torch.argsort(ids.flatten(), stable=True)
+    counts = torch.bincount(ids.flatten(), minlength=e)
+    x = torch.randn(tokens, 64, generator=g).to(torch.bfloat16).to(device)
+    order, counts = order.to(device), counts.to(device)
+    got = moe_gemm.launch(x, w, counts, config=tile, order_A=order, top_k=k_top)
+    want = moe_gemm.launch(x[order // k_top].contiguous(), w, counts, config=tile)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    with pytest.raises(ValueError, match=r"order_A must be a 1-D int64 tensor; got torch.int32"):
+        moe_gemm.launch(x, w, counts, order_A=order.to(torch.int32), top_k=k_top)
+    with pytest.raises(ValueError, match="top_k must be a positive int; got 0"):
+        moe_gemm.launch(x, w, counts, order_A=order, top_k=0)
+
+
 def test_global_scale_on_accumulator(device):
     """The measured alternative: BF16 ``e2m1 * block_scale`` into the dot, the global scale on
     the FP32 sum. Its weights are the exact products, so its float64 reference is taken with
