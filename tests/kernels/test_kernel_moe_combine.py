@@ -309,10 +309,13 @@ def test_real_shapes_on_gpu(T, dtype):
     w = torch.softmax(torch.randn(T, 8, generator=g), -1).to(dtype).cuda()
     got = ops.moe_combine(y, row_order, w)
     assert got is not None, "the kernel did not run"
+    # FP32 outputs keep every bit of the sum: where torch's CUDA reduction adds in another
+    # order, they show it; for them only the bound holds.
+    most_equal = 0.99 if dtype == torch.bfloat16 else 0.0
     want = eager_combine(y, row_order, w)
     same = (got == want).float().mean().item()
-    assert same > 0.99, f"only {same:.4f} equal to the eager result on the GPU"
-    assert_close_to_eager(got, y, row_order, w, f"T={T}")
+    assert same >= most_equal, f"only {same:.4f} equal to the eager result on the GPU"
+    assert_close_to_eager(got, y, row_order, w, f"T={T}", most_equal=most_equal)
 
 
 @pytest.mark.gpu
