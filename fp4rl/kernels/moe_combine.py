@@ -12,9 +12,9 @@ multiply rounds it; the k products summed in FP32 from +0.0 and rounded once to 
 torch's sum over a dim of a BF16 or FP16 tensor -- except the order of that sum: here
 j = 0, 1, ..., k - 1, fixed, so a token's result depends on its own rows alone, never on the
 batch. Torch's order is its reduction kernel's; another order may move the FP32 sum by a few
-ulps and, rarely, an output by one unit in its last place (tests/kernels/
-test_kernel_moe_combine.py bounds it). FMA contraction is off, so an FP32 product is rounded
-before it is added, as eagerly. NaN and inf propagate as eagerly: a NaN in a gathered row
+ulps and, rarely, an output by one unit in its last place (bounded in
+tests/kernels/test_kernel_moe_combine.py). FMA contraction is off, so an FP32 product is
+rounded before it is added, as eagerly. NaN and inf propagate as eagerly: a NaN in a gathered row
 makes the token's output NaN there, an inf times a zero weight is NaN, -0.0 products sum to
 +0.0. Row indices outside ``[0, A)`` (the caller's bug: the dispatch's are a permutation) read
 nothing and give NaN.
