@@ -8,11 +8,12 @@ is missing on a CUDA machine the call raises instead of silently running the slo
 guidance (`SparseCodes`) is the one exception: no kernel reads its layout yet, so its rounding
 runs the PyTorch reference on every device.
 
-Four pieces of the model's glue also have a kernel here, each returning None where it does not
-run (the caller then runs its eager formulation): `apply_rope` and `sort_by_expert` (with the
-inverse permutation), bitwise the eager results, and `rms_norm` and `moe_combine`, the eager
-arithmetic but for the order of one FP32 sum per output (docs/numerics.md, "What is
-bitwise").
+Five pieces of the model's glue also have a kernel here, each returning None where it does not
+run (the caller then runs its eager formulation): `apply_rope`, `sort_by_expert` (with the
+inverse permutation) and `swiglu` (with, optionally, the intermediate site's fake quantization),
+bitwise the eager results, and `rms_norm` and `moe_combine`, the eager arithmetic but for the
+order of one FP32 sum per output (docs/numerics.md, "What is bitwise"). `quantize_into` stores
+a per-row quantization straight into a paged cache's rows.
 """
 
 from __future__ import annotations
