@@ -13,6 +13,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 from tiny_models import FP4_EVERYWHERE, engine_config, packed_twin, qat_model, tiny_precision
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -135,6 +136,29 @@ def reference_moe_block(self, x_TH, *, replay_Tk=None, guidance=None, capture=No
     return y_TH
 
 
+def reference_experts_forward(
+    self, x_TH, topk_ids_Tk, topk_weights_Tk, guidance=None, capture=None
+):
+    """The gather before the first GEMM, SwiGLU as two ops and the intermediate site after it,
+    the inverse permutation by a scatter; the combine as today (on the GPU its kernel sums in
+    its own order, which `tests/kernels/test_kernel_moe_combine.py` bounds)."""
+    T, k = topk_ids_Tk.shape
+    w13, w2 = self.weights()
+    x_TH = self.input_site(x_TH, guidance, capture)
+    order_A = experts.sort_by_expert(topk_ids_Tk, self.num_experts)
+    counts_E = experts.expert_counts(topk_ids_Tk, self.num_experts)
+    gate_up_A2I = experts.grouped_mm(x_TH[order_A // k], w13, counts_E)
+    h_AI = F.silu(gate_up_A2I[:, : self.intermediate]) * gate_up_A2I[:, self.intermediate :]
+    row_order_Tk = (
+        torch.empty_like(order_A)
+        .scatter_(0, order_A, torch.arange(T * k, device=order_A.device))
+        .view(T, k)
+    )
+    h_AI = self.hidden_site(h_AI, row_order_Tk, guidance, capture)
+    y_AH = experts.grouped_mm(h_AI, w2, counts_E)
+    return experts.combine(y_AH, row_order_Tk, topk_weights_Tk)
+
+
 @pytest.fixture
 def references(monkeypatch):
     """Run the model with the previous formulations while the fixture is active."""
@@ -145,6 +169,7 @@ def references(monkeypatch):
         monkeypatch.setattr(PagedAttention, "attend", reference_paged_attend)
         monkeypatch.setattr(SparseMoeBlock, "forward", reference_moe_block)
         monkeypatch.setattr(experts, "sort_by_expert", reference_sort_by_expert)
+        monkeypatch.setattr(experts.RoutedExperts, "forward", reference_experts_forward)
 
     return use
 
