@@ -67,7 +67,7 @@ def make_inputs(T: int, count: int, seed: int) -> list[tuple[torch.Tensor, ...]]
     sets = []
     for _ in range(count):
         ids = torch.rand(T, E, generator=g).topk(k, dim=-1).indices.to(ARGS.device)
-        order, inverse = expert_sort.launch(ids, E)
+        order, inverse, _ = expert_sort.launch(ids, E)
         y = torch.randn(T * k, H, generator=g).to(torch.bfloat16).to(ARGS.device)
         w = torch.softmax(torch.randn(T, k, generator=g), -1).to(torch.bfloat16)
         sets.append((order, inverse.view(T, k), y, w.to(ARGS.device)))

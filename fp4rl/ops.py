@@ -10,10 +10,10 @@ runs the PyTorch reference on every device.
 
 Five pieces of the model's glue also have a kernel here, each returning None where it does not
 run (the caller then runs its eager formulation): `apply_rope`, `sort_by_expert` (with the
-inverse permutation) and `swiglu` (with, optionally, the intermediate site's fake quantization),
-bitwise the eager results, and `rms_norm` and `moe_combine`, the eager arithmetic but for the
-order of one FP32 sum per output (docs/numerics.md, "What is bitwise"). `quantize_into` stores
-a per-row quantization straight into a paged cache's rows.
+inverse permutation and the counts per expert) and `swiglu` (with, optionally, the intermediate
+site's fake quantization), bitwise the eager results, and `rms_norm` and `moe_combine`, the
+eager arithmetic but for the order of one FP32 sum per output (docs/numerics.md, "What is
+bitwise"). `quantize_into` stores a per-row quantization straight into a paged cache's rows.
 """
 
 from __future__ import annotations
@@ -182,10 +182,13 @@ def apply_rope(
     return kernels.rope_rows(x_THD.contiguous(), cos_TD.contiguous(), signed_sin_TD.contiguous())
 
 
-def sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(order, inverse)``: ``order = torch.argsort(ids.flatten(), stable=True)`` (int64) for
-    int32 or int64 expert ids in ``[0, num_experts)`` and its inverse permutation
-    (``inverse[order] = arange``), as one counting-sort kernel on the GPU
+def sort_by_expert(
+    ids: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``(order, inverse, counts)``: ``order = torch.argsort(ids.flatten(), stable=True)``
+    (int64) for int32 or int64 expert ids in ``[0, num_experts)``, its inverse permutation
+    (``inverse[order] = arange``) and the assignments per expert (int64 ``[num_experts]``), as
+    one counting-sort kernel on the GPU
     (`fp4rl.kernels.expert_sort`) for sorts of decode size (shapes only decide); None
     elsewhere, where the caller sorts with torch (`fp4rl.model.experts.dispatch_order`)."""
     kernels = _kernels(ids)

@@ -123,9 +123,12 @@ def rope_rows(
     return rope.launch(x_THD, cos_TD, signed_sin_TD)
 
 
-def sort_expert_ids(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.argsort(ids.flatten(), stable=True)`` for expert ids in ``[0, num_experts)`` and
-    its inverse permutation: a counting sort in one launch (`expert_sort.launch`)."""
+def sort_expert_ids(
+    ids: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``torch.argsort(ids.flatten(), stable=True)`` for expert ids in ``[0, num_experts)``, its
+    inverse permutation and the assignments per expert: a counting sort in one launch
+    (`expert_sort.launch`)."""
     return expert_sort.launch(ids, num_experts)
 
 

@@ -13,6 +13,9 @@ second count at its chunk's start:
    chunk with its id (a ``[CHUNK, CHUNK]`` comparison, so no step grows with the number of
    experts), and it stores ``order[slot] = a`` and ``inverse[a] = slot``.
 
+Program 0 also stores the histogram's pairs of bins summed, the assignments per expert (the
+grouped GEMMs' ``counts``), which eagerly take a zero fill, a ones fill and an index-add.
+
 Slots are exact integers, so the result is the stable argsort bit for bit, and its inverse
 permutation (the dispatch's ``row_order``: the sorted row of each assignment, which the
 combine gathers by) comes with it for one more store instead of an arange and a scatter. The
@@ -71,7 +74,9 @@ def _expert_sort_kernel(
     ids_A,
     order_A,
     inverse_A,
+    counts_E,
     A,
+    E,
     CHUNK: tl.constexpr,
     COUNT_CHUNK: tl.constexpr,
     E_BLOCK: tl.constexpr,
@@ -87,6 +92,10 @@ def _expert_sort_kernel(
         ids = tl.load(ids_A + b, mask=ok, other=0).to(tl.int32)
         bins += tl.histogram(2 * ids + (b >= start).to(tl.int32), 2 * E_BLOCK, mask=ok)
     below = tl.cumsum(bins, axis=0) - bins
+    if tl.program_id(0) == 0:  # every program holds all the counts; one stores them
+        experts = tl.arange(0, E_BLOCK)
+        counts = tl.sum(tl.reshape(bins, [E_BLOCK, 2]), axis=1)
+        tl.store(counts_E + experts, counts.to(tl.int64), mask=experts < E)
     # This chunk: slot = below[2 * id + 1] + the assignments before a in it with a's id.
     rows = tl.arange(0, CHUNK)
     a = start + rows
@@ -110,10 +119,12 @@ def _pow2_at_least(n: int) -> int:
 
 def launch(
     ids: torch.Tensor, num_experts: int, tile: SortTile = DEFAULT_TILE
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(order, inverse)``, int64 ``[A]`` each, for int32 or int64 ids in ``[0, num_experts)``,
-    in one launch: ``order = torch.argsort(ids.flatten(), stable=True)`` and its inverse
-    permutation, ``inverse[order] = arange(A)``; ``supported(A, num_experts)`` must hold.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(order, inverse, counts)`` for int32 or int64 ids in ``[0, num_experts)``, in one
+    launch: ``order = torch.argsort(ids.flatten(), stable=True)`` and its inverse permutation,
+    ``inverse[order] = arange(A)`` (int64 ``[A]`` each), and the assignments per expert,
+    ``torch.bincount(ids.flatten(), minlength=num_experts)`` (int64 ``[num_experts]``);
+    ``supported(A, num_experts)`` must hold.
     ``tile`` other than the default is for benchmarking variants (benchmarks/expert_sort.py)."""
     check_kernel_device("ids", ids)
     if ids.dtype not in ID_DTYPES:
@@ -130,14 +141,15 @@ def launch(
     order_A = torch.empty(A, dtype=torch.int64, device=ids.device)
     inverse_A = torch.empty_like(order_A)
     if A == 0:
-        return order_A, inverse_A
+        return order_A, inverse_A, torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    counts_E = torch.empty(num_experts, dtype=torch.int64, device=ids.device)
     # Tiles as powers of two of at least 16, no larger than A needs: few compiled variants.
     whole = max(16, _pow2_at_least(A))
     chunk = min(tile.chunk, whole)
     with device_of(ids):
         _expert_sort_kernel[(-(-A // chunk),)](
-            ids, order_A, inverse_A, A,
+            ids, order_A, inverse_A, counts_E, A, num_experts,
             CHUNK=chunk, COUNT_CHUNK=min(MAX_COUNT_CHUNK, whole),
             E_BLOCK=max(16, _pow2_at_least(num_experts)), num_warps=tile.num_warps,
         )  # fmt: skip
-    return order_A, inverse_A
+    return order_A, inverse_A, counts_E

@@ -68,8 +68,7 @@ class RoutedExperts(nn.Module):
         x_TH = self.input_site(x_TH, guidance, capture)
         # Sort the T*k assignments by expert so each expert's rows are contiguous;
         # row_order[t, j]: the sorted row that holds assignment (t, j).
-        order_A, row_order_Tk = dispatch_order(topk_ids_Tk, self.num_experts)
-        counts_E = expert_counts(topk_ids_Tk, self.num_experts)
+        order_A, row_order_Tk, counts_E = dispatch_order(topk_ids_Tk, self.num_experts)
         # Row a of the product is token order_A[a] // k (gathered by the GEMM).
         gate_up_A2I = grouped_mm(x_TH, w13, counts_E, order_A=order_A, top_k=k)
         h_AI = self.intermediate_values(gate_up_A2I, row_order_Tk, guidance, capture)
@@ -80,20 +79,22 @@ class RoutedExperts(nn.Module):
 
 def dispatch_order(
     topk_ids_Tk: torch.Tensor, num_experts: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(order_A, row_order_Tk)``: the assignments ordered by expert (`sort_by_expert`) and
-    the inverse permutation shaped ``[T, k]``, ``row_order[t, j]`` the sorted row that holds
-    assignment ``(t, j)``; int64 both. On the GPU, sorts of decode size are one kernel that
-    gives both (`fp4rl.ops.sort_by_expert`); elsewhere torch sorts and the inverse is a
-    scatter of ``arange(A)``. The same integers either way."""
-    kernel_pair = ops.sort_by_expert(topk_ids_Tk, num_experts)
-    if kernel_pair is not None:
-        order_A, inverse_A = kernel_pair
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(order_A, row_order_Tk, counts_E)``: the assignments ordered by expert
+    (`sort_by_expert`), the inverse permutation shaped ``[T, k]`` (``row_order[t, j]`` the
+    sorted row that holds assignment ``(t, j)``) and the assignments per expert
+    (`expert_counts`); int64 all. On the GPU, sorts of decode size are one kernel that gives
+    all three (`fp4rl.ops.sort_by_expert`); elsewhere torch sorts, the inverse is a scatter of
+    ``arange(A)`` and the counts an index-add. The same integers either way."""
+    kernel_result = ops.sort_by_expert(topk_ids_Tk, num_experts)
+    if kernel_result is not None:
+        order_A, inverse_A, counts_E = kernel_result
     else:
         order_A = sort_by_expert(topk_ids_Tk, num_experts)
         positions_A = torch.arange(order_A.numel(), device=order_A.device)
         inverse_A = torch.empty_like(order_A).scatter_(0, order_A, positions_A)
-    return order_A, inverse_A.view(topk_ids_Tk.shape)
+        counts_E = expert_counts(topk_ids_Tk, num_experts)
+    return order_A, inverse_A.view(topk_ids_Tk.shape), counts_E
 
 
 def swiglu(gate_up_A2I: torch.Tensor) -> torch.Tensor:
@@ -128,9 +129,9 @@ def sort_by_expert(topk_ids_Tk: torch.Tensor, num_experts: int) -> torch.Tensor:
     decide: `fp4rl.kernels.expert_sort.supported`) are instead one counting-sort kernel
     (`fp4rl.ops.sort_by_expert`), the same permutation. Nothing is read back to the host.
     """
-    kernel_pair = ops.sort_by_expert(topk_ids_Tk, num_experts)
-    if kernel_pair is not None:
-        return kernel_pair[0]
+    kernel_result = ops.sort_by_expert(topk_ids_Tk, num_experts)
+    if kernel_result is not None:
+        return kernel_result[0]
     ids_A = topk_ids_Tk.flatten()
     A = ids_A.numel()
     if num_experts * A >= 2**31:

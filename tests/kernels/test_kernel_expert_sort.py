@@ -46,13 +46,22 @@ def assert_inverts(inverse: torch.Tensor, order: torch.Tensor, what: str) -> Non
     assert torch.equal(inverse[order], torch.arange(order.numel())), f"{what}: inverse"
 
 
+def assert_counts(counts: torch.Tensor, ids: torch.Tensor, E: int, what: str) -> None:
+    """``counts`` are the assignments per expert (int64 ``[E]``, as `expert_counts` makes them)."""
+    counts = counts.cpu()
+    assert counts.dtype == torch.int64 and counts.shape == (E,), f"{what}: counts"
+    want = torch.bincount(ids.cpu().flatten().long(), minlength=E)
+    assert torch.equal(counts, want), f"{what}: counts {counts.tolist()}, want {want.tolist()}"
+
+
 def assert_sorts(ids, E, device, what, tile=expert_sort.DEFAULT_TILE) -> None:
-    order, inverse = expert_sort.launch(ids.to(device), E, tile)
+    order, inverse, counts = expert_sort.launch(ids.to(device), E, tile)
     assert order.dtype == torch.int64 and order.device.type == device, what
-    assert inverse.device.type == device, what
+    assert inverse.device.type == device and counts.device.type == device, what
     want = torch.argsort(ids.flatten(), stable=True)
     assert_same_order(order, want, what)
     assert_inverts(inverse, want, what)
+    assert_counts(counts, ids, E, what)
 
 
 @pytest.mark.parametrize("id_dtype", ID_DTYPES, ids=str)
@@ -144,11 +153,12 @@ def test_ops_leaves_cpu_tensors_to_torch():
 def test_up_to_the_bound_on_gpu(id_dtype, A, E):
     for name, ids in id_patterns(A, E, seed=A + E):
         ids = ids.to(id_dtype).cuda()
-        pair = ops.sort_by_expert(ids, E)
-        assert pair is not None, f"{name} A={A} E={E}: the kernel did not run"
+        result = ops.sort_by_expert(ids, E)
+        assert result is not None, f"{name} A={A} E={E}: the kernel did not run"
         want = torch.argsort(ids.cpu(), stable=True)
-        assert_same_order(pair[0], want, f"{name} A={A} E={E}")
-        assert_inverts(pair[1], want, f"{name} A={A} E={E}")
+        assert_same_order(result[0], want, f"{name} A={A} E={E}")
+        assert_inverts(result[1], want, f"{name} A={A} E={E}")
+        assert_counts(result[2], ids, E, f"{name} A={A} E={E}")
 
 
 @pytest.mark.gpu
@@ -171,15 +181,16 @@ def test_captured_in_a_cuda_graph_without_a_sync(id_dtype):
     try:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            order, inverse = expert_sort.launch(static, 128)
+            order, inverse, counts = expert_sort.launch(static, 128)
         replays = []
         for ids in fresh:
             static.copy_(ids)
             graph.replay()
-            replays.append((static.clone(), order.clone(), inverse.clone()))
+            replays.append((static.clone(), order.clone(), inverse.clone(), counts.clone()))
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    for i, (ids, got, got_inverse) in enumerate(replays):
+    for i, (ids, got, got_inverse, got_counts) in enumerate(replays):
         want = torch.argsort(ids.cpu().flatten(), stable=True)
         assert_same_order(got, want, f"replay {i}")
         assert_inverts(got_inverse, want, f"replay {i}")
+        assert_counts(got_counts, ids, 128, f"replay {i}")

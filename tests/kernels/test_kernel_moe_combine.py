@@ -213,9 +213,9 @@ def test_the_experts_forward_takes_the_kernels(device, kernel_combine, monkeypat
     sorts = []
 
     def sort(ids, num_experts):
-        pair = expert_sort.launch(ids.contiguous(), num_experts)
-        sorts.append(pair)
-        return pair
+        result = expert_sort.launch(ids.contiguous(), num_experts)
+        sorts.append(result)
+        return result
 
     monkeypatch.setattr(ops, "sort_by_expert", sort)
     T, k, E, H, I = 9, 4, 6, 32, 16
@@ -232,22 +232,25 @@ def test_the_experts_forward_takes_the_kernels(device, kernel_combine, monkeypat
         out = module(x, ids, w)
     assert len(sorts) == 1 and len(kernel_combine) == 1
     y_AH, row_order, weights, combined = kernel_combine[0]
-    order, inverse = sorts[0]
+    order, inverse, counts = sorts[0]
     assert row_order.shape == (T, k) and torch.equal(row_order.flatten(), inverse)
     want_inverse = torch.empty_like(order).scatter_(0, order, torch.arange(T * k, device=device))
     assert torch.equal(inverse, want_inverse)
+    assert torch.equal(counts, torch.bincount(ids.flatten(), minlength=E))
     assert out is combined and weights is w
     assert_close_to_eager(out, y_AH, row_order, w, "experts", most_equal=0.9)
 
 
 def test_the_dispatch_order_without_kernels():
-    """On the CPU `dispatch_order` is torch's stable order and the scatter of its inverse."""
+    """On the CPU `dispatch_order` is torch's stable order, the scatter of its inverse and
+    the counts per expert."""
     g = torch.Generator().manual_seed(12)
     for T, k, E in ((0, 8, 4), (1, 1, 1), (7, 8, 60), (300, 8, 128)):
         ids = torch.randint(0, E, (T, k), generator=g)
-        order, row_order = experts.dispatch_order(ids, E)
+        order, row_order, counts = experts.dispatch_order(ids, E)
         want = torch.argsort(ids.flatten(), stable=True)
         assert torch.equal(order, want)
+        assert torch.equal(counts, torch.bincount(ids.flatten(), minlength=E))
         assert row_order.shape == (T, k) and row_order.dtype == torch.int64
         assert torch.equal(row_order.flatten()[want], torch.arange(T * k))
 
@@ -307,7 +310,7 @@ def test_real_shapes_on_gpu(T, dtype):
     formulation on the same GPU, row orders from the sort kernel."""
     g = torch.Generator().manual_seed(T)
     ids = torch.randint(0, 128, (T, 8), generator=g).cuda()
-    _, row_order = experts.dispatch_order(ids, 128)
+    _, row_order, _ = experts.dispatch_order(ids, 128)
     y = (torch.randn(T * 8, 2048, generator=g) * 4).to(dtype).cuda()
     w = torch.softmax(torch.randn(T, 8, generator=g), -1).to(dtype).cuda()
     got = ops.moe_combine(y, row_order, w)
