@@ -36,6 +36,15 @@ from fp4rl.kernels.tiles import block_amax, load_pairs, program_rows, quantize_c
 
 DTYPES = (torch.bfloat16,)
 MAX_WIDTH = 8192  # intermediate values per row held in registers (one chunk)
+# Below this many rows (decode batches) each program takes one row, so that a batch-1 step's
+# 8 rows run on 8 SMs rather than 2; from it on, 4096 values per program. Rows are independent
+# (the site's reductions are maxima), so the results do not depend on the choice.
+FEW_ROWS = 1024
+
+
+def rows_per_program(A: int, I: int) -> int:  # noqa: E741 - the legend's name
+    """Rows each program takes for ``A`` rows of ``I`` intermediate values."""
+    return 1 if A < FEW_ROWS else max(1, 4096 // triton.next_power_of_2(I))
 
 
 @triton.jit
@@ -104,7 +113,7 @@ def launch(gate_up: torch.Tensor, *, quantize: bool = False) -> torch.Tensor:
     if A == 0:
         return out
     block_k = triton.next_power_of_2(I)
-    block_r = max(1, 4096 // block_k)
+    block_r = rows_per_program(A, I)
     with device_of(gate_up):
         _swiglu_kernel[(triton.cdiv(A, block_r),)](
             pair_view(gate_up.view(2 * A, I)), out, A, I,

@@ -64,6 +64,17 @@ def test_fused_site_is_the_fake_quantization_of_the_output(device, A, I):  # noq
     assert_same_values(got, want, f"swiglu + site {tuple(x.shape)}")
 
 
+@pytest.mark.parametrize("quantize", [False, True])
+def test_rows_do_not_depend_on_the_launch_size(device, quantize):
+    """A decode batch (one row per program) and a long one (several) give the same rows."""
+    I = 32  # noqa: E741
+    assert swiglu.rows_per_program(7, I) == 1 < swiglu.rows_per_program(swiglu.FEW_ROWS, I)
+    x = gate_up(swiglu.FEW_ROWS + 3, I, seed=5).to(device)
+    many = swiglu.launch(x, quantize=quantize)
+    few = swiglu.launch(x[:7], quantize=quantize)
+    assert_same_values(few, many[:7], "first 7 rows")
+
+
 def test_checks_name_the_values(device):
     x = gate_up(2, 32, seed=0).to(device)
     with pytest.raises(ValueError, match=r"got torch.float32 of shape \(2, 64\)"):
