@@ -13,7 +13,8 @@ run (the caller then runs its eager formulation): `apply_rope`, `sort_by_expert`
 inverse permutation and the counts per expert) and `swiglu` (with, optionally, the intermediate
 site's fake quantization), bitwise the eager results, and `rms_norm` and `moe_combine`, the
 eager arithmetic but for the order of one FP32 sum per output (docs/numerics.md, "What is
-bitwise"). `quantize_into` stores a per-row quantization straight into a paged cache's rows.
+bitwise"); `norm_rope` composes the RMSNorm and RoPE kernels in one launch, with their bits.
+`quantize_into` stores a per-row quantization straight into a paged cache's rows.
 """
 
 from __future__ import annotations
@@ -180,6 +181,34 @@ def apply_rope(
     ):
         return None
     return kernels.rope_rows(x_THD.contiguous(), cos_TD.contiguous(), signed_sin_TD.contiguous())
+
+
+def norm_rope(
+    x_THD: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    cos_TD: torch.Tensor,
+    signed_sin_TD: torch.Tensor,
+) -> torch.Tensor | None:
+    """`apply_rope` of `rms_norm` over each ``[T, H, D]`` row (Qwen3's per-head q/k norm, then
+    the rotation) in one kernel on the GPU (`fp4rl.kernels.norm_rope`: the two kernels' bits),
+    for x, weight and tables of one dtype and a power-of-two D; None elsewhere, where the
+    caller runs the two."""
+    kernels = _kernels(x_THD)
+    if (
+        kernels is None
+        or not kernels.norm_rope.supported(x_THD, weight)
+        or cos_TD.dtype != x_THD.dtype
+        or signed_sin_TD.dtype != x_THD.dtype
+    ):
+        return None
+    return kernels.norm_rope_rows(
+        x_THD.contiguous(),
+        weight.contiguous(),
+        eps,
+        cos_TD.contiguous(),
+        signed_sin_TD.contiguous(),
+    )
 
 
 def sort_by_expert(

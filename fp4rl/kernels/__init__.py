@@ -20,6 +20,7 @@ from fp4rl.kernels import (
     moe_combine,
     moe_gemm,
     nearest,
+    norm_rope,
     paged_attention,
     rms_norm,
     rope,
@@ -31,6 +32,7 @@ __all__ = [
     "dequantize",
     "fake_quantize",
     "grouped_mm",
+    "norm_rope_rows",
     "paged_decode_attention",
     "quantize",
     "quantize_into",
@@ -114,6 +116,17 @@ def paged_decode_attention(q_BHD, k, v, block_table_BN, context_B) -> torch.Tens
 def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`fp4rl.model.layers.eager_rms_norm` up to its FP32 sum's order: one program per row."""
     return rms_norm.launch(x, weight, eps)
+
+
+def norm_rope_rows(
+    x_THD: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    cos_TD: torch.Tensor,
+    signed_sin_TD: torch.Tensor,
+) -> torch.Tensor:
+    """`rope_rows` of `rms_norm_rows` (the per-head q/k norm), bit for bit, in one launch."""
+    return norm_rope.launch(x_THD, weight, eps, cos_TD, signed_sin_TD)
 
 
 def rope_rows(

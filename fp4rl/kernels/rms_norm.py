@@ -29,20 +29,40 @@ _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.floa
 
 
 @triton.jit
+def inverse_rms(x_RD, row, cols, ok, D, inv_width, eps):
+    """Row ``row`` of ``x_RD`` in FP32 (``[BLOCK_D]``, zeros past D) and its inverse RMS: the
+    sum of squares in the order a one-warp program's ``[BLOCK_D]`` tile sets (kernels that
+    must give RMSNorm's bits call this from such a program: `fp4rl.kernels.norm_rope`)."""
+    x = tl.load(x_RD + row * D + cols, mask=ok, other=0.0).to(tl.float32)
+    # As torch's mean: the sum times FP32 1 / D. (`tl.full` is a no-op compiled; the
+    # interpreter holds float arguments in double precision.)
+    mean = tl.sum(x * x, axis=0) * tl.full((), inv_width, tl.float32)
+    return x, tl.math.rsqrt(mean + tl.full((), eps, tl.float32))
+
+
+@triton.jit
+def normed(x, inv_rms, weight, OUT: tl.constexpr):
+    """``weight * OUT(x * inv_rms)`` rounded to OUT, as FP32 (exact)."""
+    y = round_to(x * inv_rms, OUT)
+    return round_to(weight * y.to(tl.float32), OUT).to(tl.float32)
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_RD, weight_D, y_RD, D, inv_width, eps, OUT: tl.constexpr, BLOCK_D: tl.constexpr
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     ok = cols < D
-    x = tl.load(x_RD + row * D + cols, mask=ok, other=0.0).to(tl.float32)
-    # As torch's mean: the sum times FP32 1 / D. (`tl.full` is a no-op compiled; the
-    # interpreter holds float arguments in double precision.)
-    mean = tl.sum(x * x, axis=0) * tl.full((), inv_width, tl.float32)
-    inv_rms = tl.math.rsqrt(mean + tl.full((), eps, tl.float32))
-    y = round_to(x * inv_rms, OUT)
+    x, inv_rms = inverse_rms(x_RD, row, cols, ok, D, inv_width, eps)
     weight = tl.load(weight_D + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(y_RD + row * D + cols, round_to(weight * y.to(tl.float32), OUT), mask=ok)
+    tl.store(y_RD + row * D + cols, round_to(normed(x, inv_rms, weight, OUT), OUT), mask=ok)
+
+
+def warps_for(block_d: int) -> int:
+    """Warps of a program that normalizes one row of ``block_d`` (padded) values: they and the
+    tile fix the order of the sum of squares."""
+    return 4 if block_d >= 1024 else 1
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -66,6 +86,6 @@ def launch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     with device_of(x):
         _rms_norm_kernel[(rows,)](
             x, weight, y, D, 1.0 / D, float(eps), OUT=_TL_DTYPES[x.dtype], BLOCK_D=block,
-            num_warps=4 if block >= 1024 else 1, enable_fp_fusion=False,
+            num_warps=warps_for(block), enable_fp_fusion=False,
         )  # fmt: skip
     return y

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp4rl.fp4 import NVFP4Tensor
-from fp4rl.model.layers import RMSNorm, RopeTables, apply_rope
+from fp4rl.model.layers import RMSNorm, RopeTables, normed_rope
 from fp4rl.model.sites import Capture, Fp4Site
 from fp4rl.records import GuidanceMap
 
@@ -171,9 +171,6 @@ class Attention(nn.Module):
         """``rope``: the forward's RoPE tables of ``backend.positions``, built once by the
         model's forward and shared by its layers."""
         T = x_TH.shape[0]
-        q = self.q_norm(self.q_proj(x_TH).view(T, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x_TH).view(T, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x_TH).view(T, self.num_kv_heads, self.head_dim)
         made = (rope.head_dim, rope.theta, rope.cos.dtype)
         if made != (self.head_dim, self.rope_theta, x_TH.dtype):
             raise ValueError(
@@ -181,8 +178,12 @@ class Attention(nn.Module):
                 f"layer needs {(self.head_dim, self.rope_theta, x_TH.dtype)}"
             )
         cos, signed_sin = rope.cos, rope.signed_sin
-        kv = NewKV(apply_rope(k, cos, signed_sin), v, self.kv_format, guidance, capture)
-        o = backend.attend(self.layer, apply_rope(q, cos, signed_sin), kv)
+        q = self.q_proj(x_TH).view(T, self.num_heads, self.head_dim)
+        k = self.k_proj(x_TH).view(T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x_TH).view(T, self.num_kv_heads, self.head_dim)
+        k = normed_rope(k, self.k_norm, cos, signed_sin)
+        kv = NewKV(k, v, self.kv_format, guidance, capture)
+        o = backend.attend(self.layer, normed_rope(q, self.q_norm, cos, signed_sin), kv)
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
 
 

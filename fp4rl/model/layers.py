@@ -121,6 +121,22 @@ def apply_rope(
     return x_THD * cos_TD[:, None, :] + swapped * signed_sin_TD[:, None, :]
 
 
+def normed_rope(
+    x_THD: torch.Tensor, norm: nn.Module, cos_TD: torch.Tensor, signed_sin_TD: torch.Tensor
+) -> torch.Tensor:
+    """``apply_rope(norm(x_THD), ...)``: Qwen3's per-head q/k norm, then the rotation. On the
+    GPU, outside autograd and with ``norm`` an `RMSNorm`, one kernel (`fp4rl.ops.norm_rope`)
+    gives the bits of the two kernels it replaces."""
+    wants_grad = torch.is_grad_enabled() and (
+        x_THD.requires_grad or any(p.requires_grad for p in norm.parameters())
+    )
+    if isinstance(norm, RMSNorm) and not wants_grad:
+        out = ops.norm_rope(x_THD, norm.weight, norm.eps, cos_TD, signed_sin_TD)
+        if out is not None:
+            return out
+    return apply_rope(norm(x_THD), cos_TD, signed_sin_TD)
+
+
 class MLP(nn.Module):
     """Dense SwiGLU MLP (dense decoder layers and the Qwen2-MoE shared expert): always BF16."""
 
