@@ -8,13 +8,17 @@ is missing on a CUDA machine the call raises instead of silently running the slo
 guidance (`SparseCodes`) is the one exception: no kernel reads its layout yet, so its rounding
 runs the PyTorch reference on every device.
 
-Five pieces of the model's glue also have a kernel here, each returning None where it does not
+Six pieces of the model's glue also have a kernel here, each returning None where it does not
 run (the caller then runs its eager formulation): `apply_rope`, `sort_by_expert` (with the
 inverse permutation and the counts per expert) and `swiglu` (with, optionally, the intermediate
-site's fake quantization), bitwise the eager results, and `rms_norm` and `moe_combine`, the
-eager arithmetic but for the order of one FP32 sum per output (docs/numerics.md, "What is
-bitwise"); `norm_rope` composes the RMSNorm and RoPE kernels in one launch, with their bits.
-`quantize_into` stores a per-row quantization straight into a paged cache's rows.
+site's fake quantization), bitwise the eager results, `rms_norm` and `moe_combine`, the eager
+arithmetic but for the order of one FP32 sum per output, and `route` (the router's live
+routing: FP32 logits, softmax, top-k, in two launches), the eager arithmetic but for the order
+of its FP32 sums, so that near-tied experts may be picked the other way (docs/numerics.md,
+"What is bitwise"); `norm_rope` composes the RMSNorm and RoPE kernels in one launch, with their
+bits. `quantize_into` stores a per-row quantization straight into a paged cache's rows.
+`project` multiplies a decode step's few rows by up to three weights of one input (q, k and v)
+in one launch, batch-invariant (None where the kernel does not run: the caller uses cuBLAS).
 """
 
 from __future__ import annotations
@@ -255,6 +259,36 @@ def moe_combine(
     return kernels.combine_rows(
         y_AH.contiguous(), row_order_Tk.contiguous(), weights_Tk.contiguous()
     )
+
+
+def route(
+    x_TH: torch.Tensor, weight_EH: torch.Tensor, top_k: int, norm_topk_prob: bool
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(weights [T, k] in x's dtype, ids [T, k] int64)``: the router's softmax over FP32
+    logits, its top k and (with ``norm_topk_prob``) their normalization, in two kernels on the
+    GPU (`fp4rl.kernels.router`: FP32 sums in a fixed order, the same bits whatever the batch;
+    ties to the lowest expert id; NaN rows get NaN weights and ids in range), for shapes and
+    dtypes it takes (`router.supported`); None elsewhere, where the caller runs the eager
+    formulation (`fp4rl.model.moe.Router`)."""
+    kernels = _kernels(x_TH)
+    if kernels is None or not kernels.router.supported(x_TH, weight_EH, top_k):
+        return None
+    return kernels.route_rows(x_TH.contiguous(), weight_EH.contiguous(), top_k, norm_topk_prob)
+
+
+def project(x_MK: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """``[x_MK @ w.T for w in weights]`` for a decode step's few rows (M <= 64) and one to three
+    weights of one input, in one kernel launch on the GPU (`fp4rl.kernels.skinny_gemm`: FP32
+    sums rounded once, in an order fixed by K, so a row's bits do not depend on the batch; not
+    bitwise cuBLAS), for BF16 or FP16 x and weights of its dtype (`skinny_gemm.supported`);
+    None elsewhere or for more rows, where the caller runs ``F.linear`` per weight."""
+    kernels = _kernels(x_MK)
+    if kernels is None:
+        return None
+    x_MK, weights = x_MK.contiguous(), [w.contiguous() for w in weights]
+    if not kernels.skinny_gemm.supported(x_MK, weights):
+        return None
+    return kernels.project_rows(x_MK, weights)
 
 
 def quantize_site(

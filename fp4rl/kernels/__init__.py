@@ -24,6 +24,8 @@ from fp4rl.kernels import (
     paged_attention,
     rms_norm,
     rope,
+    router,
+    skinny_gemm,
     swiglu,
 )
 
@@ -34,11 +36,13 @@ __all__ = [
     "grouped_mm",
     "norm_rope_rows",
     "paged_decode_attention",
+    "project_rows",
     "quantize",
     "quantize_into",
     "round_guided_compact",
     "rms_norm_rows",
     "rope_rows",
+    "route_rows",
     "round_guided_full",
     "sort_expert_ids",
     "swiglu_rows",
@@ -136,6 +140,14 @@ def rope_rows(
     return rope.launch(x_THD, cos_TD, signed_sin_TD)
 
 
+def route_rows(
+    x_TH: torch.Tensor, weight_EH: torch.Tensor, top_k: int, norm_topk_prob: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fp4rl.model.moe.Router`'s live routing up to its FP32 sums' order: the logits in one
+    launch, softmax and top-k in another (`router.reference_route` is the kernels' twin)."""
+    return router.launch(x_TH, weight_EH, top_k, norm_topk_prob)
+
+
 def sort_expert_ids(
     ids: torch.Tensor, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -143,6 +155,12 @@ def sort_expert_ids(
     inverse permutation and the assignments per expert: a counting sort in one launch
     (`expert_sort.launch`)."""
     return expert_sort.launch(ids, num_experts)
+
+
+def project_rows(x_MK: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``[x_MK @ w.T for w in weights]``, FP32 sums rounded once, one to three weights of one
+    input in one launch, batch-invariant (`skinny_gemm.launch`)."""
+    return skinny_gemm.launch(x_MK, weights)
 
 
 def swiglu_rows(gate_up: torch.Tensor, *, quantize: bool = False) -> torch.Tensor:

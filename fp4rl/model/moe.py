@@ -12,7 +12,38 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fp4rl import ops
 from fp4rl.model.layers import MLP, op_to
+
+
+def eager_route(
+    x_TH: torch.Tensor,
+    weight_EH: torch.Tensor,
+    top_k: int,
+    norm_topk_prob: bool,
+    replay_Tk: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, int | torch.Tensor]:
+    """`Router.forward` in torch ops: FP32 logits and softmax, the top k (or the replayed ids,
+    whose probabilities are gathered), normalized in FP32 and rounded once to x's dtype."""
+    probs_TE = F.softmax(F.linear(x_TH.float(), weight_EH.float()), dim=-1)
+    live_w, live_ids = torch.topk(probs_TE, top_k, dim=-1)
+    if replay_Tk is None:
+        ids, weights, fallback = live_ids, live_w, x_TH.shape[0]
+    else:
+        if replay_Tk.shape != live_ids.shape:
+            raise ValueError(
+                f"replayed routing has shape {tuple(replay_Tk.shape)}, expected "
+                f"{tuple(live_ids.shape)} (tokens, top_k)"
+            )
+        missing_T = (replay_Tk < 0).any(-1)
+        ids = torch.where(missing_T[:, None], live_ids, replay_Tk.long())
+        weights = probs_TE.gather(1, ids)
+        fallback = missing_T.sum()
+    if norm_topk_prob:  # normalized and rounded in one kernel (`op_to`)
+        weights = op_to(torch.div, weights, weights.sum(-1, keepdim=True), x_TH.dtype)
+    else:
+        weights = weights.to(x_TH.dtype)
+    return weights, ids, fallback
 
 
 class Router(nn.Module):
@@ -30,26 +61,19 @@ class Router(nn.Module):
         ``replay_Tk`` (int, -1 = no record) forces the experts of the tokens it covers; the
         count of the tokens it leaves to live routing is then a 0-dim tensor on the device, so
         counting waits for nothing (its reader makes it a number, once per update).
+
+        Live routing where autograd records nothing (the engine) is, on the GPU, two kernels
+        (`ops.route`: the eager arithmetic but for the order of its FP32 sums, which is fixed,
+        so a token's routing does not depend on its batch); elsewhere, and under replay or
+        autograd, `eager_route`.
         """
-        probs_TE = F.softmax(F.linear(x_TH.float(), self.weight.float()), dim=-1)
-        live_w, live_ids = torch.topk(probs_TE, self.top_k, dim=-1)
-        if replay_Tk is None:
-            ids, weights, fallback = live_ids, live_w, x_TH.shape[0]
-        else:
-            if replay_Tk.shape != live_ids.shape:
-                raise ValueError(
-                    f"replayed routing has shape {tuple(replay_Tk.shape)}, expected "
-                    f"{tuple(live_ids.shape)} (tokens, top_k)"
-                )
-            missing_T = (replay_Tk < 0).any(-1)
-            ids = torch.where(missing_T[:, None], live_ids, replay_Tk.long())
-            weights = probs_TE.gather(1, ids)
-            fallback = missing_T.sum()
-        if self.norm_topk_prob:  # normalized and rounded in one kernel (`op_to`)
-            weights = op_to(torch.div, weights, weights.sum(-1, keepdim=True), x_TH.dtype)
-        else:
-            weights = weights.to(x_TH.dtype)
-        return weights, ids, fallback
+        wants_grad = x_TH.requires_grad or self.weight.requires_grad
+        if replay_Tk is None and not (torch.is_grad_enabled() and wants_grad):
+            routed = ops.route(x_TH, self.weight, self.top_k, self.norm_topk_prob)
+            if routed is not None:
+                weights, ids = routed
+                return weights, ids, x_TH.shape[0]
+        return eager_route(x_TH, self.weight, self.top_k, self.norm_topk_prob, replay_Tk)
 
 
 class SparseMoeBlock(nn.Module):
