@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp4rl.fp4 import NVFP4Tensor
-from fp4rl.model.layers import RMSNorm, RopeTables, normed_rope
+from fp4rl.model.layers import RMSNorm, RopeTables, normed_rope, project
 from fp4rl.model.sites import Capture, Fp4Site
 from fp4rl.records import GuidanceMap
 
@@ -178,13 +178,15 @@ class Attention(nn.Module):
                 f"layer needs {(self.head_dim, self.rope_theta, x_TH.dtype)}"
             )
         cos, signed_sin = rope.cos, rope.signed_sin
-        q = self.q_proj(x_TH).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x_TH).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x_TH).view(T, self.num_kv_heads, self.head_dim)
+        q, k, v = project(x_TH, self.q_proj, self.k_proj, self.v_proj)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
         k = normed_rope(k, self.k_norm, cos, signed_sin)
         kv = NewKV(k, v, self.kv_format, guidance, capture)
         o = backend.attend(self.layer, normed_rope(q, self.q_norm, cos, signed_sin), kv)
-        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
+        (out,) = project(o.reshape(T, self.num_heads * self.head_dim), self.o_proj)
+        return out
 
 
 class CausalAttention:

@@ -121,6 +121,21 @@ def apply_rope(
     return x_THD * cos_TD[:, None, :] + swapped * signed_sin_TD[:, None, :]
 
 
+def project(x: torch.Tensor, *linears: nn.Linear) -> list[torch.Tensor]:
+    """``[linear(x) for linear in linears]``. On the GPU, outside autograd, for bias-free
+    projections of a decode step's few rows, one kernel launch for all of them
+    (`fp4rl.ops.project`: FP32 sums in an order fixed by the input width, so a row's bits do not
+    depend on the batch; not cuBLAS's bits); elsewhere one ``F.linear`` each."""
+    wants_grad = torch.is_grad_enabled() and (
+        x.requires_grad or any(linear.weight.requires_grad for linear in linears)
+    )
+    if not wants_grad and all(linear.bias is None for linear in linears):
+        out = ops.project(x, [linear.weight for linear in linears])
+        if out is not None:
+            return out
+    return [linear(x) for linear in linears]
+
+
 def normed_rope(
     x_THD: torch.Tensor, norm: nn.Module, cos_TD: torch.Tensor, signed_sin_TD: torch.Tensor
 ) -> torch.Tensor:
