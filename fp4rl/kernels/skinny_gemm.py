@@ -131,16 +131,15 @@ class SkinnyTile:
             raise ValueError(f"SkinnyTile.num_stages must be >= 1; got {self.num_stages}")
 
 
-# (most rows, tile): the first bucket that holds M is used. Set for one H200 at Qwen3-30B-A3B's
-# attention shapes (q/k/v 4096/512/512 x 2048, o 2048 x 4096) from the programs per SM and the
-# bytes each keeps in flight, not yet from a measurement: benchmarks/skinny_gemm.py times them
-# against other tiles (`--tiles`). Any tile here may change speed only, never a bit.
+# (most rows, tile): the first bucket that holds M is used. Chosen on one H200 at Qwen3-30B-A3B's
+# attention shapes (q/k/v 4096/512/512 x 2048, o 2048 x 4096) with `python
+# benchmarks/skinny_gemm.py` (BENCHMARKS.md, "Decode glue"): q/k/v in one launch took 9.9 us at
+# 1-16 rows with 32 columns per program (11.0 with 16), against 18.8-19.4 us for cuBLAS's three
+# calls. Any tile here may change speed only, never a bit.
 CONFIGS: tuple[tuple[int, SkinnyTile], ...] = (
-    # Up to 16 rows the read of W is the work: 16 columns per program (q/k/v 320 programs, o 128)
-    # with three 8 KiB steps of W in flight each; 48 KiB of shared memory (x's steps too) lets
-    # four share an SM, so that q/k/v's programs all run at once.
-    (16, SkinnyTile(block_m=16, block_n=16, num_warps=4, num_stages=4)),
-    # More rows: wider column blocks, so that x (from L2) is read by half as many programs.
+    # Up to 16 rows the read of W is the work: 32 columns per program (q/k/v 160 programs).
+    (16, SkinnyTile(block_m=16, block_n=32, num_warps=4, num_stages=4)),
+    # More rows: x (from L2) is read by fewer programs per row.
     (32, SkinnyTile(block_m=32, block_n=32, num_warps=4, num_stages=3)),
     (MAX_ROWS, SkinnyTile(block_m=64, block_n=32, num_warps=4, num_stages=2)),
 )
