@@ -268,10 +268,14 @@ def route(
     logits, its top k and (with ``norm_topk_prob``) their normalization, in two kernels on the
     GPU (`fp4rl.kernels.router`: FP32 sums in a fixed order, the same bits whatever the batch;
     ties to the lowest expert id; NaN rows get NaN weights and ids in range), for shapes and
-    dtypes it takes (`router.supported`); None elsewhere, where the caller runs the eager
-    formulation (`fp4rl.model.moe.Router`)."""
+    dtypes it takes (`router.supported`) and up to `router.MAX_ROWS` rows (decode steps); None
+    elsewhere, where the caller runs the eager formulation (`fp4rl.model.moe.Router`)."""
     kernels = _kernels(x_TH)
-    if kernels is None or not kernels.router.supported(x_TH, weight_EH, top_k):
+    if (
+        kernels is None
+        or x_TH.shape[0] > kernels.router.MAX_ROWS
+        or not kernels.router.supported(x_TH, weight_EH, top_k)
+    ):
         return None
     return kernels.route_rows(x_TH.contiguous(), weight_EH.contiguous(), top_k, norm_topk_prob)
 

@@ -55,6 +55,10 @@ from fp4rl.kernels.numerics import exp_rn, nan_like, round_to
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 MAX_EXPERTS = 1024  # a row of probabilities is held in registers by one program
+# Rows `fp4rl.ops.route` sends here: the logits are FMAs on the CUDA cores, whose time grows with
+# T, where the eager router's cuBLAS GEMM does not; on one H200 the two were 51.6 against 57.9 us
+# at 1,024 rows (`benchmarks/router.py`), so longer prefill chunks keep the eager router.
+MAX_ROWS = 1024
 MAX_TOP_K = 16
 
 

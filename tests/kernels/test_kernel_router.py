@@ -361,6 +361,10 @@ def test_ops_leaves_unsupported_shapes_to_eager_on_gpu():
     x = torch.ones(4, 32, dtype=torch.bfloat16, device="cuda")
     assert ops.route(x, torch.ones(2048, 32, dtype=torch.bfloat16, device="cuda"), 8, True) is None
     assert ops.route(x, torch.ones(64, 32, dtype=torch.bfloat16, device="cuda"), 17, True) is None
+    many = torch.ones(router.MAX_ROWS + 1, 32, dtype=torch.bfloat16, device="cuda")
+    assert ops.route(many, torch.ones(64, 32, dtype=torch.bfloat16, device="cuda"), 8, True) is None
+    w = torch.ones(64, 32, dtype=torch.bfloat16, device="cuda")
+    assert ops.route(many[: router.MAX_ROWS], w, 8, True) is not None
 
 
 @pytest.mark.gpu
