@@ -55,6 +55,18 @@ def median_ms(
     return statistics.median(times)
 
 
+ROTATE_BYTES = 128 << 20  # distinct input buffers that together exceed the H200's 50 MB L2
+
+
+def rotation_count(bytes_per_input: int, *, most: int | None = None, cuda: bool = True) -> int:
+    """How many distinct inputs of ``bytes_per_input`` to rotate over so that, together, they
+    exceed the L2 (`ROTATE_BYTES`): at least 2, at most ``most``; 2 off the GPU (smoke runs)."""
+    if not cuda:
+        return 2
+    count = max(2, -(-ROTATE_BYTES // bytes_per_input))
+    return count if most is None else max(2, min(most, count))
+
+
 def run_header(command: str) -> str:
     """Command, device, versions, date and commit: what a benchmark figure is quoted with."""
     import triton

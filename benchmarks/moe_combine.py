@@ -49,12 +49,11 @@ ARGS = parse_args()
 if ARGS.device == "cpu":  # kernels must be decorated interpreted: before fp4rl.kernels loads
     os.environ["TRITON_INTERPRET"] = "1"
 
-from _timing import median_ms, report, run_header  # noqa: E402
+from _timing import median_ms, report, rotation_count, run_header  # noqa: E402
 
 from fp4rl.kernels import expert_sort, moe_combine  # noqa: E402
 from fp4rl.model.experts import eager_combine  # noqa: E402
 
-ROTATE_BYTES = 128 << 20
 MAX_INPUTS = 64
 
 
@@ -125,7 +124,7 @@ def main() -> int:
     all_ok = True
     for T in tokens:
         per_input = T * k * H * 2
-        count = max(2, min(MAX_INPUTS, -(-ROTATE_BYTES // per_input))) if cuda else 2
+        count = rotation_count(per_input, most=MAX_INPUTS, cuda=cuda)
         inputs = make_inputs(T, count, seed=T)
         failure = check(inputs[0], tiles)
         all_ok &= failure is None

@@ -54,12 +54,11 @@ ARGS = parse_args()
 if ARGS.device == "cpu":  # kernels must be decorated interpreted: before fp4rl.kernels loads
     os.environ["TRITON_INTERPRET"] = "1"
 
-from _timing import median_ms, report, run_header  # noqa: E402
+from _timing import median_ms, report, rotation_count, run_header  # noqa: E402
 
 from fp4rl.kernels import skinny_gemm  # noqa: E402
 from fp4rl.kernels.skinny_gemm import SkinnyTile  # noqa: E402
 
-ROTATE_BYTES = 128 << 20
 SMOKE_SHAPES = dict(hidden=64, heads=4, kv_heads=2, head_dim=16)
 
 
@@ -159,7 +158,7 @@ def main() -> int:
     for M in rows:
         for name, (K, Ns) in problems().items():
             weight_bytes = 2 * K * sum(Ns)
-            count = max(2, -(-ROTATE_BYTES // weight_bytes)) if cuda else 2
+            count = rotation_count(weight_bytes, cuda=cuda)
             inputs = make_inputs(M, K, Ns, count, seed=M * 7 + K)
             failure, worst, equal = check(*inputs[0], [None, *extra])
             all_ok &= failure is None

@@ -73,16 +73,9 @@ def launch(
             f"dtype; got x_THD {x_THD.dtype} of shape {tuple(x_THD.shape)}, weight "
             f"{weight.dtype} of shape {tuple(weight.shape)}"
         )
-    T, H, D = x_THD.shape
-    for name, table in (("cos_TD", cos_TD), ("signed_sin_TD", signed_sin_TD)):
-        if table.shape != (T, D) or table.dtype != x_THD.dtype:
-            raise ValueError(
-                f"{name} must be {x_THD.dtype} of shape {(T, D)}; got {table.dtype} of shape "
-                f"{tuple(table.shape)}"
-            )
-        check_contiguous(name, table)
-    check_contiguous("x_THD", x_THD)
+    rope.check_tables(x_THD, cos_TD, signed_sin_TD)
     check_contiguous("weight", weight)
+    T, H, D = x_THD.shape
     out = torch.empty_like(x_THD)
     if out.numel() == 0:
         return out

@@ -49,15 +49,10 @@ def supported(x_THD: torch.Tensor) -> bool:
     return x_THD.dtype in DTYPES and D >= 2 and D & (D - 1) == 0
 
 
-def launch(x_THD: torch.Tensor, cos_TD: torch.Tensor, signed_sin_TD: torch.Tensor) -> torch.Tensor:
-    """`apply_rope`'s result for contiguous ``x_THD`` and tables ``[T, D]`` of x's dtype."""
-    check_kernel_device("x_THD", x_THD)
-    if x_THD.dim() != 3 or not supported(x_THD):
-        raise ValueError(
-            f"x_THD must be [T, H, D] of {DTYPES} with D a power of two; got {x_THD.dtype} of "
-            f"shape {tuple(x_THD.shape)}"
-        )
-    T, H, D = x_THD.shape
+def check_tables(x_THD: torch.Tensor, cos_TD: torch.Tensor, signed_sin_TD: torch.Tensor) -> None:
+    """Raise ValueError unless the tables are contiguous ``[T, D]`` of x's dtype and x
+    ``[T, H, D]`` is contiguous (x's dtype and shape checked by the caller)."""
+    T, _, D = x_THD.shape
     for name, table in (("cos_TD", cos_TD), ("signed_sin_TD", signed_sin_TD)):
         if table.shape != (T, D) or table.dtype != x_THD.dtype:
             raise ValueError(
@@ -66,6 +61,18 @@ def launch(x_THD: torch.Tensor, cos_TD: torch.Tensor, signed_sin_TD: torch.Tenso
             )
         check_contiguous(name, table)
     check_contiguous("x_THD", x_THD)
+
+
+def launch(x_THD: torch.Tensor, cos_TD: torch.Tensor, signed_sin_TD: torch.Tensor) -> torch.Tensor:
+    """`apply_rope`'s result for contiguous ``x_THD`` and tables ``[T, D]`` of x's dtype."""
+    check_kernel_device("x_THD", x_THD)
+    if x_THD.dim() != 3 or not supported(x_THD):
+        raise ValueError(
+            f"x_THD must be [T, H, D] of {DTYPES} with D a power of two; got {x_THD.dtype} of "
+            f"shape {tuple(x_THD.shape)}"
+        )
+    check_tables(x_THD, cos_TD, signed_sin_TD)
+    T, H, D = x_THD.shape
     out = torch.empty_like(x_THD)
     if out.numel() == 0:
         return out
