@@ -389,6 +389,44 @@ def test_rope_tables_are_computed_once_per_forward():
     assert [seen.names.count(f"aten::{op}") for op in ("cos", "sin", "neg")] == [1, 1, 1]
 
 
+@pytest.fixture
+def glue_calls(monkeypatch):
+    """Records which of the decode-glue kernels `fp4rl.ops` is asked for (each answers None, as
+    off the GPU, so the eager formulation runs): name -> number of calls."""
+    calls = {"project": 0, "norm_rope": 0, "route": 0}
+
+    def asked(name):
+        def record(*args, **kwargs):
+            calls[name] += 1
+            return None
+
+        return record
+
+    for name in calls:
+        monkeypatch.setattr(ops, name, asked(name))
+    return calls
+
+
+def test_decode_glue_kernels_are_asked_for_outside_autograd_only(glue_calls):
+    """Without autograd each layer asks for one q/k/v projection launch and two q/k norm +
+    RoPE launches, and each MoE layer for the router kernels; under autograd, or when routing
+    is replayed, none of them (the trainer keeps cuBLAS, its RMSNorm and RoPE, the eager
+    router)."""
+    model = qat_model(PrecisionConfig(experts="bf16"), dtype=torch.bfloat16)
+    tokens, L = torch.tensor([1, 2, 3, 4, 5, 6]), len(model.layers)
+    with torch.no_grad():
+        model.hidden_states(tokens, CausalAttention([4, 2]))
+    moe = len(model.moe_layers)
+    assert moe > 0
+    assert glue_calls == {"project": L, "norm_rope": 2 * L, "route": moe}
+    model.hidden_states(tokens, CausalAttention([4, 2]))  # parameters want gradients
+    assert glue_calls == {"project": L, "norm_rope": 2 * L, "route": moe}
+    routing = torch.zeros(moe, 6, model.config.num_experts_per_tok, dtype=torch.int32)
+    with torch.no_grad():
+        model.hidden_states(tokens, CausalAttention([4, 2]), routing=routing)
+    assert glue_calls == {"project": 2 * L, "norm_rope": 4 * L, "route": moe}
+
+
 # -- the MoE dispatch's sort -----------------------------------------------------------------
 
 
