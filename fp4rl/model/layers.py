@@ -122,14 +122,12 @@ def apply_rope(
 
 
 def project(x: torch.Tensor, *linears: nn.Linear) -> list[torch.Tensor]:
-    """``[linear(x) for linear in linears]``. On the GPU, outside autograd, for bias-free
-    projections of a decode step's few rows, one kernel launch for all of them
+    """``[linear(x) for linear in linears]``. On the GPU in inference mode (the engine's steps),
+    for bias-free projections of a decode step's few rows, one kernel launch for all of them
     (`fp4rl.ops.project`: FP32 sums in an order fixed by the input width, so a row's bits do not
-    depend on the batch; not cuBLAS's bits); elsewhere one ``F.linear`` each."""
-    wants_grad = torch.is_grad_enabled() and (
-        x.requires_grad or any(linear.weight.requires_grad for linear in linears)
-    )
-    if not wants_grad and all(linear.bias is None for linear in linears):
+    depend on the batch; not cuBLAS's bits); elsewhere, the trainer's forwards included, one
+    ``F.linear`` each."""
+    if torch.is_inference_mode_enabled() and all(linear.bias is None for linear in linears):
         out = ops.project(x, [linear.weight for linear in linears])
         if out is not None:
             return out

@@ -62,13 +62,13 @@ class Router(nn.Module):
         count of the tokens it leaves to live routing is then a 0-dim tensor on the device, so
         counting waits for nothing (its reader makes it a number, once per update).
 
-        Live routing where autograd records nothing (the engine) is, on the GPU, two kernels
+        Live routing in inference mode (the engine's steps) is, on the GPU, two kernels
         (`ops.route`: the eager arithmetic but for the order of its FP32 sums, which is fixed,
-        so a token's routing does not depend on its batch); elsewhere, and under replay or
-        autograd, `eager_route`.
+        so a token's routing does not depend on its batch); elsewhere `eager_route`: under
+        replay, and in every forward of the trainer, with gradients or without, so that what
+        it observes (`fp4rl.train.observe`) is what its update computes.
         """
-        wants_grad = x_TH.requires_grad or self.weight.requires_grad
-        if replay_Tk is None and not (torch.is_grad_enabled() and wants_grad):
+        if replay_Tk is None and torch.is_inference_mode_enabled():
             routed = ops.route(x_TH, self.weight, self.top_k, self.norm_topk_prob)
             if routed is not None:
                 weights, ids = routed

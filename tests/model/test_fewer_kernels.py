@@ -407,24 +407,28 @@ def glue_calls(monkeypatch):
     return calls
 
 
-def test_decode_glue_kernels_are_asked_for_outside_autograd_only(glue_calls):
-    """Without autograd each layer asks for one q/k/v projection launch and two q/k norm +
-    RoPE launches, and each MoE layer for the router kernels; under autograd, or when routing
-    is replayed, none of them (the trainer keeps cuBLAS, its RMSNorm and RoPE, the eager
-    router)."""
+def test_decode_glue_kernels_are_asked_for_where_they_belong(glue_calls):
+    """In inference mode (the engine's steps) each layer asks for one q/k/v projection launch
+    and two q/k norm + RoPE launches, and each MoE layer for the router kernels. Without
+    autograd but outside inference mode (the trainer's observation) only the norm + RoPE
+    kernel, which has the two kernels' bits; under autograd none; under replayed routing not
+    the router's."""
     model = qat_model(PrecisionConfig(experts="bf16"), dtype=torch.bfloat16)
     tokens, L = torch.tensor([1, 2, 3, 4, 5, 6]), len(model.layers)
-    with torch.no_grad():
-        model.hidden_states(tokens, CausalAttention([4, 2]))
     moe = len(model.moe_layers)
     assert moe > 0
+    with torch.inference_mode():
+        model.hidden_states(tokens, CausalAttention([4, 2]))
     assert glue_calls == {"project": L, "norm_rope": 2 * L, "route": moe}
-    model.hidden_states(tokens, CausalAttention([4, 2]))  # parameters want gradients
-    assert glue_calls == {"project": L, "norm_rope": 2 * L, "route": moe}
-    routing = torch.zeros(moe, 6, model.config.num_experts_per_tok, dtype=torch.int32)
     with torch.no_grad():
+        model.hidden_states(tokens, CausalAttention([4, 2]))
+    assert glue_calls == {"project": L, "norm_rope": 4 * L, "route": moe}
+    model.hidden_states(tokens, CausalAttention([4, 2]))  # parameters want gradients
+    assert glue_calls == {"project": L, "norm_rope": 4 * L, "route": moe}
+    routing = torch.zeros(moe, 6, model.config.num_experts_per_tok, dtype=torch.int32)
+    with torch.inference_mode():
         model.hidden_states(tokens, CausalAttention([4, 2]), routing=routing)
-    assert glue_calls == {"project": 2 * L, "norm_rope": 4 * L, "route": moe}
+    assert glue_calls == {"project": 2 * L, "norm_rope": 6 * L, "route": moe}
 
 
 # -- the MoE dispatch's sort -----------------------------------------------------------------
