@@ -44,7 +44,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--tiles",
         default="64:4:3,64:8:2,128:8:2",
-        help="other kernel tiles BLOCK_N:WARPS:STAGES, swept at --sweep-shapes",
+        help="other kernel tiles BLOCK_N:WARPS:STAGES[:k] (k: keys first), swept at --sweep-shapes",
     )
     parser.add_argument(
         "--sweep-shapes",
@@ -79,7 +79,7 @@ def main() -> None:
         batches = [int(b) for b in ARGS.batches.split(",")]
         contexts = [int(c) for c in ARGS.contexts.split(",")]
         sweep_shapes = {tuple(int(v) for v in s.split("x")) for s in ARGS.sweep_shapes.split(",")}
-        tiles = [DecodeTile(*(int(v) for v in t.split(":"))) for t in ARGS.tiles.split(",") if t]
+        tiles = [parse_tile(t) for t in ARGS.tiles.split(",") if t]
         warmup, repeats, min_bytes = 3, 10, 256 << 20
     else:
         heads, dim, page = (4, 2), 32, 16
@@ -225,7 +225,7 @@ class Bench:
     def sweep_row(self, fmt, tiles, warmup, repeats):
         auto = self.splits(fmt)
         by_splits, seen = [], {auto}
-        for n in (1, 2, 4, 8, 16, 32):
+        for n in (1, 2, 3, 4, 5, 6, 8, 12, 16, 32):
             actual = self.splits(fmt, num_splits=n)
             # Stretches shorter than 128 tokens (16 on the CPU) are not worth a look.
             if actual not in seen and self.tokens >= n * (128 if self.is_cuda else 16):
@@ -233,8 +233,7 @@ class Bench:
                 us = self.us(self.kernel(fmt, num_splits=n), warmup, repeats)
                 by_splits.append(f"{actual}: {us:.1f}")
         by_tile = [
-            f"{x.block_n}:{x.num_warps}:{x.num_stages}: "
-            f"{self.us(self.kernel(fmt, config=x), warmup, repeats):.1f}"
+            f"{tile_label(x)}: {self.us(self.kernel(fmt, config=x), warmup, repeats):.1f}"
             for x in tiles
         ]
         auto_us = self.us(self.kernel(fmt), warmup, repeats)
@@ -249,6 +248,18 @@ class Bench:
     def tokens(self) -> int:
         """Tokens the block tables cover (what the launcher splits)."""
         return self.inputs[0][1].shape[1] * self.cache.block_size
+
+
+def parse_tile(text: str) -> DecodeTile:
+    """``BLOCK_N:WARPS:STAGES``, with ``:k`` appended for the keys-first orientation."""
+    fields = text.split(":")
+    block_n, warps, stages = (int(v) for v in fields[:3])
+    return DecodeTile(block_n, warps, stages, keys_first="k" in fields[3:])
+
+
+def tile_label(tile: DecodeTile) -> str:
+    label = f"{tile.block_n}:{tile.num_warps}:{tile.num_stages}"
+    return label + (":k" if tile.keys_first else "")
 
 
 def check(got: torch.Tensor, want: torch.Tensor) -> str:

@@ -5,7 +5,11 @@ context's ``context_B[b]`` tokens sit in pages named by row b of ``block_table_B
 page ``block_table_BN[b, t // P]`` at offset ``t % P``). Query heads are grouped over the KV
 heads (head ``h`` reads KV head ``h // G``). Each program takes one sequence, one KV head (all
 G query heads that share it) and one stretch of the context, and walks it BLOCK_N tokens at a
-time with an online softmax; nothing is gathered to memory.
+time with an online softmax; nothing is gathered to memory. A tile either takes the query rows
+as the dots' rows (scores ``q @ k.T``, output ``p @ v``) or, `DecodeTile.keys_first`, the
+tokens (``k @ q.T`` and ``v.T @ p``): the same products, transposed. Keys first, the decoded K
+tile is the first operand of a Hopper tensor-core instruction, which reads it from registers
+instead of shared memory (the second operand always passes through shared memory).
 
 Numerics, the contract of `reference_decode` (the twin below: ``attend_fp32`` over
 ``KVCache.read`` in `fp4rl.rollout`, restricted to one query token):
@@ -140,11 +144,20 @@ def _load_kv(
 
 
 @triton.jit
+def _three_parts(p):
+    """FP32 ``p`` as three BF16 parts, ``p1 + p2 + p3 == p`` exactly: each part is the rounding
+    error of the ones before, which FP32 holds exactly (24 bits in three parts of 8)."""
+    p1 = round_to(p, tl.bfloat16)
+    rest = p - p1.to(tl.float32)
+    p2 = round_to(rest, tl.bfloat16)
+    return p1, p2, round_to(rest - p2.to(tl.float32), tl.bfloat16)
+
+
+@triton.jit
 def _probabilities_times_values(p, v, acc, TWIN: tl.constexpr):
     """``acc + p @ v`` for FP32 probabilities p and V values in the dot's dtype. For BF16 V, p is
-    split into three BF16 parts ``p1 + p2 + p3 == p`` exactly (each part is the rounding error
-    of the ones before, which FP32 holds exactly: 24 bits in three parts of 8), so the
-    tensor-core products are exact and the sum is p . v in FP32.
+    split into three BF16 parts (`_three_parts`), so the tensor-core products are exact and the
+    sum is p . v in FP32.
 
     TWIN: the lower half of p's rows repeats the upper half (the kernel's twin rows), so the
     parts share two dots instead of three: ``[p1; p2]`` and ``[p3; 0]``. The upper rows of acc
@@ -155,10 +168,7 @@ def _probabilities_times_values(p, v, acc, TWIN: tl.constexpr):
             p = tl.where(upper, p, 0.0)
         acc = dot(p, v, acc)
     else:
-        p1 = round_to(p, tl.bfloat16)
-        rest = p - p1.to(tl.float32)
-        p2 = round_to(rest, tl.bfloat16)
-        p3 = round_to(rest - p2.to(tl.float32), tl.bfloat16)
+        p1, p2, p3 = _three_parts(p)
         if TWIN:
             acc = dot(
                 tl.where(upper, p3, tl.zeros_like(p3)), v, dot(tl.where(upper, p1, p2), v, acc)
@@ -169,6 +179,29 @@ def _probabilities_times_values(p, v, acc, TWIN: tl.constexpr):
 
 
 @triton.jit
+def _values_times_probabilities(v_DN, p_NG, acc_DG, TWIN: tl.constexpr):
+    """`_probabilities_times_values` transposed: ``acc + v.T @ p`` for V values ``[D, BLOCK_N]``
+    in the dot's dtype and FP32 probabilities ``[BLOCK_N, BLOCK_G]`` (the same three-part split
+    of p for BF16 V; TWIN folds the twin columns' parts into two dots)."""
+    upper = (tl.arange(0, p_NG.shape[1]) < p_NG.shape[1] // 2)[None, :]
+    if v_DN.dtype == tl.float32:
+        if TWIN:
+            p_NG = tl.where(upper, p_NG, 0.0)
+        acc_DG = dot(v_DN, p_NG, acc_DG)
+    else:
+        p1, p2, p3 = _three_parts(p_NG)
+        if TWIN:
+            acc_DG = dot(
+                v_DN,
+                tl.where(upper, p3, tl.zeros_like(p3)),
+                dot(v_DN, tl.where(upper, p1, p2), acc_DG),
+            )
+        else:
+            acc_DG = dot(v_DN, p3, dot(v_DN, p2, dot(v_DN, p1, acc_DG)))
+    return acc_DG
+
+
+@triton.jit
 def _fold_twins(x_GC, TWIN: tl.constexpr, HALF: tl.constexpr, SUM: tl.constexpr):
     """Per-row values ``[BLOCK_G, C]`` of the twin rows folded onto the upper half: the sum of
     the two halves (SUM; the split products of V) or either (they are equal)."""
@@ -176,6 +209,14 @@ def _fold_twins(x_GC, TWIN: tl.constexpr, HALF: tl.constexpr, SUM: tl.constexpr)
         return x_GC
     halves = tl.reshape(x_GC, [2, HALF, x_GC.shape[1]])
     return tl.sum(halves, 0) if SUM else tl.max(halves, 0)
+
+
+@triton.jit
+def _cache_rows(table_row, t_N, ok_N, num_kv_heads, kv_head, PAGE: tl.constexpr):
+    """Cache rows (slot * K + kv head) of context tokens ``t_N`` through the sequence's block
+    table row."""
+    page_N = tl.load(table_row + t_N // PAGE, mask=ok_N, other=0)
+    return (page_N.to(tl.int64) * PAGE + t_N % PAGE) * num_kv_heads + kv_head
 
 
 # Batch, table width and split length change with every step: no recompiling for each.
@@ -206,6 +247,7 @@ def _paged_decode_kernel(
     NVFP4: tl.constexpr,
     SPLIT: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    KEYS_FIRST: tl.constexpr,
 ):
     DTYPE: tl.constexpr = q_BHD.dtype.element_ty
     b = tl.program_id(0) // num_kv_heads
@@ -231,24 +273,46 @@ def _paged_decode_kernel(
     table_row = table_BN + b.to(tl.int64) * table_cols
     m_G = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_G = tl.zeros([BLOCK_G], tl.float32)
-    acc_GD = tl.zeros([BLOCK_G, D], tl.float32)
-    for n0 in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
-        t_N = n0 + tl.arange(0, BLOCK_N)
-        ok_N = t_N < end
-        page_N = tl.load(table_row + t_N // PAGE, mask=ok_N, other=0)
-        rows_N = (page_N.to(tl.int64) * PAGE + t_N % PAGE) * num_kv_heads + kv_head
-        k_ND = _load_kv(k_pages, k_block_scale, k_global_scale, rows_N, ok_N, D, NVFP4, DTYPE)
-        v_ND = _load_kv(v_pages, v_block_scale, v_global_scale, rows_N, ok_N, D, NVFP4, DTYPE)
-        scores = dot(q_GD, tl.trans(k_ND), tl.zeros([BLOCK_G, BLOCK_N], tl.float32))
-        scores = tl.where(ok_N[None, :], scores * softmax_scale, float("-inf"))
-        # Every step holds at least one token of the context (n0 < end): m_new is finite
-        # unless the scores are not, and exp(-inf - m_new) = 0 on the first step.
-        m_new = tl.maximum(m_G, tl.max(scores, 1))
-        alpha = tl.exp(m_G - m_new)
-        p_GN = tl.exp(scores - m_new[:, None])
-        l_G = l_G * alpha + tl.sum(p_GN, 1)
-        acc_GD = _probabilities_times_values(p_GN, v_ND, acc_GD * alpha[:, None], TWIN)
-        m_G = m_new
+    if KEYS_FIRST:
+        # Tokens are the dots' rows: the decoded K tile is the first operand of the scores
+        # (so Hopper's tensor cores take it from registers) and V's transpose that of the
+        # output; the same arithmetic, transposed.
+        acc_DG = tl.zeros([D, BLOCK_G], tl.float32)
+        for n0 in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
+            t_N = n0 + tl.arange(0, BLOCK_N)
+            ok_N = t_N < end
+            rows_N = _cache_rows(table_row, t_N, ok_N, num_kv_heads, kv_head, PAGE)
+            k_ND = _load_kv(k_pages, k_block_scale, k_global_scale, rows_N, ok_N, D, NVFP4, DTYPE)
+            v_ND = _load_kv(v_pages, v_block_scale, v_global_scale, rows_N, ok_N, D, NVFP4, DTYPE)
+            scores = dot(k_ND, tl.trans(q_GD), tl.zeros([BLOCK_N, BLOCK_G], tl.float32))
+            scores = tl.where(ok_N[:, None], scores * softmax_scale, float("-inf"))
+            m_new = tl.maximum(m_G, tl.max(scores, 0))
+            alpha = tl.exp(m_G - m_new)
+            p_NG = tl.exp(scores - m_new[None, :])
+            l_G = l_G * alpha + tl.sum(p_NG, 0)
+            acc_DG = _values_times_probabilities(
+                tl.trans(v_ND), p_NG, acc_DG * alpha[None, :], TWIN
+            )
+            m_G = m_new
+        acc_GD = tl.trans(acc_DG)
+    else:
+        acc_GD = tl.zeros([BLOCK_G, D], tl.float32)
+        for n0 in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
+            t_N = n0 + tl.arange(0, BLOCK_N)
+            ok_N = t_N < end
+            rows_N = _cache_rows(table_row, t_N, ok_N, num_kv_heads, kv_head, PAGE)
+            k_ND = _load_kv(k_pages, k_block_scale, k_global_scale, rows_N, ok_N, D, NVFP4, DTYPE)
+            v_ND = _load_kv(v_pages, v_block_scale, v_global_scale, rows_N, ok_N, D, NVFP4, DTYPE)
+            scores = dot(q_GD, tl.trans(k_ND), tl.zeros([BLOCK_G, BLOCK_N], tl.float32))
+            scores = tl.where(ok_N[None, :], scores * softmax_scale, float("-inf"))
+            # Every step holds at least one token of the context (n0 < end): m_new is finite
+            # unless the scores are not, and exp(-inf - m_new) = 0 on the first step.
+            m_new = tl.maximum(m_G, tl.max(scores, 1))
+            alpha = tl.exp(m_G - m_new)
+            p_GN = tl.exp(scores - m_new[:, None])
+            l_G = l_G * alpha + tl.sum(p_GN, 1)
+            acc_GD = _probabilities_times_values(p_GN, v_ND, acc_GD * alpha[:, None], TWIN)
+            m_G = m_new
 
     # From here on rows are heads: the twins folded onto the upper half.
     H: tl.constexpr = HALF if TWIN else BLOCK_G
@@ -298,6 +362,7 @@ class DecodeTile:
     num_warps: int
     num_stages: int
     min_split_tokens: int = 128
+    keys_first: bool = False  # tokens as the dots' rows (see `_paged_decode_kernel`)
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
@@ -311,7 +376,11 @@ class DecodeTile:
 # were the fastest or within 5 % from batch 16 up (NVFP4 pages at batch 64, 4k: 212 us
 # against 214 for 64:4:2; batch 256, 2k: 395 against 403; BF16 pages 143 against 158 and 261
 # against 316), and the slowest at batch 1 (1k: NVFP4 14.9 us, BF16 9.7), where 128-token
-# steps of more warps win (NVFP4 128:8:2 8.6 us, BF16 128:4:3 7.4).
+# steps of more warps win (NVFP4 128:8:2 8.6 us, BF16 128:4:3 7.4). The keys-first sweep
+# ("Decode attention: the K tile from registers"): for NVFP4 pages from batch 16 up, 64-token
+# steps of 4 warps, 2 loads in flight, keys first (batch 64, 4k: 196 us against 209 for
+# 64:2:3; batch 256, 2k: 367 against 392); BF16 pages stay rows first (keys first 159 against
+# 141 us).
 CONFIGS = {
     "bf16": (
         (0, DecodeTile(block_n=128, num_warps=4, num_stages=3)),
@@ -319,7 +388,7 @@ CONFIGS = {
     ),
     "nvfp4": (
         (0, DecodeTile(block_n=128, num_warps=8, num_stages=2)),
-        (64, DecodeTile(block_n=64, num_warps=2, num_stages=3)),
+        (64, DecodeTile(block_n=64, num_warps=4, num_stages=2, keys_first=True)),
     ),
 }
 
@@ -496,7 +565,7 @@ def launch(
             1.0 / math.sqrt(D), K, N, split_tokens,
             G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, PAGE=page,
             BLOCK_N=tile.block_n, NVFP4=nvfp4, SPLIT=splits > 1, NUM_STAGES=tile.num_stages,
-            num_warps=tile.num_warps,
+            KEYS_FIRST=tile.keys_first, num_warps=tile.num_warps,
             # The decode's two products must not merge into an FMA with anything.
             enable_fp_fusion=False,
         )  # fmt: skip

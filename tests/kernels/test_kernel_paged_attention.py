@@ -16,6 +16,7 @@ What each output is held to:
   else; pages outside the contexts are never read (NaN there changes no bit of the output).
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -150,22 +151,24 @@ SHAPES = {  # name -> (Hq, K), D, page, contexts
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("fmt", list(PAGE_FORMATS))
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_matches_spec_and_float64(device, shape, fmt, q_dtype):
+@pytest.mark.parametrize("keys_first", [False, True], ids=["rows first", "keys first"])
+def test_matches_spec_and_float64(device, shape, fmt, q_dtype, keys_first):
     heads, dim, page, contexts = SHAPES[shape]
     scene = Scene(fmt, contexts, heads=heads, dim=dim, page=page, seed=len(fmt) + dim,
                   device=device, q_dtype=q_dtype)  # fmt: skip
     assert_within(scene.spec(), scene, "attend_fp32 over KVCache.read (the spec)")
-    tile = TINY
+    tile = dataclasses.replace(TINY, keys_first=keys_first)
     if fmt == "nvfp4" and q_dtype == torch.bfloat16:
         # Reductions of 16 over decoded values miscompile on sm_90: refused everywhere.
         with pytest.raises(ValueError, match="need head dim and block_n >= 32"):
-            scene.launch(config=TINY, num_splits=1)
+            scene.launch(config=tile, num_splits=1)
         if dim < 32:
             return
-        tile = DecodeTile(block_n=32, num_warps=4, num_stages=2, min_split_tokens=16)
+        tile = DecodeTile(block_n=32, num_warps=4, num_stages=2, min_split_tokens=16,
+                          keys_first=keys_first)  # fmt: skip
     runs = [("one stretch", dict(config=tile, num_splits=1)),
             ("three stretches", dict(config=tile, num_splits=3))]  # fmt: skip
-    if dim == 32:  # the default tile: one step covers every context here
+    if dim == 32 and not keys_first:  # the default tile: one step covers every context here
         runs.append(("launcher's choice", {}))
     for label, kw in runs:
         out = scene.launch(**kw)
@@ -315,6 +318,22 @@ def test_qwen3_shapes_on_gpu(fmt, batch):
     assert_within(scene.launch(), scene, f"{fmt}, batch {batch}")
     if batch == 7:
         assert_within(scene.launch(num_splits=1), scene, f"{fmt}, batch 7, one stretch")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16 pages", "nvfp4"])
+@pytest.mark.parametrize("batch", [1, 7, 64])
+@pytest.mark.parametrize("tile", ["64:4:3", "128:8:3", "64:8:3"])
+def test_keys_first_at_qwen3_shapes_on_gpu(fmt, batch, tile):
+    block_n, warps, stages = (int(v) for v in tile.split(":"))
+    config = DecodeTile(block_n, warps, stages, keys_first=True)
+    scene = Scene(fmt, ragged(batch, batch), heads=QWEN3_HEADS, dim=QWEN3_D, page=QWEN3_PAGE,
+                  seed=batch, device="cuda", q_dtype=torch.bfloat16, scale=2.0)  # fmt: skip
+    assert_within(scene.launch(config=config), scene, f"{fmt}, batch {batch}, {tile} keys first")
+    assert_within(scene.launch(config=config, num_splits=1), scene, f"{fmt}, one stretch")
+    fp32 = Scene(fmt, ragged(batch, batch), heads=QWEN3_HEADS, dim=QWEN3_D, page=QWEN3_PAGE,
+                 seed=batch, device="cuda", q_dtype=torch.float32)  # fmt: skip
+    assert_within(fp32.launch(config=config), fp32, f"{fmt}, FP32 queries, {tile} keys first")
 
 
 @pytest.mark.gpu
