@@ -63,6 +63,24 @@ def quantize_into(x_TKD: torch.Tensor, pages: NVFP4Tensor, slots_T: torch.Tensor
     impl.quantize_into(x_TKD, pages, slots_T)
 
 
+def quantize_into_pair(
+    k_TKD: torch.Tensor,
+    k_pages: NVFP4Tensor,
+    v_TKD: torch.Tensor,
+    v_pages: NVFP4Tensor,
+    slots_T: torch.Tensor,
+) -> None:
+    """`quantize_into` of ``k_TKD`` into ``k_pages`` and of ``v_TKD`` (k's shape and dtype) into
+    ``v_pages`` at the same ``slots_T``: a layer's new K and V rows, on the GPU in one launch
+    with the two calls' bits."""
+    impl = _kernels(k_TKD)
+    if impl is None:
+        reference.quantize_into(k_TKD, k_pages, slots_T)
+        reference.quantize_into(v_TKD, v_pages, slots_T)
+    else:
+        impl.quantize_into_pair(k_TKD, k_pages, v_TKD, v_pages, slots_T)
+
+
 def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     impl = _kernels(t.codes) or reference
     return impl.dequantize(t, dtype)

@@ -39,6 +39,7 @@ __all__ = [
     "project_rows",
     "quantize",
     "quantize_into",
+    "quantize_into_pair",
     "round_guided_compact",
     "rms_norm_rows",
     "rope_rows",
@@ -59,6 +60,17 @@ def quantize(
 def quantize_into(x_TKD: torch.Tensor, pages: NVFP4Tensor, slots_T: torch.Tensor) -> None:
     """`reference.quantize_into`: per-row quantization stored straight into paged rows."""
     nearest.launch_into(x_TKD, pages, slots_T)
+
+
+def quantize_into_pair(
+    k_TKD: torch.Tensor,
+    k_pages: NVFP4Tensor,
+    v_TKD: torch.Tensor,
+    v_pages: NVFP4Tensor,
+    slots_T: torch.Tensor,
+) -> None:
+    """`quantize_into` of K and of V at the same slots, in one launch."""
+    nearest.launch_into_pair(k_TKD, k_pages, v_TKD, v_pages, slots_T)
 
 
 def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -14,7 +14,9 @@ One kernel; SCALE_SOURCE says where each row's FP32 global scale comes from:
 
 With SCATTER (per-row scaling only) row ``r`` of x is stored as row ``slots[r // heads] * heads
 + r % heads`` of the outputs: x ``[T, heads, K]`` quantized straight into a paged KV cache's
-NVFP4 pages at the tokens' slots (`launch_into`), with the bits of `launch`.
+NVFP4 pages at the tokens' slots (`launch_into`), with the bits of `launch`. With PAIRED, grid
+axis 1 picks one of two such (x, pages) sets at the same slots: a layer's K and V in one launch
+(`launch_into_pair`).
 
 With FAKE the kernel stores ``dequantize(quantize(x))`` in x's dtype instead of codes, block
 scales and global scales: the trainer's forward needs only those values.
@@ -56,6 +58,10 @@ def _quantize_kernel(
     scale_in_G,
     global_scale_G,
     slots_T,
+    x2_RK,
+    codes2_RK8,
+    block_scale2_RKB,
+    global_scale2_G,
     R,
     K,
     rows_per_group,
@@ -64,11 +70,20 @@ def _quantize_kernel(
     SCALE_SOURCE: tl.constexpr,
     FAKE: tl.constexpr,
     SCATTER: tl.constexpr,
+    PAIRED: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     ONE_CHUNK: tl.constexpr,
 ):
+    # Grid axis 1 picks the tensor: 0 the first (x_RK ...), 1 the second (x2_RK ...). The outer
+    # test is resolved at compile time: unpaired launches carry no branch.
+    if PAIRED:  # noqa: SIM102
+        if tl.program_id(1) == 1:
+            x_RK = x2_RK
+            codes_RK8 = codes2_RK8
+            block_scale_RKB = block_scale2_RKB
+            global_scale_G = global_scale2_G
     rows_R, row_ok_R = program_rows(R, BLOCK_R)
     group_R = rows_R // rows_per_group
     out_R = rows_R  # where the row's codes, block scales and (per-row) global scale go
@@ -161,9 +176,10 @@ def launch(
         one_chunk = source == "row_amax" and k <= meta["BLOCK_K"]
         with device_of(x):
             _quantize_kernel[grid](
-                pair_view(x_RK), codes_words, block_scale, fake_RK, scale_in, s, x_RK, num_rows,
-                k, group_rows, 1, 1,
-                SCALE_SOURCE=source, FAKE=fake, SCATTER=False, ONE_CHUNK=one_chunk, **meta,
+                pair_view(x_RK), codes_words, block_scale, fake_RK, scale_in, s, x_RK,
+                pair_view(x_RK), codes_words, block_scale, s, num_rows, k, group_rows, 1, 1,
+                SCALE_SOURCE=source, FAKE=fake, SCATTER=False, PAIRED=False, ONE_CHUNK=one_chunk,
+                **meta,
             )  # fmt: skip
     if fake:
         return fake_RK.view(x.shape)
@@ -178,39 +194,81 @@ def launch_into(x_TKD: torch.Tensor, pages: NVFP4Tensor, slots_T: torch.Tensor) 
     like: slot ``n * P + p``), bitwise what `launch` returns, in one launch: no quantized copy of
     x is made. ``slots_T`` (int64, distinct, any stride: a view of the engine's staged rows)
     must lie within the pages; that is not checked (it would need a device sync)."""
-    check_x(x_TKD)
+    _check_rows(x_TKD, pages, "x_TKD", "pages")
+    _check_slots(slots_T, x_TKD)
+    _scatter_rows(x_TKD, pages, x_TKD, pages, slots_T, paired=False)
+
+
+def launch_into_pair(
+    k_TKD: torch.Tensor,
+    k_pages: NVFP4Tensor,
+    v_TKD: torch.Tensor,
+    v_pages: NVFP4Tensor,
+    slots_T: torch.Tensor,
+) -> None:
+    """`launch_into` of ``k_TKD`` into ``k_pages`` and of ``v_TKD`` (k's shape and dtype) into
+    ``v_pages`` at the same ``slots_T``, in ONE launch: grid axis 1 picks K (0) or V (1), every
+    bit what the two `launch_into` calls store. Errors name the k or v value at fault."""
+    _check_rows(k_TKD, k_pages, "k_TKD", "k_pages")
+    _check_rows(v_TKD, v_pages, "v_TKD", "v_pages")
+    if v_TKD.shape != k_TKD.shape or v_TKD.dtype != k_TKD.dtype:
+        raise ValueError(
+            f"v_TKD must have k_TKD's shape {tuple(k_TKD.shape)} and dtype {k_TKD.dtype}; got "
+            f"{tuple(v_TKD.shape)} {v_TKD.dtype}"
+        )
+    _check_slots(slots_T, k_TKD)
+    _scatter_rows(k_TKD, k_pages, v_TKD, v_pages, slots_T, paired=True)
+
+
+def _check_rows(x_TKD: torch.Tensor, pages: NVFP4Tensor, x_name: str, pages_name: str) -> None:
+    """What `launch_into` needs of x ``[T, heads, K]`` and its pages; errors use the names."""
+    try:
+        check_x(x_TKD)
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"{x_name}: {err}") from err
     if x_TKD.dim() != 3:
-        raise ValueError(f"x_TKD must be [T, heads, K]; got shape {tuple(x_TKD.shape)}")
-    T, heads, k = x_TKD.shape
+        raise ValueError(f"{x_name} must be [T, heads, K]; got shape {tuple(x_TKD.shape)}")
+    _, heads, k = x_TKD.shape
     lead = tuple(pages.codes.shape[:-1])
     if len(lead) != 3 or tuple(pages.shape[2:]) != (heads, k):
         raise ValueError(
-            f"pages must be [N, P, heads, K] = [N, P, {heads}, {k}] for x_TKD of shape "
+            f"{pages_name} must be [N, P, heads, K] = [N, P, {heads}, {k}] for {x_name} of shape "
             f"{tuple(x_TKD.shape)}; got {tuple(pages.shape)}"
         )
     if pages.global_scale.shape != (*lead, 1):
         raise ValueError(
-            f"pages.global_scale must hold one scale per row, shape {(*lead, 1)}; got "
+            f"{pages_name}.global_scale must hold one scale per row, shape {(*lead, 1)}; got "
             f"{tuple(pages.global_scale.shape)}"
         )
     for name, t in (("codes", pages.codes), ("block_scale", pages.block_scale),
                     ("global_scale", pages.global_scale)):  # fmt: skip
-        check_device(name, t, x_TKD.device)
-        check_contiguous(name, t)
+        check_device(f"{pages_name}.{name}", t, x_TKD.device)
+        check_contiguous(f"{pages_name}.{name}", t)
+
+
+def _check_slots(slots_T: torch.Tensor, x_TKD: torch.Tensor) -> None:
+    T = x_TKD.shape[0]
     check_device("slots_T", slots_T, x_TKD.device)
     if slots_T.dtype != torch.int64 or tuple(slots_T.shape) != (T,):
         raise ValueError(
             f"slots_T must be int64 of shape ({T},); got {slots_T.dtype} of shape "
             f"{tuple(slots_T.shape)}"
         )
+
+
+def _scatter_rows(x_TKD, pages, x2_TKD, pages2, slots_T, *, paired: bool) -> None:
+    """The checked launch: x's rows (and, ``paired``, x2's: grid axis 1) into their pages."""
+    T, heads, k = x_TKD.shape
     if T == 0:
         return
-    x_RK = x_TKD.view(-1, k)
-    grid, meta = _default_config("row_amax", k, False).launch(x_RK.shape[0], k)
+    x_RK, x2_RK = x_TKD.view(-1, k), x2_TKD.view(-1, k)
+    (programs,), meta = _default_config("row_amax", k, False).launch(x_RK.shape[0], k)
+    grid = (programs, 2 if paired else 1)
     with device_of(x_TKD):
         _quantize_kernel[grid](
             pair_view(x_RK), word_view(pages.codes), pages.block_scale.view(torch.uint8), x_RK,
-            x_RK, pages.global_scale, slots_T, x_RK.shape[0], k, 1, heads, slots_T.stride(0),
-            SCALE_SOURCE="row_amax", FAKE=False, SCATTER=True, ONE_CHUNK=k <= meta["BLOCK_K"],
-            **meta,
+            x_RK, pages.global_scale, slots_T, pair_view(x2_RK), word_view(pages2.codes),
+            pages2.block_scale.view(torch.uint8), pages2.global_scale, x_RK.shape[0], k, 1,
+            heads, slots_T.stride(0), SCALE_SOURCE="row_amax", FAKE=False, SCATTER=True,
+            PAIRED=paired, ONE_CHUNK=k <= meta["BLOCK_K"], **meta,
         )  # fmt: skip

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fp4rl import ops
 from fp4rl.fp4 import NVFP4Tensor
 from fp4rl.model.layers import RMSNorm, RopeTables, normed_rope, project
 from fp4rl.model.sites import Capture, Fp4Site
@@ -66,9 +67,19 @@ class Nvfp4KV:
         )
 
     def store(self, kv: NewKV, cache, layer: int, slots_T: torch.Tensor) -> None:
-        """`packed()`'s entries, each site storing its own into the cache's pages (straight
-        from the K/V values where nothing records them: `Fp4Site.store`)."""
+        """`packed()`'s entries stored into the cache's pages. Where neither site follows
+        guidance nor is recorded (`Fp4Site.follows_nothing`) both are quantized straight from
+        the K/V values in one op (`ops.quantize_into_pair`: one launch on the GPU); otherwise
+        each site stores its own (`Fp4Site.store`). The pages get the same bits either way."""
         k_pages, v_pages = cache.nvfp4_pages(layer)
+        sites = (self.k_site, self.v_site)
+        if all(site.follows_nothing(kv.guidance, kv.capture) for site in sites):
+            k_TKD, v_TKD = kv.k_TKD.detach(), kv.v_TKD.detach()
+            try:
+                ops.quantize_into_pair(k_TKD, k_pages, v_TKD, v_pages, slots_T)
+            except ValueError as err:
+                raise ValueError(f"layers.{self.k_site.layer} K/V sites: {err}") from err
+            return
         self.k_site.store(kv.k_TKD, k_pages, slots_T, kv.guidance, kv.capture)
         self.v_site.store(kv.v_TKD, v_pages, slots_T, kv.guidance, kv.capture)
 

@@ -189,6 +189,104 @@ def test_quantize_into_checks_name_the_values(device):
         )
 
 
+def random_pages(num_blocks: int, page: int, heads: int, k: int, device, seed: int):
+    """Pages ``[num_blocks, page, heads, k]`` of random bytes, scales included: a slot written
+    by mistake, or left unwritten, shows."""
+    g = torch.Generator().manual_seed(seed)
+    lead = (num_blocks, page, heads)
+
+    def noise(*shape):
+        return torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
+
+    return R.NVFP4Tensor(
+        codes=noise(*lead, k // 2).to(device),
+        block_scale=noise(*lead, k // 16).view(torch.float8_e4m3fn).to(device),
+        global_scale=noise(*lead, 4).view(torch.float32).to(device),
+    )
+
+
+def clone_pages(pages: "R.NVFP4Tensor") -> "R.NVFP4Tensor":
+    return pages.map(torch.clone)
+
+
+def check_pair_into(k, v, slots, k_pages, v_pages, what: str) -> None:
+    """One paired launch stores, in pages of random bytes, what two single launches store and
+    what the reference stores: K's rows into K's pages, V's into V's, nothing else touched."""
+    want = [clone_pages(p).map(lambda m: m.cpu()) for p in (k_pages, v_pages)]
+    R.put_rows(want[0], slots.cpu(), R.quantize(k.cpu(), scaling="row"))
+    R.put_rows(want[1], slots.cpu(), R.quantize(v.cpu(), scaling="row"))
+    single = [clone_pages(p) for p in (k_pages, v_pages)]
+    kernels.quantize_into(k, single[0], slots)
+    kernels.quantize_into(v, single[1], slots)
+    kernels.quantize_into_pair(k, k_pages, v, v_pages, slots)
+    for name, got, one, spec in zip("kv", (k_pages, v_pages), single, want, strict=True):
+        assert_nvfp4_equal(cpu(got), cpu(one), f"{what} {name}: pair vs two launches")
+        assert_nvfp4_equal(cpu(got), spec, f"{what} {name}: pair vs reference")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("tokens", "heads", "k"), [(1, 4, 64), (5, 2, 32), (9, 3, 64)])
+def test_quantize_into_pair_is_two_quantize_into(device, dtype, tokens, heads, k):
+    """K and V in one launch (grid axis 1 picks the tensor) store the bits of two launches,
+    special rows included, at slots out of order given as a strided view."""
+    k_TKD = randn((tokens, heads, k), dtype, device, seed=tokens + k)
+    v_TKD = randn((tokens, heads, k), dtype, device, seed=tokens + k + 1, spread=0.5)
+    g = torch.Generator().manual_seed(k)
+    v_TKD[0, -1] = poisoned_rows(k, dtype, g)[1].to(device)  # -NaN: V's row group poisoned
+    if tokens > 1:
+        k_TKD[1] = 0.0
+        v_TKD[-1, 0] = -0.0
+    slots = torch.randperm(4 * (2 * tokens + 2), generator=g)[:tokens]
+    slots = torch.stack([slots, -slots], dim=1).to(device)[:, 0]
+    assert slots.stride(0) == 2
+    pages = [random_pages(2 * tokens + 2, 4, heads, k, device, seed=s) for s in (1, 2)]
+    check_pair_into(k_TKD, v_TKD, slots, *pages, f"{dtype} {tuple(k_TKD.shape)}")
+
+
+def test_quantize_into_pair_checks_name_k_or_v(device):
+    k = randn((3, 2, 32), torch.bfloat16, device, seed=0)
+    v = randn((3, 2, 32), torch.bfloat16, device, seed=1)
+    k_pages, v_pages = (random_pages(4, 4, 2, 32, device, seed=s) for s in (0, 1))
+    slots = torch.tensor([5, 0, 9], device=device)
+    wide = random_pages(4, 4, 4, 32, device, seed=2)
+    with pytest.raises(
+        ValueError, match=r"v_pages must be \[N, P, heads, K\] = \[N, P, 2, 32\] for v"
+    ):
+        kernels.quantize_into_pair(k, k_pages, v, wide, slots)
+    with pytest.raises(ValueError, match=r"k_pages must be \[N, P, heads, K\]"):
+        kernels.quantize_into_pair(k, wide, v, v_pages, slots)
+    with pytest.raises(ValueError, match=r"k_TKD must be \[T, heads, K\]; got shape \(6, 32\)"):
+        kernels.quantize_into_pair(k.view(6, 32), k_pages, v, v_pages, slots)
+    v_strided = v.transpose(0, 1).contiguous().transpose(0, 1)
+    with pytest.raises(ValueError, match=r"v_TKD: x must be contiguous"):
+        kernels.quantize_into_pair(k, k_pages, v_strided, v_pages, slots)
+    with pytest.raises(TypeError, match=r"v_TKD: NVFP4 quantization takes .* got torch.int32"):
+        kernels.quantize_into_pair(k, k_pages, v.to(torch.int32), v_pages, slots)
+    other_dtype = r"v_TKD must have k_TKD's shape \(3, 2, 32\) and dtype torch.bfloat16; got "
+    with pytest.raises(ValueError, match=other_dtype + r"\(3, 2, 32\) torch.float16"):
+        kernels.quantize_into_pair(k, k_pages, v.half(), v_pages, slots)
+    with pytest.raises(ValueError, match=r"v_TKD must have k_TKD's shape \(3, 2, 32\)"):
+        kernels.quantize_into_pair(k, k_pages, v[:2], v_pages, slots)
+    bad_scale = dataclasses.replace(k_pages, global_scale=torch.ones(1, 1, 1, 1, device=device))
+    with pytest.raises(ValueError, match="k_pages.global_scale must hold one scale per row"):
+        kernels.quantize_into_pair(k, bad_scale, v, v_pages, slots)
+    strided = dataclasses.replace(v_pages, codes=v_pages.codes.transpose(0, 1))
+    with pytest.raises(ValueError, match=r"v_pages.codes must be contiguous"):
+        kernels.quantize_into_pair(k, k_pages, v, strided, slots)
+    with pytest.raises(ValueError, match=r"slots_T must be int64 of shape \(3,\); got torch.int32"):
+        kernels.quantize_into_pair(k, k_pages, v, v_pages, slots.to(torch.int32))
+    if device == "cuda":
+        with pytest.raises(ValueError, match="v_pages.block_scale must be on cuda"):
+            cpu_scales = dataclasses.replace(v_pages, block_scale=v_pages.block_scale.cpu())
+            kernels.quantize_into_pair(k, k_pages, v, cpu_scales, slots)
+    # No rows: nothing stored, nothing launched.
+    before = [clone_pages(p) for p in (k_pages, v_pages)]
+    empty = slots[:0]
+    kernels.quantize_into_pair(k[:0], k_pages, v[:0], v_pages, empty)
+    for got, want in zip((k_pages, v_pages), before, strict=True):
+        assert_nvfp4_equal(cpu(got), cpu(want), "no rows")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_caller_given_global_scales(device, dtype):
     x = randn((2, 6, 32), dtype, device, seed=3)
@@ -272,3 +370,14 @@ def test_bad_inputs_name_the_offending_value(device, monkeypatch):
 )
 def test_large_shapes_on_gpu(shape, scaling):
     check_quantize(randn(shape, torch.bfloat16, "cuda", seed=5), scaling)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_quantize_into_pair_at_model_shapes_on_gpu(tokens):
+    """Qwen3-30B-A3B's KV rows (4 kv heads, head dim 128) into 16-token pages."""
+    k = randn((tokens, 4, 128), torch.bfloat16, "cuda", seed=tokens)
+    v = randn((tokens, 4, 128), torch.bfloat16, "cuda", seed=tokens + 1)
+    slots = torch.randperm(64 * 16, generator=torch.Generator().manual_seed(tokens))[:tokens]
+    pages = [random_pages(64, 16, 4, 128, "cuda", seed=s) for s in (1, 2)]
+    check_pair_into(k, v, slots.cuda(), *pages, f"bf16 {tuple(k.shape)}")

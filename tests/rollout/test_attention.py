@@ -144,8 +144,9 @@ class _Keeps(SiteRecords):
 @pytest.mark.parametrize("capture", [None, _Keeps()], ids=["unrecorded", "k recorded"])
 def test_nvfp4_sites_store_the_bits_of_quantize_then_write(monkeypatch, capture):
     """An NVFP4 layer's K/V sites store into the pages what writing their quantized entries
-    stores; a site whose record nobody keeps quantizes straight into the pages, a recorded one
-    is recorded first."""
+    stores; sites whose records nobody keeps quantize straight into the pages (K and V in one
+    call), a recorded one is recorded first."""
+    from fp4rl import ops
     from fp4rl.model import sites
 
     g = torch.Generator().manual_seed(3)
@@ -153,18 +154,23 @@ def test_nvfp4_sites_store_the_bits_of_quantize_then_write(monkeypatch, capture)
     caches = [KVCache(spec, num_blocks=8, block_size=BLOCK, device="cpu") for _ in range(2)]
     k, v = (torch.randn(6, HKV, D, generator=g).to(torch.bfloat16) for _ in range(2))
     slots = torch.randperm(8 * BLOCK, generator=g)[:6]
-    direct = []
+    direct, paired = [], []
     monkeypatch.setattr(
         sites, "quantize_into", lambda x, *a: direct.append(x) or quantize_into(x, *a)
+    )
+    pair = ops.quantize_into_pair
+    monkeypatch.setattr(
+        ops, "quantize_into_pair", lambda kx, *a: paired.append((kx, a[1])) or pair(kx, *a)
     )
     NewKV(k, v, Nvfp4KV(0, SITES), capture=capture).store(caches[0], 0, slots)
     caches[1].write(0, slots, quantize(k, scaling="row"), quantize(v, scaling="row"))
     for got, want in zip(caches[0].layers[0].tensors(), caches[1].layers[0].tensors(), strict=True):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
-    if capture is None:
-        assert len(direct) == 2 and torch.equal(direct[0], k) and torch.equal(direct[1], v)
+    if capture is None:  # both straight into the pages, in one call
+        assert direct == [] and len(paired) == 1
+        assert torch.equal(paired[0][0], k) and torch.equal(paired[0][1], v)
     else:
-        assert len(direct) == 1 and torch.equal(direct[0], v)
+        assert paired == [] and len(direct) == 1 and torch.equal(direct[0], v)
         assert list(capture.sites) == [(0, "k")] and capture.sites[(0, "k")].equal(
             quantize(k, scaling="row")
         )
