@@ -16,7 +16,9 @@ arithmetic but for the order of one FP32 sum per output, and `route` (the router
 routing: FP32 logits, softmax, top-k, in two launches), the eager arithmetic but for the order
 of its FP32 sums, so that near-tied experts may be picked the other way (docs/numerics.md,
 "What is bitwise"); `norm_rope` composes the RMSNorm and RoPE kernels in one launch, with their
-bits. `quantize_into` stores a per-row quantization straight into a paged cache's rows.
+bits; `add_rms_norm` so composes the residual add and the RMSNorm kernel after it.
+`quantize_into` stores a per-row quantization straight into a paged cache's rows
+(`quantize_into_pair`: a layer's K and V in one launch).
 `project` multiplies a decode step's few rows by up to three weights of one input (q, k and v)
 in one launch, batch-invariant (None where the kernel does not run: the caller uses cuBLAS).
 """
@@ -185,6 +187,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     if kernels is None or weight.dtype != x.dtype or x.dtype not in kernels.rms_norm.DTYPES:
         return None
     return kernels.rms_norm_rows(x.contiguous(), weight.contiguous(), eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(s, rms_norm(s, weight, eps))`` with ``s = x + delta``: the residual add and the
+    RMSNorm after it in one kernel on the GPU (`fp4rl.kernels.rms_norm.launch_add`: s rounded
+    as torch's add rounds it, and the RMSNorm kernel's bits of that s), for x, delta and
+    weight of one float dtype and delta of x's shape; None elsewhere, where the caller adds,
+    then runs `rms_norm`."""
+    kernels = _kernels(x)
+    if (
+        kernels is None
+        or x.dtype not in kernels.rms_norm.DTYPES
+        or delta.dtype != x.dtype
+        or weight.dtype != x.dtype
+        or delta.shape != x.shape
+    ):
+        return None
+    return kernels.add_rms_norm_rows(x.contiguous(), delta.contiguous(), weight.contiguous(), eps)
 
 
 def apply_rope(

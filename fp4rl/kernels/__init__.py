@@ -30,6 +30,7 @@ from fp4rl.kernels import (
 )
 
 __all__ = [
+    "add_rms_norm_rows",
     "combine_rows",
     "dequantize",
     "fake_quantize",
@@ -132,6 +133,13 @@ def paged_decode_attention(q_BHD, k, v, block_table_BN, context_B) -> torch.Tens
 def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`fp4rl.model.layers.eager_rms_norm` up to its FP32 sum's order: one program per row."""
     return rms_norm.launch(x, weight, eps)
+
+
+def add_rms_norm_rows(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x + delta, rms_norm_rows(x + delta, weight, eps))``, bit for bit, in one launch."""
+    return rms_norm.launch_add(x, delta, weight, eps)
 
 
 def norm_rope_rows(

@@ -23,7 +23,8 @@ from fp4rl import ops
 class RMSNorm(nn.Module):
     """On the GPU one kernel per call (`fp4rl.ops.rms_norm`; its FP32 sum of squares in a fixed
     order, so a row's result does not depend on the batch), gradients from the eager
-    formulation; elsewhere the eager formulation (`eager_rms_norm`)."""
+    formulation; elsewhere the eager formulation (`eager_rms_norm`). `sum_and_norm` takes the
+    residual add before the norm into the same launch."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -37,6 +38,23 @@ class RMSNorm(nn.Module):
             return eager_rms_norm(x, self.weight, self.eps)
         y = ops.rms_norm(x, self.weight, self.eps)
         return eager_rms_norm(x, self.weight, self.eps) if y is None else y
+
+    def sum_and_norm(
+        self, x: torch.Tensor, delta: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(s, self(s))`` with ``s = x + delta``: a residual add and the norm after it. On
+        the GPU without autograd one kernel (`fp4rl.ops.add_rms_norm`) gives the bits of the
+        add's and the norm's; with autograd, elsewhere, or with hooks on this module (which
+        then see s and its norm, as from a call) the add, then the call."""
+        wants_grad = torch.is_grad_enabled() and (
+            x.requires_grad or delta.requires_grad or self.weight.requires_grad
+        )
+        if not (wants_grad or self._forward_pre_hooks or self._forward_hooks):
+            out = ops.add_rms_norm(x, delta, self.weight, self.eps)
+            if out is not None:
+                return out
+        s = x + delta
+        return s, self(s)
 
 
 def eager_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

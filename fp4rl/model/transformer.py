@@ -35,16 +35,24 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
 
-    def forward(self, x_TH, backend, *, rope, replay_Tk, guidance, capture, stats):
-        x_TH = x_TH + self.self_attn(self.input_layernorm(x_TH), backend, rope, guidance, capture)
-        h_TH = self.post_attention_layernorm(x_TH)
+    def forward(self, x_TH, pending_TH, backend, *, rope, replay_Tk, guidance, capture, stats):
+        """``(x_TH, pending_TH)`` in, the same out: the residual stream is ``x_TH + pending_TH``
+        (``x_TH`` where pending_TH is None), its last add left to the norm that reads it next
+        (`RMSNorm.sum_and_norm`: on the GPU the add and the norm in one launch). Returns the
+        stream after attention and the MLP's output, pending."""
+        if pending_TH is None:
+            h_TH = self.input_layernorm(x_TH)
+        else:
+            x_TH, h_TH = self.input_layernorm.sum_and_norm(x_TH, pending_TH)
+        attn_TH = self.self_attn(h_TH, backend, rope, guidance, capture)
+        x_TH, h_TH = self.post_attention_layernorm.sum_and_norm(x_TH, attn_TH)
         if isinstance(self.mlp, SparseMoeBlock):
             h_TH = self.mlp(
                 h_TH, replay_Tk=replay_Tk, guidance=guidance, capture=capture, stats=stats
             )
         else:
             h_TH = self.mlp(h_TH)
-        return x_TH + h_TH
+        return x_TH, h_TH
 
 
 class MoETransformer(nn.Module):
@@ -112,9 +120,11 @@ class MoETransformer(nn.Module):
         # One set of RoPE tables for every layer: they depend on the positions alone.
         c = self.config
         rope = RopeTables(attn.positions, c.head_dim, c.rope_theta, x_TH.dtype)
+        pending_TH = None  # each layer's MLP output, added by the next norm
         for layer in self.layers:
-            x_TH = layer(
+            x_TH, pending_TH = layer(
                 x_TH,
+                pending_TH,
                 attn,
                 rope=rope,
                 replay_Tk=replay.get(layer.layer),
@@ -122,7 +132,9 @@ class MoETransformer(nn.Module):
                 capture=capture,
                 stats=stats,
             )
-        return self.norm(x_TH)
+        if pending_TH is None:
+            return self.norm(x_TH)
+        return self.norm.sum_and_norm(x_TH, pending_TH)[1]
 
     def logits(self, h_NH: torch.Tensor) -> torch.Tensor:
         """FP32 logits ``[N, V]`` of the given rows."""

@@ -3,10 +3,11 @@
 The previous formulations are written out here as the references: RMSNorm with its cast after
 the multiply, RoPE tables computed by every layer and applied with a negation, the router's
 weights cast after their normalization, the paged attention's gather and scatter of decode
-rows, the stable argsort of the MoE dispatch. Each new one is held to its reference bitwise
-on many random inputs (special values included), outputs and gradients, and the whole model
--- the engine's generation with its records, the trainer's logprobs and gradients under its
-three attention backends -- is held to the model running the references.
+rows, the stable argsort of the MoE dispatch, each residual add on its own before the norm
+that reads it (now inside that norm, one kernel with it on the GPU). Each new one is held to
+its reference bitwise on many random inputs (special values included), outputs and gradients,
+and the whole model -- the engine's generation with its records, the trainer's logprobs and
+gradients under its three attention backends -- is held to the model running the references.
 """
 
 import dataclasses
@@ -27,9 +28,11 @@ from fp4rl.model.attention import (
     Nvfp4KV,
     attend_fp32,
 )
+from fp4rl.model.inputs import check_inputs
 from fp4rl.model.layers import RMSNorm, RopeTables, apply_rope, op_to, rope_cos_sin
 from fp4rl.model.moe import SparseMoeBlock
 from fp4rl.model.precision import PrecisionConfig
+from fp4rl.model.transformer import MoETransformer
 from fp4rl.records import collate
 from fp4rl.rollout import Engine, SamplingParams
 from fp4rl.rollout.attention import AttentionMetadata, PagedAttention, Segment
@@ -159,11 +162,46 @@ def reference_experts_forward(
     return experts.combine(y_AH, row_order_Tk, topk_weights_Tk)
 
 
+def reference_decoder_layer(self, x_TH, backend, *, rope, replay_Tk, guidance, capture, stats):
+    """Each residual add on its own, before the norm that reads it."""
+    x_TH = x_TH + self.self_attn(self.input_layernorm(x_TH), backend, rope, guidance, capture)
+    h_TH = self.post_attention_layernorm(x_TH)
+    if isinstance(self.mlp, SparseMoeBlock):
+        h_TH = self.mlp(h_TH, replay_Tk=replay_Tk, guidance=guidance, capture=capture, stats=stats)
+    else:
+        h_TH = self.mlp(h_TH)
+    return x_TH + h_TH
+
+
+def reference_hidden_states(
+    self, tokens_T, attn, *, routing=None, guidance=None, capture=None, stats=None
+):
+    """The layers in a loop, each adding its MLP output to the residual stream itself."""
+    check_inputs(self, tokens_T, attn, routing, guidance)
+    replay = dict(zip(self.moe_layers, routing, strict=True)) if routing is not None else {}
+    x_TH = self.embed_tokens(tokens_T)
+    c = self.config
+    rope = RopeTables(attn.positions, c.head_dim, c.rope_theta, x_TH.dtype)
+    for layer in self.layers:
+        x_TH = reference_decoder_layer(
+            layer,
+            x_TH,
+            attn,
+            rope=rope,
+            replay_Tk=replay.get(layer.layer),
+            guidance=guidance,
+            capture=capture,
+            stats=stats,
+        )
+    return self.norm(x_TH)
+
+
 @pytest.fixture
 def references(monkeypatch):
     """Run the model with the previous formulations while the fixture is active."""
 
     def use():
+        monkeypatch.setattr(MoETransformer, "hidden_states", reference_hidden_states)
         monkeypatch.setattr(RMSNorm, "forward", reference_rmsnorm)
         monkeypatch.setattr(Attention, "forward", reference_attention)
         monkeypatch.setattr(PagedAttention, "attend", reference_paged_attend)
@@ -368,6 +406,34 @@ def test_model_matches_the_previous_formulations(references, dtype, precision, g
     references()
     ref = generate_and_score(qat, precision, guidance)
     assert_bitwise(new, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_residual_adds_inside_the_norms_keep_the_model_bitwise(dtype):
+    """The layers handing their MLP output to the next norm to add (`RMSNorm.sum_and_norm`)
+    give the logits of each layer adding it itself, in inference mode, without gradients and
+    with them (the gradients too), under replayed routing and with none."""
+    model = qat_model(tiny_precision("nvfp4"), dtype=dtype)
+    tokens = torch.tensor([1, 2, 3, 4, 5, 6, 7])
+    c, g = model.config, torch.Generator().manual_seed(4)
+    shape = (len(model.moe_layers), 7, c.num_experts_per_tok)
+    routing = torch.randint(-1, c.num_experts, shape, generator=g)  # -1: no record, live
+    for replay in (None, routing):
+        for mode in (torch.inference_mode, torch.no_grad):
+            with mode():
+                new = model(tokens, CausalAttention([4, 3]), routing=replay)
+                h = reference_hidden_states(model, tokens, CausalAttention([4, 3]), routing=replay)
+                assert_bitwise(new, model.logits(h))
+        outs = []
+        for hidden_states in (MoETransformer.hidden_states, reference_hidden_states):
+            model.zero_grad(set_to_none=True)
+            h = hidden_states(model, tokens, CausalAttention([4, 3]), routing=replay)
+            logits = model.logits(h)
+            logits.logsumexp(-1).sum().backward()
+            grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+            outs.append((logits, grads))
+        assert outs[0][1]  # gradients reached the parameters
+        assert_bitwise(outs[0], outs[1])
 
 
 class Ops(TorchDispatchMode):

@@ -1,6 +1,6 @@
 """Where the model asks `fp4rl.ops` for the engine's decode-glue kernels (the q/k/v projection,
-the q/k norm + RoPE, the router): each kernel answers None here, as off the GPU, so the eager
-formulations run and only the asking is counted."""
+the q/k norm + RoPE, the router, the residual add + RMSNorm): each kernel answers None here, as
+off the GPU, so the eager formulations run and only the asking is counted."""
 
 import pytest
 import torch
@@ -15,7 +15,7 @@ from fp4rl.model.precision import PrecisionConfig
 def glue_calls(monkeypatch):
     """Records which of the decode-glue kernels `fp4rl.ops` is asked for (each answers None, as
     off the GPU, so the eager formulation runs): name -> number of calls."""
-    calls = {"project": 0, "norm_rope": 0, "route": 0}
+    calls = {"project": 0, "norm_rope": 0, "route": 0, "add_rms_norm": 0}
 
     def asked(name):
         def record(*args, **kwargs):
@@ -31,23 +31,25 @@ def glue_calls(monkeypatch):
 
 def test_decode_glue_kernels_are_asked_for_where_they_belong(glue_calls):
     """In inference mode (the engine's steps) each layer asks for one q/k/v projection launch
-    and two q/k norm + RoPE launches, and each MoE layer for the router kernels. Without
-    autograd but outside inference mode (the trainer's observation) only the norm + RoPE
-    kernel, which has the two kernels' bits; under autograd none; under replayed routing not
-    the router's."""
+    and two q/k norm + RoPE launches, and each MoE layer for the router kernels; the residual
+    adds are asked for inside the norms after them: two per layer, the first layer's input
+    norm having none before it and the final norm one. Without autograd but outside inference
+    mode (the trainer's observation) only the norm + RoPE and add + norm kernels, which have
+    the bits of the kernels they replace; under autograd none; under replayed routing not the
+    router's."""
     model = qat_model(PrecisionConfig(experts="bf16"), dtype=torch.bfloat16)
     tokens, L = torch.tensor([1, 2, 3, 4, 5, 6]), len(model.layers)
     moe = len(model.moe_layers)
     assert moe > 0
     with torch.inference_mode():
         model.hidden_states(tokens, CausalAttention([4, 2]))
-    assert glue_calls == {"project": L, "norm_rope": 2 * L, "route": moe}
+    assert glue_calls == {"project": L, "norm_rope": 2 * L, "route": moe, "add_rms_norm": 2 * L}
     with torch.no_grad():
         model.hidden_states(tokens, CausalAttention([4, 2]))
-    assert glue_calls == {"project": L, "norm_rope": 4 * L, "route": moe}
+    assert glue_calls == {"project": L, "norm_rope": 4 * L, "route": moe, "add_rms_norm": 4 * L}
     model.hidden_states(tokens, CausalAttention([4, 2]))  # parameters want gradients
-    assert glue_calls == {"project": L, "norm_rope": 4 * L, "route": moe}
+    assert glue_calls == {"project": L, "norm_rope": 4 * L, "route": moe, "add_rms_norm": 4 * L}
     routing = torch.zeros(moe, 6, model.config.num_experts_per_tok, dtype=torch.int32)
     with torch.inference_mode():
         model.hidden_states(tokens, CausalAttention([4, 2]), routing=routing)
-    assert glue_calls == {"project": 2 * L, "norm_rope": 6 * L, "route": moe}
+    assert glue_calls == {"project": 2 * L, "norm_rope": 6 * L, "route": moe, "add_rms_norm": 6 * L}
