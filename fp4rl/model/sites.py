@@ -102,7 +102,9 @@ class Fp4Site:
         if g is not None and row_order is not None:
             with self._named():
                 g = _rows(g, torch.argsort(row_order.flatten()))
-        if capture is None:  # the trainer's path: values only, one fused kernel on the GPU
+        if capture is None or self.follows_nothing(guidance, capture):
+            # Values only (the trainer; a rollout whose capture keeps nothing of this site): one
+            # fused kernel on the GPU, the bits of quantize then dequantize.
             with self._named():
                 return fake_quantize(x, scaling="row", guidance=g)
         t = self._quantize(x, g, capture, row_order)
