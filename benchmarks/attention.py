@@ -44,7 +44,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--tiles",
         default="64:4:3,64:8:2,128:8:2",
-        help="other kernel tiles BLOCK_N:WARPS:STAGES[:k] (k: keys first), swept at --sweep-shapes",
+        help="other kernel tiles BLOCK_N:WARPS:STAGES[:k][@S] (k: keys first; S context "
+        "stretches, else the launcher's split), swept at --sweep-shapes",
     )
     parser.add_argument(
         "--sweep-shapes",
@@ -84,7 +85,7 @@ def main() -> None:
     else:
         heads, dim, page = (4, 2), 32, 16
         batches, contexts, sweep_shapes = [1, 2], [32, 128], {(1, 128)}
-        tiles = [DecodeTile(32, 4, 2, min_split_tokens=16)]
+        tiles = [(DecodeTile(32, 4, 2, min_split_tokens=16), None)]
         warmup, repeats, min_bytes = 1, 1, 0
     torch.manual_seed(0)
     copy_gbs = copy_bandwidth(device)
@@ -233,8 +234,9 @@ class Bench:
                 us = self.us(self.kernel(fmt, num_splits=n), warmup, repeats)
                 by_splits.append(f"{actual}: {us:.1f}")
         by_tile = [
-            f"{tile_label(x)}: {self.us(self.kernel(fmt, config=x), warmup, repeats):.1f}"
-            for x in tiles
+            f"{tile_label(x, n)}: "
+            f"{self.us(self.kernel(fmt, config=x, num_splits=n), warmup, repeats):.1f}"
+            for x, n in tiles
         ]
         auto_us = self.us(self.kernel(fmt), warmup, repeats)
         return (f"| {self.batch} | {self.context} | {fmt} | {auto_us:.1f} ({auto}) | "
@@ -250,16 +252,19 @@ class Bench:
         return self.inputs[0][1].shape[1] * self.cache.block_size
 
 
-def parse_tile(text: str) -> DecodeTile:
-    """``BLOCK_N:WARPS:STAGES``, with ``:k`` appended for the keys-first orientation."""
+def parse_tile(text: str) -> tuple[DecodeTile, int | None]:
+    """``BLOCK_N:WARPS:STAGES``, with ``:k`` appended for the keys-first orientation and
+    ``@S`` for S context stretches (else the launcher's split): (tile, S or None)."""
+    text, _, splits = text.partition("@")
     fields = text.split(":")
     block_n, warps, stages = (int(v) for v in fields[:3])
-    return DecodeTile(block_n, warps, stages, keys_first="k" in fields[3:])
+    tile = DecodeTile(block_n, warps, stages, keys_first="k" in fields[3:])
+    return tile, int(splits) if splits else None
 
 
-def tile_label(tile: DecodeTile) -> str:
+def tile_label(tile: DecodeTile, splits: int | None = None) -> str:
     label = f"{tile.block_n}:{tile.num_warps}:{tile.num_stages}"
-    return label + (":k" if tile.keys_first else "")
+    return label + (":k" if tile.keys_first else "") + (f"@{splits}" if splits else "")
 
 
 def check(got: torch.Tensor, want: torch.Tensor) -> str:
