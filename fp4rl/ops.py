@@ -16,7 +16,9 @@ arithmetic but for the order of one FP32 sum per output, and `route` (the router
 routing: FP32 logits, softmax, top-k, in two launches), the eager arithmetic but for the order
 of its FP32 sums, so that near-tied experts may be picked the other way (docs/numerics.md,
 "What is bitwise"); `norm_rope` composes the RMSNorm and RoPE kernels in one launch, with their
-bits; `add_rms_norm` so composes the residual add and the RMSNorm kernel after it.
+bits; `add_rms_norm` so composes the residual add and the RMSNorm kernel after it, and
+`add_rms_norm_quantize` those two and the routed experts' input site (`fake_quantize` of the
+norm, per row).
 `quantize_into` stores a per-row quantization straight into a paged cache's rows
 (`quantize_into_pair`: a layer's K and V in one launch).
 `project` multiplies a decode step's few rows by up to three weights of one input (q, k and v)
@@ -207,6 +209,23 @@ def add_rms_norm(
     ):
         return None
     return kernels.add_rms_norm_rows(x.contiguous(), delta.contiguous(), weight.contiguous(), eps)
+
+
+def add_rms_norm_quantize(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``(s, h, h_q)``: `add_rms_norm`'s ``(s, h)`` and ``h_q = fake_quantize(h,
+    scaling="row")`` (round to nearest, one global scale per row; no gradient), bit for bit, in
+    one kernel on the GPU (`fp4rl.kernels.norm_quant`), for x, delta and weight of one float
+    dtype, delta of x's shape and rows of up to 8192 values, a multiple of 16
+    (`norm_quant.supported`); None elsewhere, where the caller runs `add_rms_norm`, then the
+    site."""
+    kernels = _kernels(x)
+    if kernels is None or not kernels.norm_quant.supported(x, delta, weight):
+        return None
+    return kernels.add_rms_norm_quantize_rows(
+        x.contiguous(), delta.contiguous(), weight.contiguous(), eps
+    )
 
 
 def apply_rope(

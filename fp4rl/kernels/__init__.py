@@ -20,6 +20,7 @@ from fp4rl.kernels import (
     moe_combine,
     moe_gemm,
     nearest,
+    norm_quant,
     norm_rope,
     paged_attention,
     rms_norm,
@@ -30,6 +31,7 @@ from fp4rl.kernels import (
 )
 
 __all__ = [
+    "add_rms_norm_quantize_rows",
     "add_rms_norm_rows",
     "combine_rows",
     "dequantize",
@@ -140,6 +142,14 @@ def add_rms_norm_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x + delta, rms_norm_rows(x + delta, weight, eps))``, bit for bit, in one launch."""
     return rms_norm.launch_add(x, delta, weight, eps)
+
+
+def add_rms_norm_quantize_rows(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(s, h, fake_quantize(h, scaling="row"))`` for ``(s, h) = add_rms_norm_rows(x, delta,
+    weight, eps)``, bit for bit, in one launch."""
+    return norm_quant.launch(x, delta, weight, eps)
 
 
 def norm_rope_rows(

@@ -47,6 +47,12 @@ class RoutedExperts(nn.Module):
     def input_site(self, x_TH, guidance, capture):
         return x_TH
 
+    def input_follows_nothing(self, guidance, capture) -> bool:
+        """Whether the input site is an FP4 site that rounds to nearest and whose record nobody
+        keeps, so that a caller may make its values on the way (`forward`'s ``x_site_TH``).
+        False here: these experts' input has no site."""
+        return False
+
     def hidden_site(self, h_AI, row_order_Tk, guidance, capture):
         return h_AI
 
@@ -62,10 +68,14 @@ class RoutedExperts(nn.Module):
         topk_weights_Tk: torch.Tensor,
         guidance: GuidanceMap | None = None,
         capture: Capture | None = None,
+        *,
+        x_site_TH: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``x_site_TH``, where given, is ``input_site(x_TH, ...)`` made by the caller (where
+        `input_follows_nothing`, bit for bit what the site returns): it is used in its place."""
         k = topk_ids_Tk.shape[1]
         w13, w2 = self.weights()
-        x_TH = self.input_site(x_TH, guidance, capture)
+        x_TH = self.input_site(x_TH, guidance, capture) if x_site_TH is None else x_site_TH
         # Sort the T*k assignments by expert so each expert's rows are contiguous;
         # row_order[t, j]: the sorted row that holds assignment (t, j).
         order_A, row_order_Tk, counts_E = dispatch_order(topk_ids_Tk, self.num_experts)
@@ -219,6 +229,9 @@ class Fp4Sites:
 
     def input_site(self, x_TH, guidance, capture):
         return self._input(x_TH, guidance, capture)
+
+    def input_follows_nothing(self, guidance, capture) -> bool:
+        return self._input.follows_nothing(guidance, capture)
 
     def hidden_site(self, h_AI, row_order_Tk, guidance, capture):
         return self._hidden(h_AI, guidance, capture, row_order=row_order_Tk)

@@ -24,7 +24,8 @@ class RMSNorm(nn.Module):
     """On the GPU one kernel per call (`fp4rl.ops.rms_norm`; its FP32 sum of squares in a fixed
     order, so a row's result does not depend on the batch), gradients from the eager
     formulation; elsewhere the eager formulation (`eager_rms_norm`). `sum_and_norm` takes the
-    residual add before the norm into the same launch."""
+    residual add before the norm into the same launch, `sum_norm_and_quantize` also the routed
+    experts' input site after it."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -46,15 +47,32 @@ class RMSNorm(nn.Module):
         the GPU without autograd one kernel (`fp4rl.ops.add_rms_norm`) gives the bits of the
         add's and the norm's; with autograd, elsewhere, or with hooks on this module (which
         then see s and its norm, as from a call) the add, then the call."""
-        wants_grad = torch.is_grad_enabled() and (
-            x.requires_grad or delta.requires_grad or self.weight.requires_grad
-        )
-        if not (wants_grad or self._forward_pre_hooks or self._forward_hooks):
+        if self._fusable(x, delta):
             out = ops.add_rms_norm(x, delta, self.weight, self.eps)
             if out is not None:
                 return out
         s = x + delta
         return s, self(s)
+
+    def sum_norm_and_quantize(
+        self, x: torch.Tensor, delta: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(s, h, h_q)``: `sum_and_norm`'s ``(s, h)`` and ``h_q = ops.fake_quantize(h,
+        scaling="row")`` (an FP4 site rounding to nearest), all three from one kernel
+        (`fp4rl.ops.add_rms_norm_quantize`, bit for bit) where `sum_and_norm` would fuse and
+        that kernel runs; elsewhere ``h_q`` is None and the caller runs the site."""
+        if self._fusable(x, delta):
+            out = ops.add_rms_norm_quantize(x, delta, self.weight, self.eps)
+            if out is not None:
+                return out
+        return (*self.sum_and_norm(x, delta), None)
+
+    def _fusable(self, x: torch.Tensor, delta: torch.Tensor) -> bool:
+        """No gradient is recorded and no hook waits for a call: a kernel may add and norm."""
+        wants_grad = torch.is_grad_enabled() and (
+            x.requires_grad or delta.requires_grad or self.weight.requires_grad
+        )
+        return not (wants_grad or self._forward_pre_hooks or self._forward_hooks)
 
 
 def eager_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

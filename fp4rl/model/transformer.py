@@ -39,19 +39,33 @@ class DecoderLayer(nn.Module):
         """``(x_TH, pending_TH)`` in, the same out: the residual stream is ``x_TH + pending_TH``
         (``x_TH`` where pending_TH is None), its last add left to the norm that reads it next
         (`RMSNorm.sum_and_norm`: on the GPU the add and the norm in one launch). Returns the
-        stream after attention and the MLP's output, pending."""
+        stream after attention and the MLP's output, pending.
+
+        Where the routed experts' input site rounds to nearest and nobody keeps its record,
+        the post-attention norm's kernel also makes the site's values
+        (`RMSNorm.sum_norm_and_quantize`), which the experts then take as they are."""
         if pending_TH is None:
             h_TH = self.input_layernorm(x_TH)
         else:
             x_TH, h_TH = self.input_layernorm.sum_and_norm(x_TH, pending_TH)
         attn_TH = self.self_attn(h_TH, backend, rope, guidance, capture)
-        x_TH, h_TH = self.post_attention_layernorm.sum_and_norm(x_TH, attn_TH)
-        if isinstance(self.mlp, SparseMoeBlock):
-            h_TH = self.mlp(
-                h_TH, replay_Tk=replay_Tk, guidance=guidance, capture=capture, stats=stats
-            )
+        norm = self.post_attention_layernorm
+        if not isinstance(self.mlp, SparseMoeBlock):
+            x_TH, h_TH = norm.sum_and_norm(x_TH, attn_TH)
+            return x_TH, self.mlp(h_TH)
+        site_TH = None  # the experts' input site's values of h_TH, where the norm made them
+        if self.mlp.input_follows_nothing(guidance, capture):
+            x_TH, h_TH, site_TH = norm.sum_norm_and_quantize(x_TH, attn_TH)
         else:
-            h_TH = self.mlp(h_TH)
+            x_TH, h_TH = norm.sum_and_norm(x_TH, attn_TH)
+        h_TH = self.mlp(
+            h_TH,
+            x_site_TH=site_TH,
+            replay_Tk=replay_Tk,
+            guidance=guidance,
+            capture=capture,
+            stats=stats,
+        )
         return x_TH, h_TH
 
 

@@ -1,0 +1,93 @@
+"""The residual add, the RMSNorm after it and the routed experts' input site, in one launch.
+
+Per row of ``x, delta [R, D]``: ``s = x + delta`` and ``h = rms_norm(s)``, the work of
+`rms_norm.launch_add` by its own row code (`rms_norm.store_sum_and_norm`, the same tile and
+warps), and ``h_q = fake_quantize(h, scaling="row")``: the nearest NVFP4 quantization of the
+stored h with one FP32 global scale per row (its amax / 2688), E4M3 block scales of 16 and E2M1
+codes, dequantized and rounded to h's dtype -- ``reference.dequantize(reference.quantize(h,
+scaling="row"), h.dtype)``, NaN and inf included (a row holding one is NaN throughout). The
+quantization is `nearest`'s per-row arithmetic on whole rows held in registers (`load_pairs`,
+`block_amax`, `numerics.global_scale_from_amax`, `tiles.quantize_chunk`), as the SwiGLU kernel
+runs the intermediate's site.
+
+The norm's sum of squares is ordered by its ``[BLOCK_D]`` tile and the quantization reads
+blocks of 16 as (even, odd) pairs: the program stores h, waits for its threads at a barrier
+(after which each sees the others' stores) and loads its row of h back in the pair layout. So
+the engine's FP4 MoE layers make their experts' input in the norm's launch, where the site took
+one launch more (`fp4rl.ops.add_rms_norm_quantize`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fp4rl.kernels import rms_norm
+from fp4rl.kernels.launch import device_of, pair_view
+from fp4rl.kernels.numerics import global_scale_from_amax, is_finite, max_nan, ratio_divisor
+from fp4rl.kernels.tiles import block_amax, load_pairs, program_rows, quantize_chunk
+
+DTYPES = rms_norm.DTYPES
+MAX_WIDTH = 8192  # values per row held in registers (one chunk), as `nearest`'s "row" tile
+
+
+@triton.jit(do_not_specialize=["R"])
+def _add_rms_norm_quantize_kernel(
+    x_RD, delta_RD, weight_D, s_RD, h_RD, h_pairs_RD, h_q_RD, R, D, inv_width, eps,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    OUT: tl.constexpr = s_RD.dtype.element_ty
+    row = tl.program_id(0).to(tl.int64)
+    rms_norm.store_sum_and_norm(
+        x_RD, delta_RD, weight_D, s_RD, h_RD, row, D, inv_width, eps, OUT=OUT, BLOCK_D=BLOCK_D
+    )
+    tl.debug_barrier()  # h as stored, every thread's, for the pair loads below
+    rows_R, row_ok_R = program_rows(R, 1)  # this one row
+    h_even, h_odd = load_pairs(h_pairs_RD, rows_R, row_ok_R, 0, D, BLOCK_D)
+    block_amax_RB = block_amax(h_even, h_odd)
+    amax_R = tl.reduce(block_amax_RB, 1, max_nan)
+    global_scale_R = global_scale_from_amax(amax_R, is_finite(amax_R))
+    scale_R, d_scaled_R, reciprocal_R = ratio_divisor(global_scale_R)
+    quantize_chunk(
+        h_even, h_odd, block_amax_RB, global_scale_R, scale_R, d_scaled_R, reciprocal_R,
+        h_q_RD, h_q_RD, h_q_RD, rows_R, row_ok_R, 0, D,
+        POISON_BLOCKS=False, FAKE=True, BLOCK_K=BLOCK_D,
+    )  # fmt: skip
+
+
+def supported(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `launch` takes these inputs (dtypes and shapes only): x, delta and weight of one
+    dtype among `DTYPES`, delta of x's shape, ``weight [D]``, D a multiple of 16 up to
+    `MAX_WIDTH`."""
+    if x.dim() == 0 or x.dtype not in DTYPES or delta.dtype != x.dtype or weight.dtype != x.dtype:
+        return False
+    D = x.shape[-1]
+    return delta.shape == x.shape and weight.shape == (D,) and D % 16 == 0 and 0 < D <= MAX_WIDTH
+
+
+def launch(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(s, h, h_q)``: ``(s, h) = rms_norm.launch_add(x, delta, weight, eps)`` and ``h_q =
+    fake_quantize(h, scaling="row")``, bit for bit, in one launch, for x and delta of one shape
+    (any leading shape, rows of D values, D a multiple of 16 up to `MAX_WIDTH`) and ``weight
+    [D]``, all of one dtype."""
+    D = x.shape[-1] if x.dim() else 0
+    if not 0 < D <= MAX_WIDTH or D % 16:
+        raise ValueError(
+            f"x must have rows of D values, D a positive multiple of 16 up to {MAX_WIDTH}; got "
+            f"shape {tuple(x.shape)}"
+        )
+    rms_norm.check_add(x, delta, weight)
+    s, h, h_q = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
+    rows = x.numel() // D
+    if rows == 0:
+        return s, h, h_q
+    block = triton.next_power_of_2(D)
+    with device_of(x):
+        _add_rms_norm_quantize_kernel[(rows,)](
+            x, delta, weight, s, h, pair_view(h.view(rows, D)), h_q, rows, D, 1.0 / D,
+            float(eps), BLOCK_D=block, num_warps=rms_norm.warps_for(block), enable_fp_fusion=False,
+        )  # fmt: skip
+    return s, h, h_q
