@@ -196,9 +196,11 @@ class Bench:
 
     def splits(self, fmt, tile=None, num_splits=None):
         """How many stretches the launcher cuts each context into."""
-        tile = tile or paged_attention.config_for(fmt, self.batch * self.kv_heads)
-        device = self.inputs[0][0].device
-        per = split_tokens_for(self.batch * self.kv_heads, self.tokens, tile, device, num_splits)
+        programs, device = self.batch * self.kv_heads, self.inputs[0][0].device
+        if tile is None:
+            tile, planned = paged_attention.plan_for(fmt, programs, self.tokens, device)
+            num_splits = planned if num_splits is None else num_splits
+        per = split_tokens_for(programs, self.tokens, tile, device, num_splits)
         return -(-self.tokens // per)
 
     def table_row(self, copy_gbs, warmup, repeats):

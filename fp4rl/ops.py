@@ -160,7 +160,11 @@ def paged_decode_kernel_runs(q: torch.Tensor, nvfp4_pages: bool) -> bool:
     if kernels is None:
         return False
     if nvfp4_pages and q.dtype == torch.bfloat16:
-        shortest = min(tile.block_n for _, tile in kernels.paged_attention.CONFIGS["nvfp4"])
+        attention = kernels.paged_attention
+        shortest = min(
+            *(tile.block_n for _, tile in attention.CONFIGS["nvfp4"]),
+            *attention.SMALL_TILES["nvfp4"],
+        )
         return kernels.paged_attention.bf16_nvfp4_supported(q.shape[-1], shortest)
     return True
 

@@ -399,6 +399,46 @@ def config_for(fmt: str, programs: int) -> DecodeTile:
     return [tile for bound, tile in CONFIGS[fmt] if programs >= bound][-1]
 
 
+# Launches of at most SMALL_LAUNCH sequence-heads (a few sequences) cut the context into about
+# one stretch per multiprocessor, each one step of a tile as long as the stretch (32 to 128
+# tokens, `SMALL_TILES`): the programs then cover the GPU once, with the shortest serial
+# chains. On one H200 at batch 1 (4 KV heads of 128; "Decode attention at small batches" in
+# BENCHMARKS.md): NVFP4 pages 7.2 us at 1k (32 stretches of 32 tokens) against 8.7 for the
+# `CONFIGS` tile's 8 stretches of 128, 8.1 against 9.0 at 2k, the same 9.8 at 4k (32 of 128
+# either way); BF16 pages 7.0 against 7.5, 8.2 against 8.1, 9.7 both. A block table wider than
+# the contexts (the engine's graphs use the longest a sequence may grow to) keeps 128-token
+# stretches, as before.
+SMALL_LAUNCH = 16
+SMALL_TILES = {
+    "bf16": {
+        32: DecodeTile(block_n=32, num_warps=4, num_stages=2),
+        64: DecodeTile(block_n=64, num_warps=4, num_stages=2),
+        128: DecodeTile(block_n=128, num_warps=4, num_stages=3),
+    },
+    "nvfp4": {
+        32: DecodeTile(block_n=32, num_warps=4, num_stages=2),
+        64: DecodeTile(block_n=64, num_warps=4, num_stages=2),
+        128: DecodeTile(block_n=128, num_warps=8, num_stages=2),
+    },
+}
+
+
+def plan_for(
+    fmt: str, programs: int, table_tokens: int, device: torch.device
+) -> tuple[DecodeTile, int | None]:
+    """``(tile, context stretches)`` for a launch of ``programs`` sequence-heads over block
+    tables of ``table_tokens``: `SMALL_TILES` with one stretch per multiprocessor (a power of
+    two) at most SMALL_LAUNCH programs, else `config_for`'s tile with `split_tokens_for`'s
+    choice (None)."""
+    if programs > SMALL_LAUNCH:
+        return config_for(fmt, programs), None
+    per_sm = max(1, _multiprocessors(device) // max(programs, 1))
+    stretches = 1 << (per_sm.bit_length() - 1)
+    stretch = -(-table_tokens // stretches)
+    block = min(128, max(32, triton.next_power_of_2(stretch)))
+    return SMALL_TILES[fmt][block], stretches
+
+
 # Programs per multiprocessor the context splits aim for. The same sweep: batch 64 at 4k
 # tokens (256 sequence-heads) ran fastest in 4 stretches (163 us BF16, 255 us NVFP4) and slower
 # in 2 (188, 313; 512 programs, 1.3 waves if 3 fit an SM by registers) than in 1 (178, 276);
@@ -544,7 +584,10 @@ def launch(
     if B == 0:
         return out_BHD
     N = block_table_BN.shape[1]
-    tile = config or config_for("nvfp4" if nvfp4 else "bf16", B * K)
+    if config is None:
+        config, planned = plan_for("nvfp4" if nvfp4 else "bf16", B * K, N * page, q_BHD.device)
+        num_splits = planned if num_splits is None else num_splits
+    tile = config
     if nvfp4 and q_BHD.dtype == torch.bfloat16 and not bf16_nvfp4_supported(D, tile.block_n):
         raise ValueError(
             f"BF16 queries over NVFP4 pages need head dim and block_n >= "

@@ -367,3 +367,20 @@ def test_graph_replay_follows_tables_and_contexts_on_gpu(fmt):
         torch.cuda.synchronize()
         assert torch.equal(out, scene.launch())
         assert_within(out, scene, f"{fmt}, replayed")
+
+
+def test_small_launches_cover_the_gpu_once_with_one_step_each(monkeypatch):
+    """At most SMALL_LAUNCH sequence-heads: about one stretch per multiprocessor (a power of
+    two), each one step of a tile as long as the stretch (32 to 128 tokens); more: `CONFIGS`'
+    tile and `split_tokens_for`'s choice."""
+    monkeypatch.setattr(paged_attention, "_multiprocessors", lambda device: 132)
+    plan = paged_attention.plan_for
+    small = paged_attention.SMALL_TILES["nvfp4"]
+    cuda = torch.device("cuda")
+    for table, block in ((1024, 32), (2048, 64), (4096, 128), (40960, 128), (64, 32)):
+        assert plan("nvfp4", 4, table, cuda) == (small[block], 32), table
+    assert plan("bf16", 8, 1024, cuda) == (paged_attention.SMALL_TILES["bf16"][64], 16)
+    assert plan("nvfp4", 16, 4096, cuda) == (small[128], 8)
+    assert plan("nvfp4", 17, 4096, cuda) == (paged_attention.config_for("nvfp4", 17), None)
+    tile, stretches = plan("nvfp4", 4, 1024, cuda)
+    assert paged_attention.split_tokens_for(4, 1024, tile, cuda, stretches) == 32
