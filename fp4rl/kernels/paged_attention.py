@@ -402,7 +402,7 @@ def config_for(fmt: str, programs: int) -> DecodeTile:
 # Launches of at most SMALL_LAUNCH sequence-heads (a few sequences) cut the context into about
 # one stretch per multiprocessor, each one step of a tile as long as the stretch (32 to 128
 # tokens, `SMALL_TILES`): the programs then cover the GPU once, with the shortest serial
-# chains. On one H200 at batch 1 (4 KV heads of 128; "Decode attention at small batches" in
+# chains. On one H200 at batch 1 (4 KV heads of 128; "Decode attention at a few sequences" in
 # BENCHMARKS.md): NVFP4 pages 7.2 us at 1k (32 stretches of 32 tokens) against 8.7 for the
 # `CONFIGS` tile's 8 stretches of 128, 8.1 against 9.0 at 2k, the same 9.8 at 4k (32 of 128
 # either way); BF16 pages 7.0 against 7.5, 8.2 against 8.1, 9.7 both. A block table wider than
