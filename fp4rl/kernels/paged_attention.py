@@ -154,51 +154,40 @@ def _three_parts(p):
 
 
 @triton.jit
-def _probabilities_times_values(p, v, acc, TWIN: tl.constexpr):
-    """``acc + p @ v`` for FP32 probabilities p and V values in the dot's dtype. For BF16 V, p is
-    split into three BF16 parts (`_three_parts`), so the tensor-core products are exact and the
-    sum is p . v in FP32.
-
-    TWIN: the lower half of p's rows repeats the upper half (the kernel's twin rows), so the
-    parts share two dots instead of three: ``[p1; p2]`` and ``[p3; 0]``. The upper rows of acc
-    then hold the p1 and p3 terms and the lower rows the p2 terms, to be added by the caller."""
-    upper = (tl.arange(0, p.shape[0]) < p.shape[0] // 2)[:, None]
-    if v.dtype == tl.float32:
-        if TWIN:
-            p = tl.where(upper, p, 0.0)
-        acc = dot(p, v, acc)
-    else:
-        p1, p2, p3 = _three_parts(p)
-        if TWIN:
-            acc = dot(
-                tl.where(upper, p3, tl.zeros_like(p3)), v, dot(tl.where(upper, p1, p2), v, acc)
-            )
-        else:
-            acc = dot(p3, v, dot(p2, v, dot(p1, v, acc)))
-    return acc
+def _times(part, v, acc, KEYS_FIRST: tl.constexpr):
+    """``acc + part @ v``, or keys first ``acc + v @ part`` (v then ``[D, BLOCK_N]``)."""
+    return dot(v, part, acc) if KEYS_FIRST else dot(part, v, acc)
 
 
 @triton.jit
-def _values_times_probabilities(v_DN, p_NG, acc_DG, TWIN: tl.constexpr):
-    """`_probabilities_times_values` transposed: ``acc + v.T @ p`` for V values ``[D, BLOCK_N]``
-    in the dot's dtype and FP32 probabilities ``[BLOCK_N, BLOCK_G]`` (the same three-part split
-    of p for BF16 V; TWIN folds the twin columns' parts into two dots)."""
-    upper = (tl.arange(0, p_NG.shape[1]) < p_NG.shape[1] // 2)[None, :]
-    if v_DN.dtype == tl.float32:
-        if TWIN:
-            p_NG = tl.where(upper, p_NG, 0.0)
-        acc_DG = dot(v_DN, p_NG, acc_DG)
+def _probabilities_times_values(p, v, acc, TWIN: tl.constexpr, KEYS_FIRST: tl.constexpr):
+    """``acc + p @ v`` for FP32 probabilities p and V values in the dot's dtype. For BF16 V, p is
+    split into three BF16 parts (`_three_parts`), so the tensor-core products are exact and the
+    sum is p . v in FP32. KEYS_FIRST: the same transposed, ``acc + v @ p`` for ``v [D,
+    BLOCK_N]`` and ``p [BLOCK_N, BLOCK_G]``.
+
+    TWIN: the lower half of p's heads (rows, or keys first columns) repeats the upper half (the
+    kernel's twin rows), so the parts share two dots instead of three: ``[p1; p2]`` and ``[p3;
+    0]``. The upper heads of acc then hold the p1 and p3 terms and the lower ones the p2 terms,
+    to be added by the caller."""
+    if KEYS_FIRST:
+        upper = (tl.arange(0, p.shape[1]) < p.shape[1] // 2)[None, :]
     else:
-        p1, p2, p3 = _three_parts(p_NG)
+        upper = (tl.arange(0, p.shape[0]) < p.shape[0] // 2)[:, None]
+    if v.dtype == tl.float32:
         if TWIN:
-            acc_DG = dot(
-                v_DN,
-                tl.where(upper, p3, tl.zeros_like(p3)),
-                dot(v_DN, tl.where(upper, p1, p2), acc_DG),
-            )
+            p = tl.where(upper, p, 0.0)
+        acc = _times(p, v, acc, KEYS_FIRST)
+    else:
+        p1, p2, p3 = _three_parts(p)
+        if TWIN:
+            acc = _times(tl.where(upper, p1, p2), v, acc, KEYS_FIRST)
+            acc = _times(tl.where(upper, p3, tl.zeros_like(p3)), v, acc, KEYS_FIRST)
         else:
-            acc_DG = dot(v_DN, p3, dot(v_DN, p2, dot(v_DN, p1, acc_DG)))
-    return acc_DG
+            acc = _times(p1, v, acc, KEYS_FIRST)
+            acc = _times(p2, v, acc, KEYS_FIRST)
+            acc = _times(p3, v, acc, KEYS_FIRST)
+    return acc
 
 
 @triton.jit
@@ -290,8 +279,8 @@ def _paged_decode_kernel(
             alpha = tl.exp(m_G - m_new)
             p_NG = tl.exp(scores - m_new[None, :])
             l_G = l_G * alpha + tl.sum(p_NG, 0)
-            acc_DG = _values_times_probabilities(
-                tl.trans(v_ND), p_NG, acc_DG * alpha[None, :], TWIN
+            acc_DG = _probabilities_times_values(
+                p_NG, tl.trans(v_ND), acc_DG * alpha[None, :], TWIN, True
             )
             m_G = m_new
         acc_GD = tl.trans(acc_DG)
@@ -311,7 +300,7 @@ def _paged_decode_kernel(
             alpha = tl.exp(m_G - m_new)
             p_GN = tl.exp(scores - m_new[:, None])
             l_G = l_G * alpha + tl.sum(p_GN, 1)
-            acc_GD = _probabilities_times_values(p_GN, v_ND, acc_GD * alpha[:, None], TWIN)
+            acc_GD = _probabilities_times_values(p_GN, v_ND, acc_GD * alpha[:, None], TWIN, False)
             m_G = m_new
 
     # From here on rows are heads: the twins folded onto the upper half.
