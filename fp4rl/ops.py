@@ -8,8 +8,8 @@ is missing on a CUDA machine the call raises instead of silently running the slo
 guidance (`SparseCodes`) is the one exception: no kernel reads its layout yet, so its rounding
 runs the PyTorch reference on every device.
 
-Six pieces of the model's glue also have a kernel here, each returning None where it does not
-run (the caller then runs its eager formulation): `apply_rope`, `sort_by_expert` (with the
+Pieces of the model's glue also have a kernel here, each returning None where it does not run
+(the caller then runs its eager formulation): `apply_rope`, `sort_by_expert` (with the
 inverse permutation and the counts per expert) and `swiglu` (with, optionally, the intermediate
 site's fake quantization), bitwise the eager results, `rms_norm` and `moe_combine`, the eager
 arithmetic but for the order of one FP32 sum per output, and `route` (the router's live
@@ -18,11 +18,10 @@ of its FP32 sums, so that near-tied experts may be picked the other way (docs/nu
 "What is bitwise"); `norm_rope` composes the RMSNorm and RoPE kernels in one launch, with their
 bits; `add_rms_norm` so composes the residual add and the RMSNorm kernel after it, and
 `add_rms_norm_quantize` those two and the routed experts' input site (`fake_quantize` of the
-norm, per row).
-`quantize_into` stores a per-row quantization straight into a paged cache's rows
-(`quantize_into_pair`: a layer's K and V in one launch).
-`project` multiplies a decode step's few rows by up to three weights of one input (q, k and v)
-in one launch, batch-invariant (None where the kernel does not run: the caller uses cuBLAS).
+norm, per row). `quantize_into` stores a per-row quantization straight into a paged cache's
+rows (`quantize_into_pair`: a layer's K and V in one launch). `project` multiplies a decode
+step's few rows by up to three weights of one input (q, k and v) in one launch,
+batch-invariant (None where the kernel does not run: the caller uses cuBLAS).
 """
 
 from __future__ import annotations
