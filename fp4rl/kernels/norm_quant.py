@@ -25,8 +25,7 @@ import triton.language as tl
 
 from fp4rl.kernels import rms_norm
 from fp4rl.kernels.launch import device_of, pair_view
-from fp4rl.kernels.numerics import global_scale_from_amax, is_finite, max_nan, ratio_divisor
-from fp4rl.kernels.tiles import block_amax, load_pairs, program_rows, quantize_chunk
+from fp4rl.kernels.tiles import fake_quantize_rows, load_pairs, program_rows
 
 DTYPES = rms_norm.DTYPES
 MAX_WIDTH = 8192  # values per row held in registers (one chunk), as `nearest`'s "row" tile
@@ -45,15 +44,7 @@ def _add_rms_norm_quantize_kernel(
     tl.debug_barrier()  # h as stored, every thread's, for the pair loads below
     rows_R, row_ok_R = program_rows(R, 1)  # this one row
     h_even, h_odd = load_pairs(h_pairs_RD, rows_R, row_ok_R, 0, D, BLOCK_D)
-    block_amax_RB = block_amax(h_even, h_odd)
-    amax_R = tl.reduce(block_amax_RB, 1, max_nan)
-    global_scale_R = global_scale_from_amax(amax_R, is_finite(amax_R))
-    scale_R, d_scaled_R, reciprocal_R = ratio_divisor(global_scale_R)
-    quantize_chunk(
-        h_even, h_odd, block_amax_RB, global_scale_R, scale_R, d_scaled_R, reciprocal_R,
-        h_q_RD, h_q_RD, h_q_RD, rows_R, row_ok_R, 0, D,
-        POISON_BLOCKS=False, FAKE=True, BLOCK_K=BLOCK_D,
-    )  # fmt: skip
+    fake_quantize_rows(h_even, h_odd, h_q_RD, rows_R, row_ok_R, D, BLOCK_D)
 
 
 def supported(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -26,13 +26,9 @@ import triton.language as tl
 from fp4rl.kernels.launch import check_contiguous, check_kernel_device, device_of, pair_view
 from fp4rl.kernels.numerics import (
     exp_rn,
-    global_scale_from_amax,
-    is_finite,
-    max_nan,
-    ratio_divisor,
     round_to,
 )
-from fp4rl.kernels.tiles import block_amax, load_pairs, program_rows, quantize_chunk, store_values
+from fp4rl.kernels.tiles import fake_quantize_rows, load_pairs, program_rows, store_values
 
 DTYPES = (torch.bfloat16,)
 MAX_WIDTH = 8192  # intermediate values per row held in registers (one chunk)
@@ -77,14 +73,7 @@ def _swiglu_kernel(
     DTYPE: tl.constexpr = out_AI.dtype.element_ty
     h_even, h_odd = _swiglu(g_even, u_even, DTYPE), _swiglu(g_odd, u_odd, DTYPE)
     if QUANTIZE:
-        block_amax_AB = block_amax(h_even, h_odd)
-        amax_A = tl.reduce(block_amax_AB, 1, max_nan)
-        s_A = global_scale_from_amax(amax_A, is_finite(amax_A))
-        scale_A, d_scaled_A, reciprocal_A = ratio_divisor(s_A)
-        quantize_chunk(
-            h_even, h_odd, block_amax_AB, s_A, scale_A, d_scaled_A, reciprocal_A, out_AI, out_AI,
-            out_AI, rows_A, ok_A, 0, I, POISON_BLOCKS=False, FAKE=True, BLOCK_K=BLOCK_K,
-        )  # fmt: skip
+        fake_quantize_rows(h_even, h_odd, out_AI, rows_A, ok_A, I, BLOCK_K)
     else:
         store_values(out_AI, rows_A, ok_A, 0, I, h_even, h_odd, BLOCK_K)
 

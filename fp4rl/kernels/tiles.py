@@ -30,9 +30,11 @@ from fp4rl.kernels.numerics import (
     code_byte,
     e2m1_round,
     e4m3_rne_satfinite,
+    global_scale_from_amax,
     is_finite,
     max_nan,
     nan_like,
+    ratio_divisor,
     round_to,
     scale_back,
     with_sign_of,
@@ -274,3 +276,18 @@ def quantize_chunk(
             codes_RK8, block_scale_RKB, rows_R, row_ok_R, k0, K, code_byte(q_even, q_odd),
             block_byte, BLOCK_K,
         )  # fmt: skip
+
+
+@triton.jit
+def fake_quantize_rows(x_even, x_odd, out_RK, rows_R, row_ok_R, K, BLOCK_K: tl.constexpr):
+    """Whole rows held as pairs (one chunk, BLOCK_K >= K) stored as their per-row
+    round-to-nearest fake quantization in ``out_RK``'s dtype: each row's global scale from its
+    amax, then `quantize_chunk` with FAKE, what `nearest`'s kernel stores for such rows."""
+    block_amax_RB = block_amax(x_even, x_odd)
+    amax_R = tl.reduce(block_amax_RB, 1, max_nan)
+    s_R = global_scale_from_amax(amax_R, is_finite(amax_R))
+    scale_R, d_scaled_R, reciprocal_R = ratio_divisor(s_R)
+    quantize_chunk(
+        x_even, x_odd, block_amax_RB, s_R, scale_R, d_scaled_R, reciprocal_R, out_RK, out_RK,
+        out_RK, rows_R, row_ok_R, 0, K, POISON_BLOCKS=False, FAKE=True, BLOCK_K=BLOCK_K,
+    )  # fmt: skip
