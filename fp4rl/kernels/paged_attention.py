@@ -201,11 +201,21 @@ def _fold_twins(x_GC, TWIN: tl.constexpr, HALF: tl.constexpr, SUM: tl.constexpr)
 
 
 @triton.jit
-def _cache_rows(table_row, t_N, ok_N, num_kv_heads, kv_head, PAGE: tl.constexpr):
-    """Cache rows (slot * K + kv head) of context tokens ``t_N`` through the sequence's block
-    table row."""
+def _context_step(
+    k_pages, k_block_scale, k_global_scale, v_pages, v_block_scale, v_global_scale, table_row,
+    n0, end, num_kv_heads, kv_head, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
+    NVFP4: tl.constexpr, DTYPE: tl.constexpr,
+):  # fmt: skip
+    """One step of the walk over a context: which of tokens ``n0 .. n0 + BLOCK_N`` lie before
+    ``end``, and their ``[BLOCK_N, D]`` K and V values (`_load_kv`; 0 past ``end``), found
+    through the sequence's block table row (cache row = slot * K + kv head)."""
+    t_N = n0 + tl.arange(0, BLOCK_N)
+    ok_N = t_N < end
     page_N = tl.load(table_row + t_N // PAGE, mask=ok_N, other=0)
-    return (page_N.to(tl.int64) * PAGE + t_N % PAGE) * num_kv_heads + kv_head
+    rows_N = (page_N.to(tl.int64) * PAGE + t_N % PAGE) * num_kv_heads + kv_head
+    k_ND = _load_kv(k_pages, k_block_scale, k_global_scale, rows_N, ok_N, D, NVFP4, DTYPE)
+    v_ND = _load_kv(v_pages, v_block_scale, v_global_scale, rows_N, ok_N, D, NVFP4, DTYPE)
+    return ok_N, k_ND, v_ND
 
 
 # Batch, table width and split length change with every step: no recompiling for each.
@@ -268,11 +278,10 @@ def _paged_decode_kernel(
         # output; the same arithmetic, transposed.
         acc_DG = tl.zeros([D, BLOCK_G], tl.float32)
         for n0 in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
-            t_N = n0 + tl.arange(0, BLOCK_N)
-            ok_N = t_N < end
-            rows_N = _cache_rows(table_row, t_N, ok_N, num_kv_heads, kv_head, PAGE)
-            k_ND = _load_kv(k_pages, k_block_scale, k_global_scale, rows_N, ok_N, D, NVFP4, DTYPE)
-            v_ND = _load_kv(v_pages, v_block_scale, v_global_scale, rows_N, ok_N, D, NVFP4, DTYPE)
+            ok_N, k_ND, v_ND = _context_step(
+                k_pages, k_block_scale, k_global_scale, v_pages, v_block_scale, v_global_scale,
+                table_row, n0, end, num_kv_heads, kv_head, BLOCK_N, PAGE, D, NVFP4, DTYPE,
+            )  # fmt: skip
             scores = dot(k_ND, tl.trans(q_GD), tl.zeros([BLOCK_N, BLOCK_G], tl.float32))
             scores = tl.where(ok_N[:, None], scores * softmax_scale, float("-inf"))
             m_new = tl.maximum(m_G, tl.max(scores, 0))
@@ -287,11 +296,10 @@ def _paged_decode_kernel(
     else:
         acc_GD = tl.zeros([BLOCK_G, D], tl.float32)
         for n0 in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
-            t_N = n0 + tl.arange(0, BLOCK_N)
-            ok_N = t_N < end
-            rows_N = _cache_rows(table_row, t_N, ok_N, num_kv_heads, kv_head, PAGE)
-            k_ND = _load_kv(k_pages, k_block_scale, k_global_scale, rows_N, ok_N, D, NVFP4, DTYPE)
-            v_ND = _load_kv(v_pages, v_block_scale, v_global_scale, rows_N, ok_N, D, NVFP4, DTYPE)
+            ok_N, k_ND, v_ND = _context_step(
+                k_pages, k_block_scale, k_global_scale, v_pages, v_block_scale, v_global_scale,
+                table_row, n0, end, num_kv_heads, kv_head, BLOCK_N, PAGE, D, NVFP4, DTYPE,
+            )  # fmt: skip
             scores = dot(q_GD, tl.trans(k_ND), tl.zeros([BLOCK_G, BLOCK_N], tl.float32))
             scores = tl.where(ok_N[None, :], scores * softmax_scale, float("-inf"))
             # Every step holds at least one token of the context (n0 < end): m_new is finite
