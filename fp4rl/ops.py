@@ -89,6 +89,12 @@ def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tens
     return impl.dequantize(t, dtype)
 
 
+def compact(t: NVFP4Tensor) -> CompactCodes:
+    """Compact guidance of ``t`` (`rounding.compact`): its codes' mantissa bits, its scales."""
+    impl = _kernels(t.codes) or rounding
+    return impl.compact(t)
+
+
 def quantize_guided(
     x: torch.Tensor, guidance: NVFP4Tensor | CompactCodes | SparseCodes
 ) -> NVFP4Tensor:

@@ -17,6 +17,7 @@ from fp4rl.kernels import (
     dequant,
     expert_sort,
     guided,
+    mantissa_bits,
     moe_combine,
     moe_gemm,
     nearest,
@@ -34,6 +35,7 @@ __all__ = [
     "add_rms_norm_quantize_rows",
     "add_rms_norm_rows",
     "combine_rows",
+    "compact",
     "dequantize",
     "fake_quantize",
     "grouped_mm",
@@ -84,6 +86,11 @@ def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tens
 def round_guided_full(x: torch.Tensor, rollout: NVFP4Tensor) -> NVFP4Tensor:
     """`rounding.round_guided_full`: the rollout's scales, rounding toward its codes."""
     return guided.launch(x, rollout, fake=False)
+
+
+def compact(t: NVFP4Tensor) -> CompactCodes:
+    """`rounding.compact`: the mantissa bits of the codes in one launch, with t's scales."""
+    return mantissa_bits.launch(t)
 
 
 def round_guided_compact(x: torch.Tensor, guidance: CompactCodes) -> NVFP4Tensor:

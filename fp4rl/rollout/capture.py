@@ -11,16 +11,17 @@ concatenation (inside the graph, for a graphed decode step) and one copy to pinn
 whatever the number of records. A generate call's `CaptureLog` keeps each step's buffer whole
 and each sequence's `SequenceCapture` the row ranges that are its own; `CaptureLog.assemble`
 gathers them into records over all ``T = len(prompt) + len(completion) - 1`` fed tokens at the
-end of the call: one gather per record member and sequence. Sparse records have no fixed bytes
-per token, so they keep their own path (copied together per step, cut and packed at the end).
+end of the call: per sequence, one gather of its rows' site bytes (its records are views of
+that buffer) and one of its routing. Sparse records have no fixed bytes per token, so they keep
+their own path (copied together per step, cut and packed at the end).
 
-Guidance modes: "full" keeps each `NVFP4Tensor`; "compact" keeps `fp4rl.fp4.compact(t)`
-(mantissa bits and scales) for the latter ``fraction`` of the FP4 layers only and drops the
-rest (the trainer rounds those to nearest); "sparse" keeps `fp4rl.fp4.sparse(x, t, delta)` in
-every FP4 layer: the row maxima, and a position and a bit for each block scale near an E4M3
-rounding boundary and each value the site computed within ``delta`` grid units of an E2M1 one
-(so it asks the sites for their values too), packed per sequence
-(`fp4rl.records.record_gather_packed`).
+Guidance modes: "full" keeps each `NVFP4Tensor`; "compact" keeps `fp4rl.ops.compact(t)`
+(mantissa bits and scales; one launch on the GPU) for the latter ``fraction`` of the FP4 layers
+only and drops the rest (the trainer rounds those to nearest); "sparse" keeps
+`fp4rl.fp4.sparse(x, t, delta)` in every FP4 layer: the row maxima, and a position and a bit
+for each block scale near an E4M3 rounding boundary and each value the site computed within
+``delta`` grid units of an E2M1 one (so it asks the sites for their values too), packed per
+sequence (`fp4rl.records.record_gather_packed`).
 
 Legend: T tokens, k experts per token, L_moe MoE layers.
 """
@@ -34,7 +35,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from fp4rl.fp4 import NVFP4Tensor, SparseCodes, compact, sparse
+from fp4rl import ops
+from fp4rl.fp4 import NVFP4Tensor, SparseCodes, sparse
 from fp4rl.fp4.sparse_guidance import PackedSparse
 from fp4rl.records import (
     SiteKey,
@@ -115,7 +117,7 @@ class StepCapture:
             return
         # Compact or sparsify the whole step at once: one pass instead of one per sequence.
         if self.guidance == "compact":
-            self._sites[(layer, site)] = compact(t)
+            self._sites[(layer, site)] = ops.compact(t)
         elif self.guidance == "sparse":
             if x is None:
                 raise ValueError(
