@@ -7,11 +7,11 @@
 Generates the same prompts with the same seeds under several engine settings and reports
 generated tokens/s and capture bytes per generated token, each against the BF16-expert engine
 and the uncaptured NVFP4 engine measured in the same run: the median wall time of ``--repeats``
-runs after a warm-up run of the same call (± half the spread). Every layer is MoE with NVFP4
-experts (no BF16 boundary layers). On the GPU packed experts go through the fused NVFP4 grouped
-GEMM and decode attention through the paged kernel; decode-only steps replay CUDA graphs
-(`fp4rl.rollout.graphs`), except in the rows marked eager; prefill attention and everything
-else is still plain PyTorch. The ratios are against the graphed engines.
+runs after a warm-up run of the same call (± half the spread), the rows' runs interleaved. Every
+layer is MoE with NVFP4 experts (no BF16 boundary layers). On the GPU packed experts go through
+the fused NVFP4 grouped GEMM and decode attention through the paged kernel; decode-only steps
+replay CUDA graphs (`fp4rl.rollout.graphs`), except in the rows marked eager; prefill attention
+and everything else is still plain PyTorch. The ratios are against the graphed engines.
 """
 
 from __future__ import annotations
@@ -100,6 +100,7 @@ def main() -> None:
     rows, base = [], {}
     warmup = dataclasses.replace(sampling, max_tokens=args.warmup_tokens or args.max_tokens)
     max_model_len = -(-(args.prompt_len + args.max_tokens) // 16) * 16
+    engines = {}
     for name in chosen:
         experts, kv, routing, guidance, graphs = VARIANTS[name]
         precision = PrecisionConfig(
@@ -107,7 +108,7 @@ def main() -> None:
         )
         model = build_model(config, precision, fp4_experts="packed", device=args.device)
         load_weights(model, weights)
-        engine = Engine(
+        engines[name] = Engine(
             model,
             EngineConfig(
                 kv_memory_bytes=int(args.kv_gib * 2**30),
@@ -120,16 +121,22 @@ def main() -> None:
         )
         # Warm-up: the call timed (shorter with --warmup-tokens), so kernels compile before the
         # clock runs.
-        engine.generate(prompts, warmup)
-        times = []
-        for _ in range(args.repeats):
+        engines[name].generate(prompts, warmup)
+    # Each repeat times every row once, in an order rotated by one per repeat, so that the
+    # machine's drift over the run falls on all rows alike.
+    times, outs = {name: [] for name in chosen}, {}
+    for r in range(args.repeats):
+        for name in chosen[r % len(chosen) :] + chosen[: r % len(chosen)]:
             sync()
             start = time.perf_counter()
-            out = engine.generate(prompts, sampling)
+            outs[name] = engines[name].generate(prompts, sampling)
             sync()
-            times.append(time.perf_counter() - start)
-        seconds = statistics.median(times)
-        spread = (max(times) - min(times)) / seconds
+            times[name].append(time.perf_counter() - start)
+    for name in chosen:
+        experts, kv, routing, guidance, graphs = VARIANTS[name]
+        seconds = statistics.median(times[name])
+        spread = (max(times[name]) - min(times[name])) / seconds
+        out = outs[name]
         generated = sum(len(c.completion_ids) for c in out)
         tok_s = generated / seconds
         if graphs or not cuda:  # the baselines: graphed engines (on a GPU), uncaptured
@@ -145,10 +152,7 @@ def main() -> None:
             f"{capture['guidance']:,.0f} |"
         )
         if args.profile:
-            profile_call(engine, prompts, warmup, args.profile, name, cuda)
-        del engine, model
-        if cuda:
-            torch.cuda.empty_cache()
+            profile_call(engines[name], prompts, warmup, args.profile, name, cuda)
     report(
         "generate.md",
         [
