@@ -36,14 +36,13 @@ the reference's. With FAKE the kernel stores ``dequantize(quantize(x))`` in x's 
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from fp4rl.kernels.launch import device_of, interpreting, pair_view
+from fp4rl.kernels.launch import device_of, interpreting, multiprocessors, pair_view
 from fp4rl.kernels.numerics import global_scale_from_amax, is_finite, max_nan, ratio_divisor
 from fp4rl.kernels.tiles import block_amax, load_raw, quantize_chunk, unpack_raw
 
@@ -225,11 +224,6 @@ def block_k_for(k: int) -> int:
     return block_k
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def launch(
     x_RK: torch.Tensor,
     rows_per_group: int,
@@ -259,7 +253,7 @@ def launch(
     if interpreting() or not x_RK.is_cuda:
         num_programs = 2  # run one after another: the first does every item
     else:
-        num_programs = config.programs_per_sm * _num_sms(x_RK.device)
+        num_programs = config.programs_per_sm * multiprocessors(x_RK.device)
     num_programs = min(num_programs, 2 * num_groups * items_per_group)
     # Enough tickets between amax(g) and quant(g) that every program has finished both items it
     # held when the last amax item of g was dealt.

@@ -7,6 +7,7 @@ Every kernel sees its input as ``R = numel / K`` rows of K values; a scaling gro
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 
@@ -69,6 +70,14 @@ def config_for(k: int) -> TileConfig:
 
 def interpreting() -> bool:
     return bool(triton.knobs.runtime.interpret)
+
+
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    """The device's SM count; 1 off CUDA (the interpreter: as few programs as possible)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def check_device(name: str, t: torch.Tensor, device: torch.device) -> None:

@@ -24,6 +24,7 @@ Legend: A rows (token-expert assignments), K reduction, N output columns, E expe
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,7 @@ from fp4rl.kernels.launch import (
     check_device,
     check_kernel_device,
     device_of,
+    multiprocessors,
     scale_per_group,
 )
 from fp4rl.kernels.numerics import (
@@ -267,9 +269,28 @@ CONFIGS: tuple[tuple[float, GemmTile], ...] = (
 )
 
 
-def config_for(num_rows: int, num_experts: int) -> GemmTile:
+# A launch whose grid would give the SMs fewer programs than this each (one token's w13: 24
+# column tiles x 8 experts = 192 programs for 132 SMs) halves its tile's width, so that more SMs
+# stream weights: 18.7 against 20.1 µs there, while w2's 256 programs lose by narrowing (14.8
+# against 10.5 µs), BENCHMARKS.md "Routed-expert GEMM".
+MIN_PROGRAMS_PER_SM = 1.5
+
+
+def config_for(num_rows: int, num_experts: int, n: int | None = None, sms: int = 0) -> GemmTile:
+    """The bucket's tile for ``num_rows`` rows over ``num_experts`` experts; given the output
+    width ``n`` and the device's ``sms``, narrowed (down to 32 columns) while its grid would
+    have fewer than `MIN_PROGRAMS_PER_SM` programs per SM."""
     rows_per_expert = num_rows / max(num_experts, 1)
-    return next(tile for bound, tile in CONFIGS if rows_per_expert <= bound)
+    tile = next(tile for bound, tile in CONFIGS if rows_per_expert <= bound)
+    if n is not None:
+        row_tiles = num_rows // tile.block_m + min(num_experts, num_rows)  # as `launch`'s grid
+        while (
+            tile.block_n > 32
+            and (n // tile.block_n) * row_tiles < MIN_PROGRAMS_PER_SM * sms
+            and n % (tile.block_n // 2) == 0
+        ):
+            tile = dataclasses.replace(tile, block_n=tile.block_n // 2)
+    return tile
 
 
 def launch(
@@ -341,7 +362,7 @@ def launch(
     y_AN = torch.empty((A, N), dtype=torch.bfloat16, device=x_AK.device)
     if A == 0 or E == 0:
         return y_AN
-    tile = (config or config_for(A, E)).fitted(N, K)
+    tile = (config or config_for(A, E, N, multiprocessors(x_AK.device))).fitted(N, K)
     scale_G, rows_per_group = scale_per_group("global_scale", w.global_scale, w.shape)
     # Each expert with rows has at most one partial tile.
     max_tiles = A // tile.block_m + min(E, A)

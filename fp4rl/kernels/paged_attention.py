@@ -43,7 +43,6 @@ page (block) size, S context splits.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -53,7 +52,13 @@ import triton.language as tl
 
 from fp4rl.fp4 import reference
 from fp4rl.fp4.tensor import NVFP4Tensor
-from fp4rl.kernels.launch import check_contiguous, check_device, check_kernel_device, device_of
+from fp4rl.kernels.launch import (
+    check_contiguous,
+    check_device,
+    check_kernel_device,
+    device_of,
+    multiprocessors,
+)
 from fp4rl.kernels.numerics import (
     BLOCK_SCALE_BIAS,
     GLOBAL_SCALE_BIAS,
@@ -429,7 +434,7 @@ def plan_for(
     choice (None)."""
     if programs > SMALL_LAUNCH:
         return config_for(fmt, programs), None
-    per_sm = max(1, _multiprocessors(device) // max(programs, 1))
+    per_sm = max(1, multiprocessors(device) // max(programs, 1))
     stretches = 1 << (per_sm.bit_length() - 1)
     stretch = -(-table_tokens // stretches)
     block = min(128, max(32, triton.next_power_of_2(stretch)))
@@ -457,13 +462,6 @@ def bf16_nvfp4_supported(head_dim: int, block_n: int) -> bool:
     return min(head_dim, block_n) >= MIN_BF16_NVFP4_REDUCTION
 
 
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1  # the interpreter: as few programs as possible
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def split_tokens_for(
     programs: int, table_tokens: int, tile: DecodeTile, device: torch.device,
     num_splits: int | None = None,
@@ -473,7 +471,7 @@ def split_tokens_for(
     within PROGRAMS_PER_SM per multiprocessor, and no stretch shorter than
     ``tile.min_split_tokens``. ``num_splits`` overrides the choice (tests, benchmarks)."""
     if num_splits is None:
-        wanted = max(1, PROGRAMS_PER_SM * _multiprocessors(device) // max(programs, 1))
+        wanted = max(1, PROGRAMS_PER_SM * multiprocessors(device) // max(programs, 1))
         wanted = 1 << (wanted.bit_length() - 1)
         num_splits = max(1, min(wanted, table_tokens // tile.min_split_tokens))
     per_split = -(-table_tokens // max(num_splits, 1))

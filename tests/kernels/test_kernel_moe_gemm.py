@@ -107,6 +107,18 @@ def every_byte_weights(e: int, n: int, k: int, seed: int) -> NVFP4Tensor:
     return NVFP4Tensor(codes, scale_bytes.view(torch.float8_e4m3fn), global_scale.view(e, 1, 1))
 
 
+def test_tiles_narrow_only_where_the_grid_leaves_sms_idle():
+    """One token's w13 (24 column tiles x 8 experts = 192 programs) on 132 SMs gets 32-wide
+    tiles; its w2 (256 programs), four tokens and an unknown SM count keep the bucket's."""
+    bucket = moe_gemm.config_for(8, 128)
+    assert bucket.block_n == 64
+    assert moe_gemm.config_for(8, 128, n=1536, sms=132).block_n == 32
+    assert moe_gemm.config_for(8, 128, n=2048, sms=132) == bucket
+    assert moe_gemm.config_for(32, 128, n=1536, sms=132).block_n == 64
+    assert moe_gemm.config_for(8, 128, n=1536) == bucket
+    assert moe_gemm.config_for(1, 128, n=64, sms=132).block_n == 32  # never below 32
+
+
 # With the global scale on the accumulator, a one-hot row's sum is one exact product
 # e2m1 * sf, and times the global scale it rounds as the contract's weight does: the same bits.
 # (Compiled, that path decodes two codes per instruction: `numerics.packed_pair`.)

@@ -373,7 +373,7 @@ def test_small_launches_cover_the_gpu_once_with_one_step_each(monkeypatch):
     """At most SMALL_LAUNCH sequence-heads: about one stretch per multiprocessor (a power of
     two), each one step of a tile as long as the stretch (32 to 128 tokens); more: `CONFIGS`'
     tile and `split_tokens_for`'s choice."""
-    monkeypatch.setattr(paged_attention, "_multiprocessors", lambda device: 132)
+    monkeypatch.setattr(paged_attention, "multiprocessors", lambda device: 132)
     plan = paged_attention.plan_for
     small = paged_attention.SMALL_TILES["nvfp4"]
     cuda = torch.device("cuda")
