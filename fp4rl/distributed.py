@@ -4,7 +4,8 @@ Each rank holds a colocated engine (the whole packed policy) and a shard of the 
 
 - `launch` starts the process group torchrun describes (its ``RANK`` / ``WORLD_SIZE`` /
   ``LOCAL_RANK`` / ``MASTER_*`` variables; NCCL on GPUs, gloo on CPUs) and gives the `Ranks`;
-  without them it gives None, and the run is the single-process one, unchanged.
+  without them it gives None, and the run is the single-process one, unchanged. `tear_down`
+  ends it, the backend's threads joined before the process exits.
 - `Ranks`: this rank's share of a step's prompts (a prompt's samples stay on one rank), the
   reductions the loop's metrics need (sums and maxima by key), and running a piece of work on
   rank 0 alone (the run directory, checkpoints) with its outcome, or its error, told to every
@@ -32,6 +33,7 @@ refit protocol (`fp4rl.refit`).
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -146,10 +148,32 @@ def launch(device: str, *, timeout: timedelta = timedelta(minutes=30)):
             )
         torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+    ranks = None
     try:
-        yield ranks_of_group("cuda" if cuda else "cpu")
+        ranks = ranks_of_group("cuda" if cuda else "cpu")
+        yield ranks
     finally:
-        dist.destroy_process_group()
+        tear_down(ranks)
+
+
+def tear_down(ranks: Ranks | None) -> None:
+    """Destroy the process groups and let their backends go now, which joins their threads,
+    rather than at the interpreter's exit. ``ranks``: those of the group (None if `Ranks` were
+    never made).
+
+    `dist.destroy_process_group` forgets the groups, but the mesh still holds them (its
+    ``_pg_registry``), and the mesh lives to the end of the process: DTensor's sharding and
+    redistribution caches keep it. A gloo group then keeps its worker threads, and one may
+    still be dropping the work of the last collective, whose tensors are Python objects: that
+    takes the GIL, and a thread taking the GIL once the interpreter finalizes is ended inside
+    the work's destructor (std::terminate: "terminate called without an active exception",
+    SIGABRT on exit). Without the mesh's reference the backend is destroyed here, and its
+    destructor waits for its queue and joins its threads (the GIL released). A sharded model
+    the caller still holds keeps its groups (FSDP's state): drop it before."""
+    dist.destroy_process_group()
+    if ranks is not None:
+        getattr(ranks.mesh, "_pg_registry", {}).clear()
+    gc.collect()  # FSDP's state of a policy no longer used, in reference cycles, holds them too
 
 
 def ranks_of_group(device_type: str) -> Ranks:

@@ -95,47 +95,56 @@ def counting(counts: Counter):
 
 
 def worker(rank: int, store: str, out: str) -> None:
-    """One rank: for each setting, a fresh sharded tiny model trained by `NUM_UPDATES` updates
-    of its share, the collectives counted per update; rank 0 saves the counts, metrics and
-    the full FP32 masters."""
+    """One rank: `train_each_setting`; rank 0 saves what it returns."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    ranks = None
     try:
         ranks = distributed.ranks_of_group("cpu")
-        results = {}
-        for gradient_sync, keep_gathered in SETTINGS:
-            policy = qat_model(tiny_precision(), dtype=torch.bfloat16)
-            distributed.shard_policy(policy, ranks, torch.bfloat16)
-            optimizer = distributed.ShardedAdamW(policy.parameters(), OPTIM)
-            per_update, metrics = [], []
-            for step in range(NUM_UPDATES):
-                completions, advantages = batch(step)
-                mine = SHARES[rank]
-                counts = Counter()
-                with counting(counts):
-                    metrics.append(
-                        update(
-                            policy,
-                            optimizer,
-                            completions[mine.start : mine.stop],
-                            advantages[mine.start : mine.stop],
-                            across=ranks,
-                            gradient_sync=gradient_sync,
-                            keep_gathered=keep_gathered,
-                        )  # fmt: skip
-                    )
-                per_update.append(ranks.gather(dict(counts)))
-            masters = {n: p.full_tensor() for n, p in policy.named_parameters()}
-            results[gradient_sync, keep_gathered] = {
-                "counts": per_update,
-                "metrics": metrics,
-                "masters": masters,
-                "numel": sum(p.numel() for p in policy.parameters()),  # DTensor: the full shape
-            }
+        results = train_each_setting(ranks)
         if rank == 0:
             torch.save(results, out)
     finally:
-        dist.destroy_process_group()
+        # The policies are gone with train_each_setting's frame: gloo's threads are joined
+        # here, before the process exits.
+        distributed.tear_down(ranks)
+
+
+def train_each_setting(ranks: distributed.Ranks) -> dict:
+    """For each setting, a fresh sharded tiny model trained by `NUM_UPDATES` updates of this
+    rank's share, the collectives counted per update: the counts, metrics and the full FP32
+    masters."""
+    results = {}
+    for gradient_sync, keep_gathered in SETTINGS:
+        policy = qat_model(tiny_precision(), dtype=torch.bfloat16)
+        distributed.shard_policy(policy, ranks, torch.bfloat16)
+        optimizer = distributed.ShardedAdamW(policy.parameters(), OPTIM)
+        per_update, metrics = [], []
+        for step in range(NUM_UPDATES):
+            completions, advantages = batch(step)
+            mine = SHARES[ranks.rank]
+            counts = Counter()
+            with counting(counts):
+                metrics.append(
+                    update(
+                        policy,
+                        optimizer,
+                        completions[mine.start : mine.stop],
+                        advantages[mine.start : mine.stop],
+                        across=ranks,
+                        gradient_sync=gradient_sync,
+                        keep_gathered=keep_gathered,
+                    )  # fmt: skip
+                )
+            per_update.append(ranks.gather(dict(counts)))
+        masters = {n: p.full_tensor() for n, p in policy.named_parameters()}
+        results[gradient_sync, keep_gathered] = {
+            "counts": per_update,
+            "metrics": metrics,
+            "masters": masters,
+            "numel": sum(p.numel() for p in policy.parameters()),  # DTensor: the full shape
+        }
+    return results
 
 
 @pytest.fixture(scope="module")
