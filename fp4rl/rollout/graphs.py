@@ -129,6 +129,11 @@ class DecodeGraphs:
         return row
 
     def _stage(self, segments: list[Segment], tokens: list[int], b: int) -> None:
+        # The pinned rows are read by the previous step's copy when the stream reaches it: wait
+        # for that copy before rewriting them. The engine's steps read their sampled tokens back
+        # first, so there it has long landed; a caller replaying steps back to back (a
+        # benchmark) would otherwise hand later steps torn rows.
+        self.staged.synchronize()
         rows = self.staging.numpy()
         rows[:b] = self._padding
         size = self.cache.block_size
@@ -139,9 +144,8 @@ class DecodeGraphs:
             rows[i, TABLE : TABLE + len(table)] = table
             rows[i, :TABLE] = (token, seg.start, table[seg.start // size] * size + seg.start % size,
                                seg.start + 1)  # fmt: skip
-        # The host rows are rewritten only after this step's sampled tokens reached the host,
-        # which waits for this copy too.
         self.inputs[:b].copy_(self.staging[:b], non_blocking=True)
+        self.staged.record(torch.cuda.current_stream(self.device))
 
     def _forward(
         self, b: int, capture: StepCapture | None
@@ -169,6 +173,7 @@ class DecodeGraphs:
             width = TABLE + self.width
             self.inputs = torch.zeros(self.max_batch, width, dtype=torch.int64, device=self.device)
             self.staging = torch.zeros(self.max_batch, width, dtype=torch.int64, pin_memory=True)
+            self.staged = torch.cuda.Event()  # the last copy of the staging rows
             self.rows = torch.arange(self.max_batch, device=self.device)
             self._padding = self._padding_rows()
             self.pool = torch.cuda.graph_pool_handle()
