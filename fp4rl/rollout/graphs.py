@@ -7,7 +7,8 @@ hundred, which is what keeps small decode batches from being bound by Python.
 
 What a graph reads lives in one int64 device buffer of ``[max_batch, 4 + N]`` rows, columns
 ``token, position, slot, context length, block table (N columns)``, staged from pinned host
-memory by one copy per step; the graph casts the table and lengths to the kernel's int32 itself.
+memory by one copy per step (the host rewrites the pinned rows once the previous step's copy
+has landed); the graph casts the table and lengths to the kernel's int32 itself.
 A step of ``B`` decodes replays the graph of the smallest bucket ``b >= B``; rows ``B..b`` are
 padding: token 0 at position 0, context 1, written to and read from the cache's scratch block
 (one block past the block manager's pool), so they never touch a sequence's pages. Their
