@@ -98,7 +98,10 @@ class RowLayout:
             ]
             for i in chosen
         ]
-        stretch = rows[:, start : start + max(end for item in plan for _, end, _, _ in item)]
+        # To a 16-byte end (within the row, as its members are): any member's dtype then views
+        # the gathered buffer's rows.
+        last = max(b for members in plan for _, b, _, _ in members)
+        stretch = rows[:, start : start + _aligned(last)]
         out = []
         for index in indices:
             n = index.shape[0]
@@ -135,6 +138,10 @@ def _tensors(item: torch.Tensor | SiteRecord) -> tuple[torch.Tensor, ...]:
     return (item,) if isinstance(item, torch.Tensor) else record_members(item)
 
 
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+
+
 def _flat(members):
     return [m for item in members for m in item]
 
@@ -146,7 +153,7 @@ def _row_layout(signature: tuple) -> RowLayout:
         placed = []
         for dtype, shape in specs:
             placed.append((offset, dtype, tuple(shape)))
-            offset += -(-math.prod(shape) * dtype.itemsize // ALIGN_BYTES) * ALIGN_BYTES
+            offset += _aligned(math.prod(shape) * dtype.itemsize)
         keys.append(key)
         kinds.append(kind)
         members.append(tuple(placed))
