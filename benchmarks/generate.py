@@ -7,11 +7,12 @@
 Generates the same prompts with the same seeds under several engine settings and reports
 generated tokens/s and capture bytes per generated token, each against the BF16-expert engine
 and the uncaptured NVFP4 engine measured in the same run: the median wall time of ``--repeats``
-runs after a warm-up run of the same call (± half the spread), the rows' runs interleaved. Every
-layer is MoE with NVFP4 experts (no BF16 boundary layers). On the GPU packed experts go through
-the fused NVFP4 grouped GEMM and decode attention through the paged kernel; decode-only steps
-replay CUDA graphs (`fp4rl.rollout.graphs`), except in the rows marked eager; prefill attention
-and everything else is still plain PyTorch. The ratios are against the graphed engines.
+runs after a warm-up run of the same call (± half the spread), the rows' runs interleaved (so
+every row's engine, its model and its ``--kv-gib`` of KV, is held at once). Every layer is MoE
+with NVFP4 experts (no BF16 boundary layers). On the GPU packed experts go through the fused
+NVFP4 grouped GEMM and decode attention through the paged kernel; decode-only steps replay CUDA
+graphs (`fp4rl.rollout.graphs`), except in the rows marked eager; prefill attention and
+everything else is still plain PyTorch. The ratios are against the graphed engines.
 """
 
 from __future__ import annotations

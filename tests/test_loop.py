@@ -141,7 +141,7 @@ PINNED_KERNELS = {
     "ATEN_CPU_CAPABILITY": "avx2",
     "OMP_NUM_THREADS": "1",
 }
-# Pinned by running `first_steps` once so (torch 2.13 CPU build, FP32, the demo's config as
+# Pinned by running `first_steps` once that way (torch 2.13 CPU build, FP32, the demo's config as
 # committed) and recording what it returned; every input is seeded, so a change in any of the
 # warm-up, rollout, reward, advantages, loss, optimizer or refit moves these numbers. Rewards
 # are exact (correct samples / 512); losses agree to FP32 rounding.
