@@ -190,6 +190,37 @@ def paged_decode_attention(
     return _kernels(q_BHD).paged_decode_attention(q_BHD, k, v, block_table_BN, context_B)
 
 
+def paged_prefill_plan(q_THD: torch.Tensor, segments, block_tables, group: int):
+    """The prefill kernel's plan of a step's prefill segments (``(first row, start, num)`` each,
+    with their block tables; `fp4rl.kernels.paged_prefill.plan`), built once per step for
+    queries like ``q_THD``; None off the GPU, where no kernel runs."""
+    kernels = _kernels(q_THD)
+    if kernels is None:
+        return None
+    return kernels.paged_prefill.plan(segments, block_tables, group, q_THD.device)
+
+
+def paged_prefill_attention(
+    q_THD: torch.Tensor,
+    k: torch.Tensor | NVFP4Tensor,
+    v: torch.Tensor | NVFP4Tensor,
+    prefill,
+    out_THD: torch.Tensor,
+) -> torch.Tensor | None:
+    """Prefill attention of a step's prefill segments (a `paged_prefill_plan`) over their pages,
+    read where they lie, written into ``out_THD``'s rows, on the GPU; None where the kernel
+    does not run (no plan, or BF16 queries over NVFP4 pages of head dim below 32: the
+    miscompile `paged_decode_kernel_runs` names), where the caller runs ``attend_fp32`` over
+    the gathered context, the kernel's spec."""
+    if prefill is None:
+        return None
+    kernels = _kernels(q_THD)
+    supported = kernels.paged_attention.bf16_nvfp4_supported(q_THD.shape[-1], prefill.tile.block_n)
+    if isinstance(k, NVFP4Tensor) and q_THD.dtype == torch.bfloat16 and not supported:
+        return None
+    return kernels.paged_prefill_attention(q_THD, k, v, prefill, out_THD)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """RMSNorm of the rows of ``x`` in one kernel on the GPU (`fp4rl.kernels.rms_norm`: a fixed
     FP32 summation order, the same bits whatever the batch), for x and weight of one float

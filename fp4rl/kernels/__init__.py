@@ -24,6 +24,7 @@ from fp4rl.kernels import (
     norm_quant,
     norm_rope,
     paged_attention,
+    paged_prefill,
     rms_norm,
     rope,
     router,
@@ -41,6 +42,7 @@ __all__ = [
     "grouped_mm",
     "norm_rope_rows",
     "paged_decode_attention",
+    "paged_prefill_attention",
     "project_rows",
     "quantize",
     "quantize_into",
@@ -137,6 +139,12 @@ def paged_decode_attention(q_BHD, k, v, block_table_BN, context_B) -> torch.Tens
     """`paged_attention.reference_decode`: one query token per sequence over its KV pages
     (BF16 tensors or NVFP4 decoded in registers)."""
     return paged_attention.launch(q_BHD, k, v, block_table_BN, context_B)
+
+
+def paged_prefill_attention(q_THD, k, v, prefill, out_THD) -> torch.Tensor:
+    """`paged_prefill.reference_prefill`: each prefill segment's queries over their cached
+    context (BF16 pages, or NVFP4 decoded in registers), written into ``out_THD``'s rows."""
+    return paged_prefill.launch(q_THD, k, v, prefill, out_THD)
 
 
 def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -615,6 +615,14 @@ def launch(
     return out_BHD
 
 
+def read_rows(pages: KVPages, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The K or V rows ``[*slots.shape, K, D]`` of cache ``slots`` in ``dtype``, as
+    ``KVCache.read`` returns them: BF16 pages cast, NVFP4 rows `reference.dequantize`d."""
+    if isinstance(pages, NVFP4Tensor):
+        return reference.dequantize(pages.map(lambda m: m.flatten(0, 1)[slots]), dtype)
+    return pages.flatten(0, 1)[slots].to(dtype)
+
+
 def reference_decode(
     q_BHD: torch.Tensor,
     k: KVPages,
@@ -641,12 +649,7 @@ def reference_decode(
     blocks_BC = table.gather(1, (c_C // page).clamp_max(max(table.shape[1] - 1, 0)).expand(B, C))
     slots_BC = torch.where(visible_BC, blocks_BC * page + c_C % page, 0)
 
-    def read(pages: KVPages) -> torch.Tensor:
-        if isinstance(pages, NVFP4Tensor):
-            return reference.dequantize(pages.map(lambda m: m.flatten(0, 1)[slots_BC]), q_BHD.dtype)
-        return pages.flatten(0, 1)[slots_BC].to(q_BHD.dtype)
-
-    k_BCKD, v_BCKD = read(k), read(v)
+    k_BCKD, v_BCKD = read_rows(k, slots_BC, q_BHD.dtype), read_rows(v, slots_BC, q_BHD.dtype)
     v_BCKD = v_BCKD.masked_fill(~visible_BC[:, :, None, None], 0)
     # attend_fp32 with one query per sequence: the same operations on the same shapes.
     q = q_BHD.float().view(B, 1, K, Hq // K, D)

@@ -8,9 +8,10 @@ then lets each token attend causally to its own sequence's cached context, itsel
 Scores, softmax and the probability-value product run in FP32 (softmax scale ``1/sqrt(D)``),
 the output is cast to the query dtype. On the GPU, decode segments (one token each) go to one
 Triton kernel that reads BF16 or NVFP4 pages where they lie through the block tables
-(`fp4rl.kernels.paged_attention`, via `fp4rl.ops`). Elsewhere, and for prefill segments, the
-context is gathered and attended in plain PyTorch (`attend_fp32`, the kernel's spec): decodes
-batched over a padded context, prefills one at a time so a long prompt never pads the batch.
+(`fp4rl.kernels.paged_attention`, via `fp4rl.ops`), and a step's prefill segments to another
+(`fp4rl.kernels.paged_prefill`, flash-style tiles of query tokens). Elsewhere the context is
+gathered and attended in plain PyTorch (`attend_fp32`, the kernels' spec): decodes batched over
+a padded context, prefills one at a time so a long prompt never pads the batch.
 
 Legend: T step tokens, S segments, N blocks per table, C context tokens, Hq/K query/kv heads,
 G = Hq/K, D head dim.
@@ -54,6 +55,10 @@ class AttentionMetadata:
     decode_table_BN: torch.Tensor  # int32 block tables of the decode segments (0-padded)
     # Prefill segments, one at a time: (first row, number of rows, context slots [C]).
     prefills: tuple[tuple[int, int, torch.Tensor], ...]
+    # The same segments for the GPU's prefill kernel: (first row, start, number of rows) and
+    # block tables, host lists (`ops.paged_prefill_plan` makes them device tensors once).
+    prefill_segments: tuple[tuple[int, int, int], ...] = ()
+    prefill_tables: tuple[list[int], ...] = ()
 
     @staticmethod
     def build(
@@ -99,6 +104,10 @@ class AttentionMetadata:
             decode_context_B=context[decodes].to(torch.int32).to(device),
             decode_table_BN=table_SN[decodes].to(torch.int32).to(device),
             prefills=tuple((r, n, c.to(device)) for r, n, c in prefills),
+            prefill_segments=tuple(
+                (first_row[i], s.start, s.num_new) for i, s in enumerate(segments) if s.num_new > 1
+            ),
+            prefill_tables=tuple(s.block_table for s in segments if s.num_new > 1),
         )
 
 
@@ -113,6 +122,7 @@ class PagedAttention:
     def __init__(self, cache: KVCache, meta: AttentionMetadata) -> None:
         self.cache, self.meta = cache, meta
         self.positions = meta.positions_T
+        self._prefill_plan = None  # built by the first layer that prefills on the GPU
 
     def attend(self, layer: int, q_THD: torch.Tensor, kv: NewKV) -> torch.Tensor:
         m = self.meta
@@ -121,9 +131,27 @@ class PagedAttention:
             # Decodes alone (a graphed step): their rows are all rows, in order, so the
             # queries and outputs need no gather and no scatter.
             return self._decode(layer, q_THD)
+        q_THD = q_THD.contiguous()  # the prefill kernel reads it, and writes o_THD, in place
         o_THD = torch.empty_like(q_THD)
         if m.decode_rows_B.numel():
             o_THD[m.decode_rows_B] = self._decode(layer, q_THD[m.decode_rows_B])
+        if m.prefills:
+            self._prefill(layer, q_THD, o_THD)
+        return o_THD
+
+    def _prefill(self, layer: int, q_THD: torch.Tensor, o_THD: torch.Tensor) -> None:
+        """The prefill rows of ``o_THD``: on the GPU one kernel over every prefill segment,
+        reading the pages where they lie (`fp4rl.ops`); elsewhere each segment's context is
+        gathered and attended in plain PyTorch, the kernel's spec."""
+        m = self.meta
+        if self._prefill_plan is None:
+            group = q_THD.shape[1] // self.cache.spec.num_kv_heads
+            self._prefill_plan = ops.paged_prefill_plan(
+                q_THD, m.prefill_segments, m.prefill_tables, group
+            )
+        k, v = self.cache.pages(layer)
+        if ops.paged_prefill_attention(q_THD, k, v, self._prefill_plan, o_THD) is not None:
+            return
         for row, num, slots_C in m.prefills:
             k_CKD, v_CKD = self.cache.read(layer, slots_C, q_THD.dtype)
             o = attend_fp32(
@@ -134,7 +162,6 @@ class PagedAttention:
                 torch.tensor([slots_C.numel()], device=q_THD.device),
             )
             o_THD[row : row + num] = o[0].to(q_THD.dtype)
-        return o_THD
 
     def _decode(self, layer: int, q_BHD: torch.Tensor) -> torch.Tensor:
         """Attention ``[B, Hq, D]`` of the decode rows' queries over their cached contexts: on
