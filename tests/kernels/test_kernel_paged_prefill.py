@@ -260,8 +260,10 @@ def test_tiles_cover_each_segment_in_order():
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["bf16 pages", "nvfp4"])
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_qwen3_shapes_on_gpu(fmt, q_dtype):
+@pytest.mark.parametrize("tile", ["default", "8:64:4:2", "8:128:4:2", "16:128:8:2", "4:64:4:2"])
+def test_qwen3_shapes_on_gpu(fmt, q_dtype, tile):
     chunks = [(0, 512), (0, 2048), (1000, 300), (0, 2), (64, 1)]
     scene = Scene(fmt, chunks, heads=(32, 4), dim=128, page=16, seed=1, device="cuda",
                   q_dtype=q_dtype, lead=3, scale=2.0)  # fmt: skip
-    assert_within(scene.launch(), scene, f"{fmt}, {q_dtype}")
+    config = None if tile == "default" else PrefillTile(*(int(v) for v in tile.split(":")))
+    assert_within(scene.launch(config), scene, f"{fmt}, {q_dtype}, tile {tile}")
