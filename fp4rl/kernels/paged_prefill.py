@@ -125,27 +125,34 @@ def _paged_prefill_kernel(
 
 @dataclass(frozen=True, slots=True)
 class PrefillTile:
-    """One program: ``block_q`` query tokens (times the group's heads: the dots' rows) against
-    ``block_n`` context tokens a step (powers of two), ``num_stages`` steps of loads in
-    flight."""
+    """One program: ``rows`` of the dots (query tokens times the group's heads padded to a power
+    of two; at least one token) against ``block_n`` context tokens a step, ``num_stages`` steps
+    of loads in flight. Powers of two; rows >= 16, the tensor cores' smallest tile."""
 
-    block_q: int
+    rows: int
     block_n: int
     num_warps: int
     num_stages: int
 
     def __post_init__(self) -> None:
-        for name, low in (("block_q", 1), ("block_n", 16)):
+        for name in ("rows", "block_n"):
             v = getattr(self, name)
-            if v < low or v & (v - 1):
-                raise ValueError(f"PrefillTile.{name} must be a power of two >= {low}; got {v}")
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"PrefillTile.{name} must be a power of two >= 16; got {v}")
+
+    def block_q(self, group: int) -> int:
+        """Query tokens per tile for ``group`` query heads per KV head."""
+        return max(1, self.rows // triton.next_power_of_2(group))
 
 
-# Rows (query tokens x the group's heads, padded to a power of two) a tile aims for: the block_q
-# of a plan is ROWS // padded group, at least 1, at most `TILE.block_q`.
-TILE = PrefillTile(block_q=16, block_n=64, num_warps=8, num_stages=2)
-ROWS = 128
-MIN_ROWS = 16  # the tensor cores' smallest tile
+# For the Qwen3-30B-A3B attention shape (32 / 4 heads of 128: 8 tokens a tile) on one H200, from
+# the sweep of benchmarks/prefill_attention.py recorded in BENCHMARKS.md: 64 rows against
+# 64-token steps, 4 warps, 2 loads in flight, was the fastest over BF16 pages (64 prompts x 512
+# tokens: 1.15 ms against 1.38 for 128 rows of 8 warps) and within 6 % of the fastest over
+# NVFP4 pages. 64 rows against 128-token steps over NVFP4 pages fails to compile on Triton 3.6
+# (TritonGPUOptimizeDotOperands), and 128-token steps with FP32 queries need more shared memory
+# than an H200 has.
+TILE = PrefillTile(rows=64, block_n=64, num_warps=4, num_stages=2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,13 +167,7 @@ class PrefillPlan:
     tiles_P2: torch.Tensor
     tile: PrefillTile
     group: int  # query heads per KV head the plan was tiled for
-
-
-def block_q_for(tile: PrefillTile, group: int) -> int:
-    """Query tokens per tile: `ROWS` rows over the group's heads padded to a power of two, at
-    least `MIN_ROWS` rows, at most ``tile.block_q`` tokens."""
-    padded = triton.next_power_of_2(group)
-    return max(min(tile.block_q, max(1, ROWS // padded)), -(-MIN_ROWS // padded))
+    block_q: int  # query tokens per tile: ``tile.block_q(group)``
 
 
 def plan(
@@ -191,8 +192,7 @@ def plan(
     for s in segments:
         if len(s) != 3 or min(s) < 0 or s[2] < 1:
             raise ValueError(f"a segment is (first row, start, num >= 1); got {tuple(s)}")
-    block_q = block_q_for(tile, group)
-    tile = PrefillTile(block_q, tile.block_n, tile.num_warps, tile.num_stages)
+    block_q = tile.block_q(group)
     width = max((len(t) for t in block_tables), default=0)
     table = [list(t) + [0] * (width - len(t)) for t in block_tables]
     tiles = [(i, q0) for i, (_, _, num) in enumerate(segments) for q0 in range(0, num, block_q)]
@@ -203,6 +203,7 @@ def plan(
         tiles_P2=torch.tensor(tiles, **as_int32).view(-1, 2),
         tile=tile,
         group=group,
+        block_q=block_q,
     )
 
 
@@ -264,7 +265,7 @@ def launch(
         _paged_prefill_kernel[(programs, K)](
             q_THD, *members, prefill.table_SN, prefill.segments_S3, prefill.tiles_P2, out_THD,
             1.0 / math.sqrt(D), K, prefill.table_SN.shape[1],
-            G=G, BLOCK_G=triton.next_power_of_2(G), BLOCK_Q=tile.block_q, D=D, PAGE=page,
+            G=G, BLOCK_G=triton.next_power_of_2(G), BLOCK_Q=prefill.block_q, D=D, PAGE=page,
             BLOCK_N=tile.block_n, NVFP4=nvfp4, NUM_STAGES=tile.num_stages,
             num_warps=tile.num_warps,
             # The decode's two products must not merge into an FMA with anything.
