@@ -125,10 +125,10 @@ def attend_fp32(
 ) -> torch.Tensor:
     """Causal GQA over gathered context (slot c holds position c); FP32 ``[B, Q, Hq, D]``.
 
-    The rollout's attention (`fp4rl.rollout.attention`: each prefill, and decode off the GPU)
-    and the paged kernel's spec; the trainer's engine-order backend (`EngineOrderAttention`)
-    calls it on the shapes the engine does. Its FP32 sums, hence its low bits, depend on the
-    shapes: the padded context length ``C`` included."""
+    The rollout's attention off the GPU (`fp4rl.rollout.attention`: prefills and decodes) and
+    the spec of its paged kernels on the GPU; the trainer's engine-order backend
+    (`EngineOrderAttention`) calls it on the shapes the engine does. Its FP32 sums, hence its
+    low bits, depend on the shapes: the padded context length ``C`` included."""
     B, Q, Hq, D = q_BQHD.shape
     C, K = k_BCKD.shape[1], k_BCKD.shape[2]
     q = q_BQHD.float().view(B, Q, K, Hq // K, D)
