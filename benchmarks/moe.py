@@ -10,7 +10,9 @@ logits. Compared in the same run:
   (a) ``moe_gemm.launch``: packed NVFP4 weights decoded in registers, only touched experts read;
   (b) today's NVFP4 path (`PackedExperts`): ``dequantize`` of every expert to BF16, then the
       model's ``grouped_mm`` (``torch._grouped_mm`` on the GPU);
-  (c) the BF16 engine's path: ``grouped_mm`` on BF16 weights.
+  (c) ``torch._grouped_mm`` on BF16 weights, the BF16 engine's path before (d);
+  (d) ``moe_gemm.launch`` on the same BF16 weights: the program of (a), its weight tiles loaded
+      as they lie (the launcher's BF16 tile, and the tiles of ``--bf16-configs``).
 Every variant is first checked against the plain-PyTorch twin (``moe_gemm.reference_gemm``).
 Times are CUDA-graph replays (the GPU's time) after warm-up, median over repeats, rotating over
 ``--layers`` sets of weights, rows and routing so that no call finds its experts in L2; inputs
@@ -53,6 +55,11 @@ def main() -> None:
         help="extra tiles for (a), BLOCK_M:BLOCK_N:BLOCK_K:WARPS:STAGES or auto, comma-separated; "
         "suffix '+acc' puts the global scale on the accumulator (not the contract)",
     )
+    parser.add_argument(
+        "--bf16-configs",
+        default="16:64:128:4:4,16:64:64:4:6,16:128:128:4:4,32:64:128:4:4,16:32:128:4:4",
+        help="tiles for (d), BLOCK_M:BLOCK_N:BLOCK_K:WARPS:STAGES, comma-separated",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available() and not args.quick:
         sys.exit("needs a CUDA GPU; --quick runs a CPU smoke check under TRITON_INTERPRET")
@@ -70,6 +77,9 @@ def main() -> None:
         tile, _, acc = spec.partition("+")
         tile = None if tile == "auto" else GemmTile(*(int(v) for v in tile.split(":")))
         variants[spec] = (tile, acc == "acc")
+    bf16_variants = {"auto": None}
+    for spec in filter(None, args.bf16_configs.split(",")):
+        bf16_variants[spec] = GemmTile(*(int(v) for v in spec.split(":")))
     torch.manual_seed(0)
 
     copy_gbs, matmul_tflops = ceilings(device, args.quick)
@@ -83,8 +93,15 @@ def main() -> None:
         "",
         "| GEMM | tokens | rows | experts touched | (a) NVFP4 kernel us | roofline us | % of "
         "roofline | (b) dequant + grouped_mm us | (c) BF16 grouped_mm us | BF16 roofline us | "
-        "(a) vs (b) | (a) vs (c) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "(a) vs (b) | (a) vs (c) | (d) BF16 kernel us | (c) / (d) | (a) vs (d) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    bf16_sweep = [
+        "",
+        "Tiles of (d), BF16 weights (BLOCK_M:BLOCK_N:BLOCK_K:WARPS:STAGES), us:",
+        "",
+        "| GEMM | tokens | (c) grouped_mm | " + " | ".join(bf16_variants) + " |",
+        "|---|---:|---:|" + "---:|" * len(bf16_variants),
     ]
     sweep = [
         "",
@@ -99,20 +116,23 @@ def main() -> None:
                   for _ in range(layers)]  # fmt: skip
         packed = [ops.quantize(w, scaling=2) for w in w_bf16]
         for t in tokens:
-            row, tiles = measure(name, t, w_bf16, packed, variants, (copy_gbs, matmul_tflops),
-                                 warmup=warmup, repeats=repeats)  # fmt: skip
+            row, tiles, bf16_tiles = measure(
+                name, t, w_bf16, packed, variants, bf16_variants, (copy_gbs, matmul_tflops),
+                warmup=warmup, repeats=repeats,
+            )  # fmt: skip
             lines.append(row)
             sweep.append(tiles)
+            bf16_sweep.append(bf16_tiles)
             print(row, flush=True)
         del w_bf16, packed
     end_gbs, end_tflops = ceilings(device, args.quick)
     lines.insert(3, f"The same ceilings measured again after the last row: {end_gbs:.0f} GB/s, "
                  f"{end_tflops:.0f} TFLOP/s.")  # fmt: skip
-    report("moe.md", lines + sweep)
+    report("moe.md", lines + sweep + bf16_sweep)
 
 
-def measure(name, t, w_bf16, packed, variants, ceiling, *, warmup, repeats):
-    """(main table row, tile sweep row) for one GEMM shape at t tokens."""
+def measure(name, t, w_bf16, packed, variants, bf16_variants, ceiling, *, warmup, repeats):
+    """(main table row, tile sweep row, BF16 tile sweep row) for one GEMM shape at t tokens."""
     copy_gbs, matmul_tflops = ceiling
     experts, n, k = w_bf16[0].shape
     device = w_bf16[0].device
@@ -132,20 +152,29 @@ def measure(name, t, w_bf16, packed, variants, ceiling, *, warmup, repeats):
     def fp4_today(s):
         return grouped_mm(s[0], ops.dequantize(s[1], torch.bfloat16), s[3])
 
-    def bf16_today(s):
-        return grouped_mm(s[0], s[2], s[3])
+    def bf16_today(s):  # the BF16 engine's path before its own kernel: torch._grouped_mm
+        if not s[0].is_cuda:
+            return grouped_mm(s[0], s[2], s[3])
+        offsets = s[3].cumsum(0).to(torch.int32)
+        return torch._grouped_mm(s[0], s[2].transpose(-2, -1), offs=offsets)
 
     kernels = {
         spec: (lambda s, tile=tile, acc=acc: moe_gemm.launch(
             s[0], s[1], s[3], config=tile, global_scale_on_accumulator=acc))
         for spec, (tile, acc) in variants.items()
     }  # fmt: skip
+    bf16_kernels = {
+        spec: (lambda s, tile=tile: moe_gemm.launch(s[0], s[2], s[3], config=tile))
+        for spec, tile in bf16_variants.items()
+    }  # fmt: skip
     # Correct first: every variant against its twin on the first set.
     x, p, w, counts = sets[0]
     want = moe_gemm.reference_gemm(x, p, counts)
     for label, fn in [*kernels.items(), ("dequant + grouped_mm", fp4_today)]:
         check(label, fn(sets[0]), want, f"{name} {t} tokens")
-    check("BF16 grouped_mm", bf16_today(sets[0]), bf16_twin(x, w, counts), f"{name} {t} tokens")
+    bf16_want = bf16_twin(x, w, counts)
+    for label, fn in [("BF16 grouped_mm", bf16_today), *bf16_kernels.items()]:
+        check(label, fn(sets[0]), bf16_want, f"BF16 weights, {name} {t} tokens")
 
     def us(fn):
         return 1e3 * median_ms(
@@ -154,12 +183,19 @@ def measure(name, t, w_bf16, packed, variants, ceiling, *, warmup, repeats):
 
     times = {spec: us(fn) for spec, fn in kernels.items()}
     today, bf16, ours = us(fp4_today), us(bf16_today), times["auto"]
+    bf16_times = {spec: us(fn) for spec, fn in bf16_kernels.items()}
+    bf16_ours = bf16_times["auto"]
     row = (
         f"| {name} | {t} | {rows} | {touched:.1f} | {ours:.1f} | {fp4_roof:.1f} | "
         f"{100 * fp4_roof / ours:.0f} | {today:.1f} | {bf16:.1f} | {bf16_roof:.1f} | "
-        f"{today / ours:.2f}x | {bf16 / ours:.2f}x |"
+        f"{today / ours:.2f}x | {bf16 / ours:.2f}x | {bf16_ours:.1f} | {bf16 / bf16_ours:.2f}x | "
+        f"{bf16_ours / ours:.2f}x |"
     )
-    return row, f"| {name} | {t} | " + " | ".join(f"{v:.1f}" for v in times.values()) + " |"
+    tiles = f"| {name} | {t} | " + " | ".join(f"{v:.1f}" for v in times.values()) + " |"
+    bf16_tiles = f"| {name} | {t} | {bf16:.1f} | " + " | ".join(
+        f"{v:.1f}" for v in bf16_times.values()
+    ) + " |"  # fmt: skip
+    return row, tiles, bf16_tiles
 
 
 def bf16_twin(x_AK: torch.Tensor, w_ENK: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:

@@ -116,6 +116,10 @@ def quantize_guided(
 # grouped GEMM (one H200, `python benchmarks/moe.py`: 1.6x faster at 8,192 rows, slower at
 # 32,768 -- long prefills).
 FUSED_GEMM_MAX_ROWS = 16384
+# Row counts up to which the same kernel over BF16 weights (decode batches) replaces
+# `torch._grouped_mm` in inference (one H200, `python benchmarks/moe.py`, "Routed-expert GEMM"
+# in BENCHMARKS.md). Training keeps `torch._grouped_mm`, which has a backward.
+BF16_KERNEL_MAX_ROWS = 2048
 
 
 def grouped_mm(
@@ -135,10 +139,14 @@ def grouped_mm(
     ``w`` is a tensor, or packed NVFP4 weights: on the GPU in BF16 those are decoded in
     registers by one fused kernel (only experts with rows are read), elsewhere dequantized to
     ``x``'s dtype first. Either way the weight values are bitwise ``dequantize(w, x.dtype)``;
-    only the FP32 accumulation order differs. On the GPU the group offsets stay on the device
-    (no host sync); the CPU path is a loop of plain matmuls.
+    only the FP32 accumulation order differs. BF16 weights go through the same kernel on the
+    GPU for decode-sized batches (at most BF16_KERNEL_MAX_ROWS rows) when no gradient is
+    wanted, else `torch._grouped_mm`. On the GPU the group offsets stay on the device (no host
+    sync); the CPU path is a loop of plain matmuls.
     """
     rows = x_AK.shape[0] if order_A is None else order_A.shape[0]
+    if _bf16_kernel_runs(x_AK, w_ENK, rows):
+        return _kernels(x_AK).grouped_mm(x_AK.contiguous(), w_ENK, counts_E, order_A, top_k)
     if isinstance(w_ENK, NVFP4Tensor):
         fused = x_AK.dtype == torch.bfloat16 and rows <= FUSED_GEMM_MAX_ROWS
         kernels = _kernels(x_AK)
@@ -153,6 +161,15 @@ def grouped_mm(
     rows = x_AK.split(counts_E.tolist())
     outs = [x.matmul(w.t()) for x, w in zip(rows, w_ENK, strict=True) if x.numel()]
     return torch.cat(outs) if outs else x_AK.new_zeros(0, w_ENK.shape[1])
+
+
+def _bf16_kernel_runs(x_AK: torch.Tensor, w_ENK, rows: int) -> bool:
+    """Whether `grouped_mm` sends BF16 weights to the fused kernel (see its docstring)."""
+    if isinstance(w_ENK, NVFP4Tensor) or not x_AK.is_cuda or rows > BF16_KERNEL_MAX_ROWS:
+        return False
+    wants_grad = torch.is_grad_enabled() and (x_AK.requires_grad or w_ENK.requires_grad)
+    bf16 = x_AK.dtype == w_ENK.dtype == torch.bfloat16
+    return bf16 and not wants_grad and w_ENK.dim() == 3 and w_ENK.is_contiguous()
 
 
 def paged_decode_kernel_runs(q: torch.Tensor, nvfp4_pages: bool) -> bool:

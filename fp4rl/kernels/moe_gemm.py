@@ -180,7 +180,10 @@ def _moe_gemm_kernel(
     BLOCK_E: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     SCALE_AFTER: tl.constexpr,
+    PACKED: tl.constexpr,
 ):
+    # PACKED=False: ``codes_ENW`` is a BF16 weight [E, N, K], read as it lies (the scale
+    # pointers are not read): the same program for the BF16 engine's experts.
     tile = tl.program_id(1)
     num_tiles, expert, row0, rows_end = _expert_tile(counts_E, tile, A, E, BLOCK_M, BLOCK_E)
     if tile >= num_tiles:
@@ -189,35 +192,42 @@ def _moe_gemm_kernel(
     row_ok_M = rows_M < rows_end
     cols_N = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # N % BLOCK_N == 0
     w_rows_N = expert.to(tl.int64) * N + cols_N
-    s_N = tl.load(scale_G + w_rows_N // rows_per_group) * GLOBAL_SCALE_BIAS
 
     x_rows_M = rows_M.to(tl.int64)
     if GATHER:  # x holds tokens: row a of the product is token order[a] // top_k
         x_rows_M = tl.load(order_A + rows_M, mask=row_ok_M, other=0).to(tl.int64) // top_k
     x_ptrs = x_AK + x_rows_M[:, None] * K + tl.arange(0, BLOCK_K)[None, :]
-    word_ptrs = codes_ENW + w_rows_N[:, None] * (K // 8) + tl.arange(0, BLOCK_K // 8)[None, :]
-    # Block scales as int32 words of 4 (K % 64 == 0) or as bytes; see `_block_scales`.
-    SCALES_PER_LOAD: tl.constexpr = 4 if BLOCK_K >= 64 else 1
-    scale_ptrs = (
-        block_scale_ENB.to(tl.pointer_type(tl.int32 if BLOCK_K >= 64 else tl.uint8))
-        + w_rows_N[:, None] * (K // 16 // SCALES_PER_LOAD)
-        + tl.arange(0, BLOCK_K // 16 // SCALES_PER_LOAD)[None, :]
-    )
-    # The decoded weights are the dot's first operand (M = BLOCK_N >= 64 suits the tensor
+    if PACKED:
+        s_N = tl.load(scale_G + w_rows_N // rows_per_group) * GLOBAL_SCALE_BIAS
+        word_ptrs = codes_ENW + w_rows_N[:, None] * (K // 8) + tl.arange(0, BLOCK_K // 8)[None, :]
+        # Block scales as int32 words of 4 (K % 64 == 0) or as bytes; see `_block_scales`.
+        SCALES_PER_LOAD: tl.constexpr = 4 if BLOCK_K >= 64 else 1
+        scale_ptrs = (
+            block_scale_ENB.to(tl.pointer_type(tl.int32 if BLOCK_K >= 64 else tl.uint8))
+            + w_rows_N[:, None] * (K // 16 // SCALES_PER_LOAD)
+            + tl.arange(0, BLOCK_K // 16 // SCALES_PER_LOAD)[None, :]
+        )
+    else:
+        w_ptrs = codes_ENW + w_rows_N[:, None] * K + tl.arange(0, BLOCK_K)[None, :]
+    # The (decoded) weights are the dot's first operand (M = BLOCK_N >= 64 suits the tensor
     # cores' tile even for a single row) and the few rows of x its second: y.T = W @ x.T.
     acc_NM = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for _ in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):  # K % BLOCK_K == 0
         x_MK = tl.load(x_ptrs, mask=row_ok_M[:, None], other=0.0)
-        sf_NB = _block_scales(scale_ptrs, BLOCK_N, BLOCK_K)
-        if SCALE_AFTER and PAIRS:
-            w_NK = _decode_tile_paired(tl.load(word_ptrs), _per_word(bf16x2_bits(sf_NB)))
+        if not PACKED:
+            w_NK = tl.load(w_ptrs)
+            w_ptrs += BLOCK_K
         else:
-            w_NK = _decode_tile(tl.load(word_ptrs), _per_word(sf_NB), s_N, SCALE_AFTER)
+            sf_NB = _block_scales(scale_ptrs, BLOCK_N, BLOCK_K)
+            if SCALE_AFTER and PAIRS:
+                w_NK = _decode_tile_paired(tl.load(word_ptrs), _per_word(bf16x2_bits(sf_NB)))
+            else:
+                w_NK = _decode_tile(tl.load(word_ptrs), _per_word(sf_NB), s_N, SCALE_AFTER)
+            word_ptrs += BLOCK_K // 8
+            scale_ptrs += BLOCK_K // 16 // SCALES_PER_LOAD
         acc_NM = dot(w_NK, tl.trans(x_MK), acc_NM)
         x_ptrs += BLOCK_K
-        word_ptrs += BLOCK_K // 8
-        scale_ptrs += BLOCK_K // 16 // SCALES_PER_LOAD
-    if SCALE_AFTER:
+    if PACKED and SCALE_AFTER:
         acc_NM = acc_NM * s_N[:, None]
     y_ptrs = y_AN + rows_M.to(tl.int64)[None, :] * N + cols_N[:, None]
     tl.store(y_ptrs, round_to(acc_NM, tl.bfloat16), mask=row_ok_M[None, :])
@@ -269,6 +279,12 @@ CONFIGS: tuple[tuple[float, GemmTile], ...] = (
 )
 
 
+# BF16 weights (the BF16 engine's experts): nothing to decode, so the weight tile goes from
+# shared memory to the tensor cores as loaded. Provisional: the NVFP4 buckets until a sweep of
+# benchmarks/moe.py (--bf16-configs) says otherwise.
+BF16_CONFIGS: tuple[tuple[float, GemmTile], ...] = CONFIGS
+
+
 # A launch whose grid would give the SMs fewer programs than this each (one token's w13: 24
 # column tiles x 8 experts = 192 programs for 132 SMs) halves its tile's width, so that more SMs
 # stream weights: 18.7 against 20.1 µs there, while w2's 256 programs lose by narrowing (14.8
@@ -276,12 +292,16 @@ CONFIGS: tuple[tuple[float, GemmTile], ...] = (
 MIN_PROGRAMS_PER_SM = 1.5
 
 
-def config_for(num_rows: int, num_experts: int, n: int | None = None, sms: int = 0) -> GemmTile:
-    """The bucket's tile for ``num_rows`` rows over ``num_experts`` experts; given the output
-    width ``n`` and the device's ``sms``, narrowed (down to 32 columns) while its grid would
-    have fewer than `MIN_PROGRAMS_PER_SM` programs per SM."""
+def config_for(
+    num_rows: int, num_experts: int, n: int | None = None, sms: int = 0, *, bf16: bool = False
+) -> GemmTile:
+    """The bucket's tile (`BF16_CONFIGS` for BF16 weights) for ``num_rows`` rows over
+    ``num_experts`` experts; given the output width ``n`` and the device's ``sms``, narrowed
+    (down to 32 columns) while its grid would have fewer than `MIN_PROGRAMS_PER_SM` programs
+    per SM."""
     rows_per_expert = num_rows / max(num_experts, 1)
-    tile = next(tile for bound, tile in CONFIGS if rows_per_expert <= bound)
+    buckets = BF16_CONFIGS if bf16 else CONFIGS
+    tile = next(tile for bound, tile in buckets if rows_per_expert <= bound)
     if n is not None:
         row_tiles = num_rows // tile.block_m + min(num_experts, num_rows)  # as `launch`'s grid
         while (
@@ -295,7 +315,7 @@ def config_for(num_rows: int, num_experts: int, n: int | None = None, sms: int =
 
 def launch(
     x_AK: torch.Tensor,
-    w: NVFP4Tensor,
+    w: NVFP4Tensor | torch.Tensor,
     counts_E: torch.Tensor,
     *,
     config: GemmTile | None = None,
@@ -304,8 +324,10 @@ def launch(
     top_k: int = 1,
 ) -> torch.Tensor:
     """``[A, N]`` BF16: rows ``x_AK`` sorted by expert (``counts_E[e]`` rows of expert e, in
-    order) times ``dequantize(w, bf16)[e].T``. ``counts_E`` must sum to A; that is not checked
-    (it would need a device sync), but rows past A are never read or written.
+    order) times ``dequantize(w, bf16)[e].T``, or ``w[e].T`` for a BF16 tensor ``w`` (the BF16
+    engine's experts: the same program, its weight tiles loaded as they lie). ``counts_E`` must
+    sum to A; that is not checked (it would need a device sync), but rows past A are never read
+    or written.
 
     With ``order_A`` (int64 ``[A]``, the MoE dispatch's assignments sorted by expert) x holds
     tokens and the product's row a is x's row ``order_A[a] // top_k``, read where it lies: the
@@ -331,14 +353,25 @@ def launch(
         raise ValueError(f"x_AK has K={x_AK.shape[1]} columns but w is [E, N, K]={tuple(w.shape)}")
     if N % 16:
         raise ValueError(f"w's N={N} must be a multiple of 16")
-    for name, t in (("codes", w.codes), ("block_scale", w.block_scale)):
-        check_device(name, t, x_AK.device)
-        check_contiguous(name, t)
-    if w.block_scale.data_ptr() % 4:  # read as int32 words of 4 scales
-        raise ValueError(
-            f"w.block_scale must be 4-byte aligned; got address {w.block_scale.data_ptr():#x}"
-        )
-    check_device("global_scale", w.global_scale, x_AK.device)
+    packed = isinstance(w, NVFP4Tensor)
+    if packed:
+        for name, t in (("codes", w.codes), ("block_scale", w.block_scale)):
+            check_device(name, t, x_AK.device)
+            check_contiguous(name, t)
+        if w.block_scale.data_ptr() % 4:  # read as int32 words of 4 scales
+            raise ValueError(
+                f"w.block_scale must be 4-byte aligned; got address {w.block_scale.data_ptr():#x}"
+            )
+        check_device("global_scale", w.global_scale, x_AK.device)
+    else:
+        if w.dtype != torch.bfloat16:
+            raise ValueError(f"w must be an NVFP4Tensor or a bfloat16 tensor; got {w.dtype}")
+        if K % 16:
+            raise ValueError(f"w's K={K} must be a multiple of 16")
+        check_device("w", w, x_AK.device)
+        check_contiguous("w", w)
+        if global_scale_on_accumulator:
+            raise ValueError("global_scale_on_accumulator is for NVFP4 weights; w is bfloat16")
     check_device("counts_E", counts_E, x_AK.device)
     if counts_E.shape != (E,) or counts_E.dtype not in (torch.int32, torch.int64):
         raise ValueError(
@@ -362,19 +395,25 @@ def launch(
     y_AN = torch.empty((A, N), dtype=torch.bfloat16, device=x_AK.device)
     if A == 0 or E == 0:
         return y_AN
-    tile = (config or config_for(A, E, N, multiprocessors(x_AK.device))).fitted(N, K)
-    scale_G, rows_per_group = scale_per_group("global_scale", w.global_scale, w.shape)
+    sms = multiprocessors(x_AK.device)
+    tile = (config or config_for(A, E, N, sms, bf16=not packed)).fitted(N, K)
+    if packed:
+        scale_G, rows_per_group = scale_per_group("global_scale", w.global_scale, w.shape)
+        members = (w.codes.view(torch.int32), w.block_scale.view(torch.uint8), scale_G)
+    else:
+        rows_per_group = 1
+        members = (w, w, w)  # stand-ins for the scales, not read
     # Each expert with rows has at most one partial tile.
     max_tiles = A // tile.block_m + min(E, A)
     grid = (N // tile.block_n, max_tiles)
     with device_of(x_AK):
         _moe_gemm_kernel[grid](
-            x_AK, w.codes.view(torch.int32), w.block_scale.view(torch.uint8), scale_G, counts_E,
+            x_AK, *members, counts_E,
             y_AN, x_AK if order_A is None else order_A, A, N, K, E, rows_per_group, top_k,
             GATHER=order_A is not None,
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
             BLOCK_E=triton.next_power_of_2(E), NUM_STAGES=tile.num_stages,
-            SCALE_AFTER=global_scale_on_accumulator, num_warps=tile.num_warps,
+            SCALE_AFTER=global_scale_on_accumulator, PACKED=packed, num_warps=tile.num_warps,
             # Products feed additions only inside the dot; no FMA may merge the two scalings.
             enable_fp_fusion=False,
         )  # fmt: skip

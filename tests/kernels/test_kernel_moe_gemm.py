@@ -61,6 +61,11 @@ def assert_fp32_accumulated(y, x_AK, w: NVFP4Tensor, counts_E, what: str, dtype=
     # The GPU's dequantize equals the reference bit for bit (test_kernel_dequantize) and is
     # much faster at real shapes.
     w_ENK = kernels.dequantize(w, dtype) if w.codes.is_cuda else R.dequantize(w, dtype)
+    assert_within_float64(y, x_AK, w_ENK, counts_E, what)
+
+
+def assert_within_float64(y, x_AK, w_ENK, counts_E, what: str):
+    """y (BF16) within the module docstring's bound of the float64 product with ``w_ENK``."""
     ref, magnitude = float64_reference(x_AK, w_ENK, counts_E)
     k = x_AK.shape[1]
     bound = 2.0**-8 * ref.abs() + k * 2.0**-23 * magnitude
@@ -260,6 +265,59 @@ def test_checks_name_the_values(device):
         GemmTile(block_m=16, block_n=16, block_k=48, num_warps=4, num_stages=1)
 
 
+# ---- BF16 weights (the BF16 engine's experts): the same program, weight tiles as loaded ------
+
+
+def bf16_weights(e: int, n: int, k: int, device: str, seed: int) -> torch.Tensor:
+    g = torch.Generator(device=device).manual_seed(seed)
+    return (torch.randn(e, n, k, generator=g, device=device) * 0.05).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("counts", [[5, 0, 17, 1], [0, 0, 0, 3], [16, 32, 0, 48]], ids=str)
+def test_bf16_weights_against_float64(device, counts):
+    e, n, k = 4, 32, 64
+    w = bf16_weights(e, n, k, "cpu", seed=12)
+    counts = torch.tensor(counts)
+    x = torch.randn(int(counts.sum()), k).to(torch.bfloat16)
+    for tile in TINY_TILES:
+        y = moe_gemm.launch(x.to(device), w.to(device), counts.to(device), config=tile)
+        assert_within_float64(y.cpu(), x, w, counts, f"BF16 weights, tile {tile}")
+
+
+@pytest.mark.parametrize("tile", TINY_TILES, ids=str)
+def test_bf16_weights_enter_the_dot_bitwise_and_rows_gather(device, tile):
+    """One-hot rows give back every BF16 weight of the listed experts; token rows read through
+    the dispatch order give the gathered rows' product bitwise."""
+    e, n, k = 4, 32, 64
+    w = bf16_weights(e, n, k, "cpu", seed=13)
+    w[1, 3, ::5] = -0.0
+    experts = [1, 3]
+    x, counts = onehot_rows(k, experts, e, device)
+    y = moe_gemm.launch(x, w.to(device), counts, config=tile).cpu()
+    want = torch.cat(list(w[experts].transpose(1, 2)))
+    assert torch.equal(y.float(), want.float()), "BF16 weights through one-hot rows"
+    g = torch.Generator().manual_seed(13)
+    ids = torch.randint(0, e, (9, 2), generator=g)
+    order = torch.argsort(ids.flatten(), stable=True).to(device)
+    counts = torch.bincount(ids.flatten(), minlength=e).to(device)
+    x = torch.randn(9, k, generator=g).to(torch.bfloat16).to(device)
+    got = moe_gemm.launch(x, w.to(device), counts, config=tile, order_A=order, top_k=2)
+    gathered = moe_gemm.launch(x[order // 2].contiguous(), w.to(device), counts, config=tile)
+    assert torch.equal(got.view(torch.int16), gathered.view(torch.int16))
+
+
+def test_bf16_weight_checks_name_the_values(device):
+    w = bf16_weights(4, 32, 64, "cpu", seed=14).to(device)
+    x = torch.randn(3, 64).to(torch.bfloat16).to(device)
+    counts = torch.tensor([1, 2, 0, 0]).to(device)
+    with pytest.raises(ValueError, match=r"NVFP4Tensor or a bfloat16 tensor; got torch.float32"):
+        moe_gemm.launch(x, w.float(), counts)
+    with pytest.raises(ValueError, match=r"w must be contiguous"):
+        moe_gemm.launch(x, w.transpose(1, 2).contiguous().transpose(1, 2), counts)
+    with pytest.raises(ValueError, match=r"global_scale_on_accumulator is for NVFP4 weights"):
+        moe_gemm.launch(x, w, counts, global_scale_on_accumulator=True)
+
+
 # ---- real shapes, compiled (Qwen3-30B-A3B: 128 experts, top-8, hidden 2048, intermediate 768)
 
 QWEN3_SHAPES = {"w13": (1536, 2048), "w2": (2048, 768)}  # (N, K)
@@ -284,6 +342,20 @@ def test_qwen3_shapes_on_gpu(shape, tokens):
     counts = counts.cuda()
     y = moe_gemm.launch(x, w, counts)
     assert_fp32_accumulated(y, x, w, counts.cpu(), f"{shape} {tokens} tokens")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", list(QWEN3_SHAPES), ids=str)
+@pytest.mark.parametrize("tokens", [1, 8, 64, 256])
+def test_qwen3_shapes_bf16_weights_on_gpu(shape, tokens):
+    n, k = QWEN3_SHAPES[shape]
+    g = torch.Generator().manual_seed(tokens)
+    w = bf16_weights(128, n, k, "cuda", seed=tokens)
+    counts = routed(tokens, 128, 8, g)
+    x = torch.randn(int(counts.sum()), k, generator=g).to(torch.bfloat16).cuda()
+    for tile in (None, *(tile for _, tile in moe_gemm.CONFIGS[:3])):
+        y = moe_gemm.launch(x, w, counts.cuda(), config=tile)
+        assert_within_float64(y, x, w, counts, f"BF16 {shape} {tokens} tokens, tile {tile}")
 
 
 @pytest.mark.gpu
