@@ -116,10 +116,12 @@ def quantize_guided(
 # grouped GEMM (one H200, `python benchmarks/moe.py`: 1.6x faster at 8,192 rows, slower at
 # 32,768 -- long prefills).
 FUSED_GEMM_MAX_ROWS = 16384
-# Row counts up to which the same kernel over BF16 weights (decode batches) replaces
-# `torch._grouped_mm` in inference (one H200, `python benchmarks/moe.py`, "Routed-expert GEMM"
-# in BENCHMARKS.md). Training keeps `torch._grouped_mm`, which has a backward.
-BF16_KERNEL_MAX_ROWS = 2048
+# Row counts up to which the same kernel over BF16 weights replaces `torch._grouped_mm` in
+# inference: it was faster at every size measured, 1 to 1,024 tokens of top-8 (one H200,
+# `python benchmarks/moe.py`, "Routed-expert GEMM" in BENCHMARKS.md: 2.2x at one token, 1.1x
+# at 8,192 rows); longer prefill chunks were not measured. Training keeps `torch._grouped_mm`,
+# which has a backward.
+BF16_KERNEL_MAX_ROWS = 8192
 
 
 def grouped_mm(

@@ -280,9 +280,15 @@ CONFIGS: tuple[tuple[float, GemmTile], ...] = (
 
 
 # BF16 weights (the BF16 engine's experts): nothing to decode, so the weight tile goes from
-# shared memory to the tensor cores as loaded. Provisional: the NVFP4 buckets until a sweep of
-# benchmarks/moe.py (--bf16-configs) says otherwise.
-BF16_CONFIGS: tuple[tuple[float, GemmTile], ...] = CONFIGS
+# shared memory to the tensor cores as loaded. From the sweep of `python benchmarks/moe.py`
+# (--bf16-configs, one H200, BENCHMARKS.md "Routed-expert GEMM"): the NVFP4 buckets' tiles were
+# the fastest or within 2 % from 8 tokens up, and at up to 4 tokens 64-wide K steps six deep
+# (w13 15.6 against 16.1 us at one token, w2 9.9 against 12.1). These tiles are not narrowed
+# (`config_for`): that rule was measured for the NVFP4 decode.
+BF16_CONFIGS: tuple[tuple[float, GemmTile], ...] = (
+    (0.25, GemmTile(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=6)),
+    *CONFIGS[1:],
+)
 
 
 # A launch whose grid would give the SMs fewer programs than this each (one token's w13: 24
@@ -296,13 +302,13 @@ def config_for(
     num_rows: int, num_experts: int, n: int | None = None, sms: int = 0, *, bf16: bool = False
 ) -> GemmTile:
     """The bucket's tile (`BF16_CONFIGS` for BF16 weights) for ``num_rows`` rows over
-    ``num_experts`` experts; given the output width ``n`` and the device's ``sms``, narrowed
-    (down to 32 columns) while its grid would have fewer than `MIN_PROGRAMS_PER_SM` programs
-    per SM."""
+    ``num_experts`` experts; for NVFP4 weights, given the output width ``n`` and the device's
+    ``sms``, narrowed (down to 32 columns) while its grid would have fewer than
+    `MIN_PROGRAMS_PER_SM` programs per SM."""
     rows_per_expert = num_rows / max(num_experts, 1)
     buckets = BF16_CONFIGS if bf16 else CONFIGS
     tile = next(tile for bound, tile in buckets if rows_per_expert <= bound)
-    if n is not None:
+    if n is not None and not bf16:
         row_tiles = num_rows // tile.block_m + min(num_experts, num_rows)  # as `launch`'s grid
         while (
             tile.block_n > 32

@@ -122,6 +122,8 @@ def test_tiles_narrow_only_where_the_grid_leaves_sms_idle():
     assert moe_gemm.config_for(32, 128, n=1536, sms=132).block_n == 64
     assert moe_gemm.config_for(8, 128, n=1536) == bucket
     assert moe_gemm.config_for(1, 128, n=64, sms=132).block_n == 32  # never below 32
+    bf16 = moe_gemm.BF16_CONFIGS[0][1]  # BF16 weights: the sweep's own tiles, never narrowed
+    assert moe_gemm.config_for(8, 128, n=1536, sms=132, bf16=True) == bf16
 
 
 # With the global scale on the accumulator, a one-hot row's sum is one exact product
