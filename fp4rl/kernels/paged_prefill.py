@@ -282,24 +282,26 @@ def reference_prefill(
     block_tables: Sequence[Sequence[int]],
 ) -> torch.Tensor:
     """The kernel's specification in plain PyTorch: for each segment ``(first row, start,
-    num)``, ``attend_fp32`` of its query rows over its context ``0 .. start + num - 1`` as
-    ``KVCache.read`` returns it (what the engine's prefill ran before this kernel). Returns the
-    prefill rows' outputs ``[sum num, Hq, D]`` in segment order."""
-    from fp4rl.model.attention import attend_fp32
-
-    page = k.shape[1]
+    num)``, ``attend_fp32`` (`fp4rl.model.attention`, op for op: this layer may not import it)
+    of its query rows over its context ``0 .. start + num - 1`` as ``KVCache.read`` returns it,
+    what the engine's prefill ran before this kernel. Returns the prefill rows' outputs ``[sum
+    num, Hq, D]`` in segment order."""
+    page, K = k.shape[1], k.shape[2]
+    _, Hq, D = q_THD.shape
     outs = []
     for (row, start, num), table in zip(segments, block_tables, strict=True):
-        c_C = torch.arange(start + num, device=q_THD.device)
+        C = start + num
+        c_C = torch.arange(C, device=q_THD.device)
         blocks = torch.tensor(table, device=q_THD.device)[c_C // page]
         slots_C = blocks * page + c_C % page
-        k_CKD, v_CKD = read_rows(k, slots_C, q_THD.dtype), read_rows(v, slots_C, q_THD.dtype)
-        o = attend_fp32(
-            q_THD[None, row : row + num],
-            k_CKD[None],
-            v_CKD[None],
-            torch.arange(start, start + num, device=q_THD.device)[None],
-            torch.tensor([start + num], device=q_THD.device),
-        )
+        k_1CKD = read_rows(k, slots_C, q_THD.dtype)[None]
+        v_1CKD = read_rows(v, slots_C, q_THD.dtype)[None]
+        positions_1Q = torch.arange(start, start + num, device=q_THD.device)[None]
+        q = q_THD[None, row : row + num].float().view(1, num, K, Hq // K, D)
+        scores = torch.einsum("bqkgd,bckd->bkgqc", q, k_1CKD.float()) * (1.0 / math.sqrt(D))
+        visible = (c_C <= positions_1Q[:, :, None]) & (c_C < C)
+        scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+        p = torch.softmax(scores, dim=-1)
+        o = torch.einsum("bkgqc,bckd->bqkgd", p, v_1CKD.float()).reshape(1, num, Hq, D)
         outs.append(o[0].to(q_THD.dtype))
     return torch.cat(outs)
