@@ -478,6 +478,18 @@ def split_tokens_for(
     return max(tile.block_n, -(-per_split // tile.block_n) * tile.block_n)
 
 
+def check_queries(name: str, q: torch.Tensor, dims: str) -> None:
+    """Queries for the attention kernels: a contiguous 3-D bfloat16 or float32 tensor ``dims``
+    on a device the kernels run on."""
+    check_kernel_device(name, q)
+    if q.dim() != 3 or q.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(
+            f"{name} must be a 3-D bfloat16 or float32 tensor {dims}; got {q.dtype} of shape "
+            f"{tuple(q.shape)}"
+        )
+    check_contiguous(name, q)
+
+
 def _page_members(name: str, pages: KVPages) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(values or codes as int32 words, block-scale bytes, global scales) for the kernel; a
     BF16 cache passes its values thrice (the scale pointers are not read)."""
@@ -530,13 +542,7 @@ def launch(
     attends to the table's ``N * P`` tokens only) and that block ids within a context are
     valid pages.
     """
-    check_kernel_device("q_BHD", q_BHD)
-    if q_BHD.dim() != 3 or q_BHD.dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(
-            f"q_BHD must be a 3-D bfloat16 or float32 tensor [B, Hq, D]; got {q_BHD.dtype} of "
-            f"shape {tuple(q_BHD.shape)}"
-        )
-    check_contiguous("q_BHD", q_BHD)
+    check_queries("q_BHD", q_BHD, "[B, Hq, D]")
     B, Hq, D = q_BHD.shape
     if type(k) is not type(v):
         raise TypeError(f"k and v pages must be of one format; got {type(k).__name__}/"

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from fp4rl.fp4.tensor import NVFP4Tensor
-from fp4rl.kernels.launch import check_contiguous, check_device, check_kernel_device, device_of
+from fp4rl.kernels.launch import check_contiguous, check_device, device_of
 from fp4rl.kernels.numerics import dot, round_to
 from fp4rl.kernels.paged_attention import (
     KVPages,
@@ -46,6 +46,7 @@ from fp4rl.kernels.paged_attention import (
     _page_members,
     _probabilities_times_values,
     bf16_nvfp4_supported,
+    check_queries,
     read_rows,
 )
 
@@ -218,13 +219,7 @@ def launch(
     Not checked (it would need a device sync or a walk over the plan): that the segments' rows
     lie within q, that their tables cover their contexts and name valid pages.
     """
-    check_kernel_device("q_THD", q_THD)
-    if q_THD.dim() != 3 or q_THD.dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(
-            f"q_THD must be a 3-D bfloat16 or float32 tensor [T, Hq, D]; got {q_THD.dtype} of "
-            f"shape {tuple(q_THD.shape)}"
-        )
-    check_contiguous("q_THD", q_THD)
+    check_queries("q_THD", q_THD, "[T, Hq, D]")
     if out_THD.shape != q_THD.shape or out_THD.dtype != q_THD.dtype:
         raise ValueError(
             f"out_THD must be like q_THD ({q_THD.dtype} {tuple(q_THD.shape)}); got "

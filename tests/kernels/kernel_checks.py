@@ -8,7 +8,15 @@ differ in NaN bit patterns).
 import torch
 from assertions import assert_bitwise, assert_nvfp4_equal, assert_same_values, cpu
 
-__all__ = ["DTYPES", "assert_bitwise", "assert_nvfp4_equal", "assert_same_values", "cpu"]
+__all__ = [
+    "DTYPES",
+    "assert_bitwise",
+    "assert_nvfp4_equal",
+    "assert_same_values",
+    "cpu",
+    "dealt_tables",
+    "random_paged_cache",
+]
 
 DTYPES = (torch.bfloat16, torch.float32, torch.float16)
 
@@ -111,3 +119,40 @@ def near_boundary_rows(num_rows: int, generator: torch.Generator) -> torch.Tenso
     assert torch.equal(moved.block_scale.view(torch.uint8), want.block_scale.view(torch.uint8))
     assert torch.equal(moved.global_scale, want.global_scale)
     return x
+
+
+# ---- paged KV for the attention kernels -----------------------------------------------------
+
+
+def random_paged_cache(fmt, page_dtype, num_blocks, page, heads, dim, *, seed, device, scale=1.0):
+    """One layer's `KVCache` ("bf16" or "nvfp4" pages) whose every slot, the ones no context
+    covers included, holds finite random K/V; drawn where they live (the GPU cases fill hundreds
+    of MB), NVFP4 rows quantized per token-head."""
+    from fp4rl import ops
+    from fp4rl.rollout.kv_cache import KVCache, KVCacheSpec
+
+    spec = KVCacheSpec(layer_formats=(fmt,), num_kv_heads=heads, head_dim=dim, dtype=page_dtype)
+    cache = KVCache(spec, num_blocks, page, device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    k, v = (
+        (torch.randn(num_blocks * page, heads, dim, generator=g, device=device) * scale).to(
+            page_dtype
+        )
+        for _ in range(2)
+    )
+    if fmt == "nvfp4":
+        k, v = (ops.quantize(x, scaling="row") for x in (k, v))
+    cache.write(0, torch.arange(num_blocks * page, device=device), k, v)
+    return cache
+
+
+def dealt_tables(blocks_per_seq: list[int], order: list[int]) -> list[list[int]]:
+    """Block tables dealt round-robin from ``order``: interleaved and out of order."""
+    tables = [[] for _ in blocks_per_seq]
+    dealt = 0
+    for round_ in range(max(blocks_per_seq)):
+        for i, n in enumerate(blocks_per_seq):
+            if round_ < n:
+                tables[i].append(order[dealt])
+                dealt += 1
+    return tables

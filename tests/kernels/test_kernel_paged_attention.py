@@ -24,14 +24,12 @@ import torch
 
 pytest.importorskip("triton", reason="the kernels need triton (pip install 'fp4rl[kernels]')")
 
-from kernel_checks import assert_bitwise  # noqa: E402
+from kernel_checks import assert_bitwise, dealt_tables, random_paged_cache  # noqa: E402
 
-from fp4rl import ops  # noqa: E402
 from fp4rl.fp4.tensor import NVFP4Tensor  # noqa: E402
 from fp4rl.kernels import paged_attention  # noqa: E402
 from fp4rl.kernels.paged_attention import DecodeTile, reference_decode  # noqa: E402
 from fp4rl.rollout.attention import AttentionMetadata, Segment, attend_fp32  # noqa: E402
-from fp4rl.rollout.kv_cache import KVCache, KVCacheSpec  # noqa: E402
 
 # Steps of 16 tokens (several per context at these sizes) and stretches of 16 when split.
 TINY = DecodeTile(block_n=16, num_warps=4, num_stages=2, min_split_tokens=16)
@@ -52,31 +50,10 @@ class Scene:
         g = torch.Generator().manual_seed(seed)
         per_seq = [-(-c // page) for c in contexts]
         num_blocks = sum(per_seq) + 2  # two blocks no sequence owns (padding targets)
-        spec = KVCacheSpec(
-            layer_formats=(self.fmt,), num_kv_heads=K, head_dim=dim, dtype=page_dtype
-        )
-        self.cache = KVCache(spec, num_blocks, page, device)
-        # Every slot gets finite random values, the ones no context covers included.
-        # Drawn where they live: the GPU cases fill hundreds of MB.
-        g_dev = torch.Generator(device=device).manual_seed(seed)
-        k, v = (
-            (torch.randn(num_blocks * page, K, dim, generator=g_dev, device=device) * scale).to(
-                page_dtype
-            )
-            for _ in range(2)
-        )
-        if self.fmt == "nvfp4":
-            k, v = (ops.quantize(x, scaling="row") for x in (k, v))
-        self.cache.write(0, torch.arange(num_blocks * page, device=device), k, v)
-        # Blocks dealt round-robin from a random order: interleaved and out of order.
+        self.cache = random_paged_cache(self.fmt, page_dtype, num_blocks, page, K, dim,
+                                        seed=seed, device=device, scale=scale)  # fmt: skip
         order = torch.randperm(num_blocks, generator=g).tolist()
-        tables = [[] for _ in contexts]
-        dealt = 0
-        for round_ in range(max(per_seq)):
-            for i, n in enumerate(per_seq):
-                if round_ < n:
-                    tables[i].append(order[dealt])
-                    dealt += 1
+        tables = dealt_tables(per_seq, order)
         # One column more than the longest table, padded with a block no sequence owns.
         width = max(per_seq) + 1
         self.tables = tables

@@ -14,14 +14,12 @@ import torch
 
 pytest.importorskip("triton", reason="the kernels need triton (pip install 'fp4rl[kernels]')")
 
-from kernel_checks import assert_bitwise  # noqa: E402
+from kernel_checks import assert_bitwise, dealt_tables, random_paged_cache  # noqa: E402
 
-from fp4rl import ops  # noqa: E402
 from fp4rl.fp4.tensor import NVFP4Tensor  # noqa: E402
 from fp4rl.kernels import paged_prefill  # noqa: E402
 from fp4rl.kernels.paged_prefill import PrefillTile, reference_prefill  # noqa: E402
 from fp4rl.rollout.attention import attend_fp32  # noqa: E402
-from fp4rl.rollout.kv_cache import KVCache, KVCacheSpec  # noqa: E402
 
 PAGE_FORMATS = {  # name -> (cache format, page dtype)
     "bf16 pages": ("bf16", torch.bfloat16),
@@ -43,28 +41,10 @@ class Scene:
         g = torch.Generator().manual_seed(seed)
         per_seq = [-(-(s + n) // page) for s, n in chunks]
         num_blocks = sum(per_seq) + 1
-        spec = KVCacheSpec(
-            layer_formats=(self.fmt,), num_kv_heads=K, head_dim=dim, dtype=page_dtype
-        )
-        self.cache = KVCache(spec, num_blocks, page, device)
-        g_dev = torch.Generator(device=device).manual_seed(seed)
-        k, v = (
-            (torch.randn(num_blocks * page, K, dim, generator=g_dev, device=device) * scale).to(
-                page_dtype
-            )
-            for _ in range(2)
-        )
-        if self.fmt == "nvfp4":
-            k, v = (ops.quantize(x, scaling="row") for x in (k, v))
-        self.cache.write(0, torch.arange(num_blocks * page, device=device), k, v)
+        self.cache = random_paged_cache(self.fmt, page_dtype, num_blocks, page, K, dim,
+                                        seed=seed, device=device, scale=scale)  # fmt: skip
         order = torch.randperm(num_blocks, generator=g).tolist()
-        self.tables = [[] for _ in chunks]
-        dealt = 0
-        for round_ in range(max(per_seq)):
-            for i, n in enumerate(per_seq):
-                if round_ < n:
-                    self.tables[i].append(order[dealt])
-                    dealt += 1
+        self.tables = dealt_tables(per_seq, order)
         self.segments, row = [], lead
         for start, num in chunks:
             self.segments.append((row, start, num))
