@@ -10,6 +10,7 @@ from assertions import assert_bitwise, assert_nvfp4_equal, assert_same_values, c
 
 __all__ = [
     "DTYPES",
+    "assert_attention_within",
     "assert_bitwise",
     "assert_nvfp4_equal",
     "assert_same_values",
@@ -156,3 +157,18 @@ def dealt_tables(blocks_per_seq: list[int], order: list[int]) -> list[list[int]]
                 tables[i].append(order[dealt])
                 dealt += 1
     return tables
+
+
+def assert_attention_within(got, o64, mag, what: str):
+    """Attention outputs ``got`` within the attention kernels' bound of float64 attention
+    ``o64`` over the same K/V values: ``2**-16 * mag`` (``mag = sum_c p_c |v_c|``: FP32 sums in
+    another order, the GPU's exp), plus ``2**-8 * |o64|`` for BF16 outputs (one rounding)."""
+    bound = 2.0**-16 * mag
+    if got.dtype == torch.bfloat16:
+        bound = bound + 2.0**-8 * o64.abs()
+    err = (got.double().to(o64.device) - o64).abs()
+    bad = ~(err <= bound)  # NaN fails
+    assert not bad.any(), (
+        f"{what}: {int(bad.sum())} of {bad.numel()} outputs outside the bound; worst excess "
+        f"{float((err - bound).max()):.3g}, worst |err| / mag {float((err / mag).max()):.3g}"
+    )

@@ -24,7 +24,12 @@ import torch
 
 pytest.importorskip("triton", reason="the kernels need triton (pip install 'fp4rl[kernels]')")
 
-from kernel_checks import assert_bitwise, dealt_tables, random_paged_cache  # noqa: E402
+from kernel_checks import (  # noqa: E402
+    assert_attention_within,
+    assert_bitwise,
+    dealt_tables,
+    random_paged_cache,
+)
 
 from fp4rl.fp4.tensor import NVFP4Tensor  # noqa: E402
 from fp4rl.kernels import paged_attention  # noqa: E402
@@ -105,16 +110,7 @@ class Scene:
 
 def assert_within(got, scene: Scene, what: str):
     """``got`` within the module docstring's bound of float64 attention."""
-    o64, mag = scene.float64()
-    bound = 2.0**-16 * mag
-    if got.dtype == torch.bfloat16:
-        bound = bound + 2.0**-8 * o64.abs()
-    err = (got.double().to(o64.device) - o64).abs()
-    bad = ~(err <= bound)  # NaN fails
-    assert not bad.any(), (
-        f"{what}: {int(bad.sum())} of {bad.numel()} outputs outside the bound; worst excess "
-        f"{float((err - bound).max()):.3g}, worst |err| / mag {float((err / mag).max()):.3g}"
-    )
+    assert_attention_within(got, *scene.float64(), what)
 
 
 SHAPES = {  # name -> (Hq, K), D, page, contexts
