@@ -41,6 +41,11 @@ def random_weights(e: int, n: int, k: int, device: str, seed: int) -> NVFP4Tenso
     return kernels.quantize(w, scaling=2) if device == "cuda" else R.quantize(w, scaling=2)
 
 
+def bf16_weights(e: int, n: int, k: int, device: str, seed: int) -> torch.Tensor:
+    g = torch.Generator(device=device).manual_seed(seed)
+    return (torch.randn(e, n, k, generator=g, device=device) * 0.05).to(torch.bfloat16)
+
+
 def float64_reference(x_AK, w_ENK, counts_E):
     """(x @ W_e.T, |x| @ |W_e|.T) per expert's rows, in float64."""
     x = x_AK.double()
@@ -173,6 +178,7 @@ def test_poisoned_expert_gives_nan_rows_only(device):
 def test_random_rows_against_twin_and_float64(device, counts):
     e, n, k = 4, 32, 64
     w = random_weights(e, n, k, "cpu", seed=2)
+    w_bf16 = bf16_weights(e, n, k, "cpu", seed=12)  # the BF16 engine's experts: same program
     counts = torch.tensor(counts)
     x = torch.randn(int(counts.sum()), k).to(torch.bfloat16)
     for tile in TINY_TILES:
@@ -180,6 +186,8 @@ def test_random_rows_against_twin_and_float64(device, counts):
             x.to(device), w.map(lambda t: t.to(device)), counts.to(device), config=tile
         )
         assert_fp32_accumulated(y.cpu(), x, w, counts, f"kernel, tile {tile}")
+        y = moe_gemm.launch(x.to(device), w_bf16.to(device), counts.to(device), config=tile)
+        assert_within_float64(y.cpu(), x, w_bf16, counts, f"BF16 weights, tile {tile}")
     assert_fp32_accumulated(reference_gemm(x, w, counts), x, w, counts, "twin")
 
 
@@ -268,22 +276,6 @@ def test_checks_name_the_values(device):
 
 
 # ---- BF16 weights (the BF16 engine's experts): the same program, weight tiles as loaded ------
-
-
-def bf16_weights(e: int, n: int, k: int, device: str, seed: int) -> torch.Tensor:
-    g = torch.Generator(device=device).manual_seed(seed)
-    return (torch.randn(e, n, k, generator=g, device=device) * 0.05).to(torch.bfloat16)
-
-
-@pytest.mark.parametrize("counts", [[5, 0, 17, 1], [0, 0, 0, 3], [16, 32, 0, 48]], ids=str)
-def test_bf16_weights_against_float64(device, counts):
-    e, n, k = 4, 32, 64
-    w = bf16_weights(e, n, k, "cpu", seed=12)
-    counts = torch.tensor(counts)
-    x = torch.randn(int(counts.sum()), k).to(torch.bfloat16)
-    for tile in TINY_TILES:
-        y = moe_gemm.launch(x.to(device), w.to(device), counts.to(device), config=tile)
-        assert_within_float64(y.cpu(), x, w, counts, f"BF16 weights, tile {tile}")
 
 
 @pytest.mark.parametrize("tile", TINY_TILES, ids=str)
