@@ -40,13 +40,13 @@ import triton.language as tl
 from fp4rl.fp4.tensor import NVFP4Tensor
 from fp4rl.kernels.launch import check_contiguous, check_device, device_of
 from fp4rl.kernels.numerics import dot, round_to
-from fp4rl.kernels.paged_attention import (
+from fp4rl.kernels.paged_kv import (
     KVPages,
-    _context_step,
-    _page_members,
-    _probabilities_times_values,
     bf16_nvfp4_supported,
     check_queries,
+    context_step,
+    page_members,
+    probabilities_times_values,
     read_rows,
 )
 
@@ -104,7 +104,7 @@ def _paged_prefill_kernel(
     l_R = tl.zeros([ROWS], tl.float32)
     acc_RD = tl.zeros([ROWS, D], tl.float32)
     for n0 in tl.range(0, end, BLOCK_N, num_stages=NUM_STAGES):
-        ok_N, k_ND, v_ND = _context_step(
+        ok_N, k_ND, v_ND = context_step(
             k_pages, k_block_scale, k_global_scale, v_pages, v_block_scale, v_global_scale,
             table_row, n0, end, num_kv_heads, kv_head, BLOCK_N, PAGE, D, NVFP4, DTYPE,
         )  # fmt: skip
@@ -118,7 +118,7 @@ def _paged_prefill_kernel(
         alpha = tl.exp(m_R - m_new)
         p_RN = tl.exp(scores - m_new[:, None])
         l_R = l_R * alpha + tl.sum(p_RN, 1)
-        acc_RD = _probabilities_times_values(p_RN, v_ND, acc_RD * alpha[:, None], False, False)
+        acc_RD = probabilities_times_values(p_RN, v_ND, acc_RD * alpha[:, None], False, False)
         m_R = m_new
     out = tl.math.div_rn(acc_RD, l_R[:, None])
     tl.store(out_THD + q_rows[:, None] * D + d_D[None, :], round_to(out, DTYPE), mask=ok_R[:, None])
@@ -248,7 +248,7 @@ def launch(
             f"BF16 queries over NVFP4 pages need head dim and block_n >= 32 (shorter reductions "
             f"miscompile on sm_90); got D={D}, block_n={tile.block_n}"
         )
-    members = (*_page_members("k", k), *_page_members("v", v))
+    members = (*page_members("k", k), *page_members("v", v))
     for name, t in (("k", members[0]), ("v", members[3]), ("out_THD", out_THD),
                     ("plan", prefill.tiles_P2)):  # fmt: skip
         check_device(name, t, q_THD.device)
