@@ -4,7 +4,9 @@
 each), FP32 accumulation, BF16 out. The weight ``w`` is an `NVFP4Tensor` ``[E, N, K]`` (E2M1
 codes, E4M3 block scales along K, a global scale per expert): each program decodes the codes
 and scales of its tile in registers and feeds BF16 tiles to the tensor cores, so only experts
-that have rows are read, 4.5 bits per weight. Nothing is dequantized to memory.
+that have rows are read, 4.5 bits per weight. Nothing is dequantized to memory. The same
+program takes a BF16 weight ``[E, N, K]`` too (``PACKED`` off: its tiles loaded as they lie),
+which is how the BF16 engine's experts, the FP4 engine's baseline, run their decode steps.
 
 Numerics: the weight values entering the dot products are bitwise
 ``reference.dequantize(w, torch.bfloat16)``, i.e. ``bf16(f32(e2m1 * block_scale) *
