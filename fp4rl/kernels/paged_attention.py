@@ -8,8 +8,9 @@ G query heads that share it) and one stretch of the context, and walks it BLOCK_
 time with an online softmax; nothing is gathered to memory. A tile either takes the query rows
 as the dots' rows (scores ``q @ k.T``, output ``p @ v``) or, `DecodeTile.keys_first`, the
 tokens (``k @ q.T`` and ``v.T @ p``): the same products, transposed. Keys first, the decoded K
-tile is the first operand of a Hopper tensor-core instruction, which reads it from registers
-instead of shared memory (the second operand always passes through shared memory).
+tile is the first operand of a Hopper tensor-core instruction, which takes that operand from
+registers; Triton 3.6 still moves the decoded tile into the operand's register layout through
+shared memory (a store, then a load in the operand layout: its TTGIR for sm_90).
 
 Numerics, the contract of `reference_decode` (the twin below: ``attend_fp32`` over
 ``KVCache.read`` in `fp4rl.rollout`, restricted to one query token):
@@ -131,7 +132,7 @@ def _paged_decode_kernel(
     l_G = tl.zeros([BLOCK_G], tl.float32)
     if KEYS_FIRST:
         # Tokens are the dots' rows: the decoded K tile is the first operand of the scores
-        # (so Hopper's tensor cores take it from registers) and V's transpose that of the
+        # (the one Hopper's tensor cores take from registers) and V's transpose that of the
         # output; the same arithmetic, transposed.
         acc_DG = tl.zeros([D, BLOCK_G], tl.float32)
         for n0 in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
