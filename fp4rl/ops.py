@@ -119,8 +119,8 @@ FUSED_GEMM_MAX_ROWS = 16384
 # Row counts up to which the same kernel over BF16 weights replaces `torch._grouped_mm` in
 # inference: it was faster at every size measured, 1 to 1,024 tokens of top-8 (one H200,
 # `python benchmarks/moe.py`, "Routed-expert GEMM" in BENCHMARKS.md: 2.2x at one token, 1.1x
-# at 8,192 rows); longer prefill chunks were not measured. Training keeps `torch._grouped_mm`,
-# which has a backward.
+# at 8,192 rows); longer prefill chunks were not measured. Outside inference mode (training)
+# `torch._grouped_mm` runs, which has a backward.
 BF16_KERNEL_MAX_ROWS = 8192
 
 
@@ -142,9 +142,10 @@ def grouped_mm(
     registers by one fused kernel (only experts with rows are read), elsewhere dequantized to
     ``x``'s dtype first. Either way the weight values are bitwise ``dequantize(w, x.dtype)``;
     only the FP32 accumulation order differs. BF16 weights go through the same kernel on the
-    GPU for decode-sized batches (at most BF16_KERNEL_MAX_ROWS rows) when no gradient is
-    wanted, else `torch._grouped_mm`. On the GPU the group offsets stay on the device (no host
-    sync); the CPU path is a loop of plain matmuls.
+    GPU in inference mode (the engine's steps; at most BF16_KERNEL_MAX_ROWS rows), else
+    `torch._grouped_mm`, so a trainer's forwards, with or without gradients, sum alike. On the
+    GPU the group offsets stay on the device (no host sync); the CPU path is a loop of plain
+    matmuls.
     """
     rows = x_AK.shape[0] if order_A is None else order_A.shape[0]
     if _bf16_kernel_runs(x_AK, w_ENK, rows):
@@ -169,9 +170,9 @@ def _bf16_kernel_runs(x_AK: torch.Tensor, w_ENK, rows: int) -> bool:
     """Whether `grouped_mm` sends BF16 weights to the fused kernel (see its docstring)."""
     if isinstance(w_ENK, NVFP4Tensor) or not x_AK.is_cuda or rows > BF16_KERNEL_MAX_ROWS:
         return False
-    wants_grad = torch.is_grad_enabled() and (x_AK.requires_grad or w_ENK.requires_grad)
     bf16 = x_AK.dtype == w_ENK.dtype == torch.bfloat16
-    return bf16 and not wants_grad and w_ENK.dim() == 3 and w_ENK.is_contiguous()
+    shaped = w_ENK.dim() == 3 and w_ENK.is_contiguous()
+    return bf16 and shaped and torch.is_inference_mode_enabled()
 
 
 def paged_decode_kernel_runs(q: torch.Tensor, nvfp4_pages: bool) -> bool:

@@ -353,6 +353,31 @@ def test_qwen3_shapes_bf16_weights_on_gpu(shape, tokens):
 
 
 @pytest.mark.gpu
+def test_bf16_experts_take_the_kernel_in_inference_mode_only_on_gpu():
+    """`ops.grouped_mm` on BF16 weights: the kernel's bits in inference mode (the engine's
+    steps) up to BF16_KERNEL_MAX_ROWS rows, `torch._grouped_mm`'s elsewhere (training, with or
+    without gradients, and longer chunks)."""
+    from fp4rl import ops
+
+    n, k = QWEN3_SHAPES["w2"]
+    g = torch.Generator().manual_seed(21)
+    w = bf16_weights(128, n, k, "cuda", seed=21)
+    for tokens in (8, ops.BF16_KERNEL_MAX_ROWS // 8 + 1):
+        counts = routed(tokens, 128, 8, g).cuda()
+        x = torch.randn(tokens * 8, k, generator=g).to(torch.bfloat16).cuda()
+        offsets = counts.cumsum(0).to(torch.int32)
+        cublas = torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+        kernel = moe_gemm.launch(x, w, counts)
+        with torch.inference_mode():
+            got = ops.grouped_mm(x, w, counts)
+        want = kernel if tokens * 8 <= ops.BF16_KERNEL_MAX_ROWS else cublas
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), tokens
+        with torch.no_grad():
+            got = ops.grouped_mm(x, w, counts)
+        assert torch.equal(got.view(torch.int16), cublas.view(torch.int16)), tokens
+
+
+@pytest.mark.gpu
 @SCALE_PLACES
 @pytest.mark.parametrize("shape", list(QWEN3_SHAPES), ids=str)
 def test_qwen3_weights_bitwise_on_gpu(shape, acc):
