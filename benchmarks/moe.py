@@ -12,7 +12,10 @@ logits. Compared in the same run:
       model's ``grouped_mm`` (``torch._grouped_mm`` on the GPU);
   (c) ``torch._grouped_mm`` on BF16 weights, the BF16 engine's path before (d);
   (d) ``moe_gemm.launch`` on the same BF16 weights: the program of (a), its weight tiles loaded
-      as they lie (the launcher's BF16 tile, and the tiles of ``--bf16-configs``).
+      as they lie (the launcher's BF16 tile, and the tiles of ``--bf16-configs``);
+  (e) ``moe_gemm.launch(..., registers=True)`` on the packed weights of (a): the weights decoded
+      into the tensor cores' register operands (`moe_gemm_registers`, GPU only), the tiles of
+      ``--register-configs``.
 Every variant is first checked against the plain-PyTorch twin (``moe_gemm.reference_gemm``).
 Times are CUDA-graph replays (the GPU's time) after warm-up, median over repeats, rotating over
 ``--layers`` sets of weights, rows and routing so that no call finds its experts in L2; inputs
@@ -60,6 +63,13 @@ def main() -> None:
         default="16:64:128:4:4,16:64:64:4:6,16:128:128:4:4,32:64:128:4:4,16:32:128:4:4",
         help="tiles for (d), BLOCK_M:BLOCK_N:BLOCK_K:WARPS:STAGES, comma-separated",
     )
+    parser.add_argument(
+        "--register-configs",
+        default="auto,16:64:128:4:2,16:64:128:4:1,16:128:128:4:2,8:64:256:4:2,16:64:64:4:2,"
+        "32:64:128:4:2,16:128:64:8:2",
+        help="tiles for (e), BLOCK_M:BLOCK_N:BLOCK_K:WARPS:STAGES or auto (STAGES >= 2: the "
+        "next step's words loaded ahead), comma-separated; ignored without a GPU",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available() and not args.quick:
         sys.exit("needs a CUDA GPU; --quick runs a CPU smoke check under TRITON_INTERPRET")
@@ -80,6 +90,11 @@ def main() -> None:
     bf16_variants = {"auto": None}
     for spec in filter(None, args.bf16_configs.split(",")):
         bf16_variants[spec] = GemmTile(*(int(v) for v in spec.split(":")))
+    register_variants = {}
+    for spec in filter(None, args.register_configs.split(",") if cuda else []):
+        register_variants[spec] = (
+            None if spec == "auto" else GemmTile(*(int(v) for v in spec.split(":")))
+        )
     torch.manual_seed(0)
 
     copy_gbs, matmul_tflops = ceilings(device, args.quick)
@@ -103,6 +118,16 @@ def main() -> None:
         "| GEMM | tokens | (c) grouped_mm | " + " | ".join(bf16_variants) + " |",
         "|---|---:|---:|" + "---:|" * len(bf16_variants),
     ]
+    register_sweep = [
+        "",
+        "Tiles of (e), NVFP4 weights decoded into the MMA's registers (BLOCK_M:BLOCK_N:BLOCK_K:"
+        "WARPS:STAGES), us, beside (a) and (d) from the same run:",
+        "",
+        "| GEMM | tokens | (a) auto | (d) auto | "
+        + " | ".join(register_variants)
+        + " | best (e) vs (a) | best (e) vs (d) |",
+        "|---|---:|---:|---:|" + "---:|" * len(register_variants) + "---:|---:|",
+    ]
     sweep = [
         "",
         "Tiles of (a) (BLOCK_M:BLOCK_N:BLOCK_K:WARPS:STAGES; '+acc': global scale on the "
@@ -116,23 +141,29 @@ def main() -> None:
                   for _ in range(layers)]  # fmt: skip
         packed = [ops.quantize(w, scaling=2) for w in w_bf16]
         for t in tokens:
-            row, tiles, bf16_tiles = measure(
-                name, t, w_bf16, packed, variants, bf16_variants, (copy_gbs, matmul_tflops),
-                warmup=warmup, repeats=repeats,
+            row, tiles, bf16_tiles, register_tiles = measure(
+                name, t, w_bf16, packed, variants, bf16_variants, register_variants,
+                (copy_gbs, matmul_tflops), warmup=warmup, repeats=repeats,
             )  # fmt: skip
             lines.append(row)
             sweep.append(tiles)
             bf16_sweep.append(bf16_tiles)
+            register_sweep.append(register_tiles)
+            print(register_tiles, flush=True)
             print(row, flush=True)
         del w_bf16, packed
     end_gbs, end_tflops = ceilings(device, args.quick)
     lines.insert(3, f"The same ceilings measured again after the last row: {end_gbs:.0f} GB/s, "
                  f"{end_tflops:.0f} TFLOP/s.")  # fmt: skip
-    report("moe.md", lines + sweep + bf16_sweep)
+    report("moe.md", lines + sweep + bf16_sweep + (register_sweep if register_variants else []))
 
 
-def measure(name, t, w_bf16, packed, variants, bf16_variants, ceiling, *, warmup, repeats):
-    """(main table row, tile sweep row, BF16 tile sweep row) for one GEMM shape at t tokens."""
+def measure(
+    name, t, w_bf16, packed, variants, bf16_variants, register_variants, ceiling, *, warmup,
+    repeats,
+):  # fmt: skip
+    """(main table row, tile sweep row, BF16 tile sweep row, register tile sweep row) for one
+    GEMM shape at t tokens."""
     copy_gbs, matmul_tflops = ceiling
     experts, n, k = w_bf16[0].shape
     device = w_bf16[0].device
@@ -167,10 +198,15 @@ def measure(name, t, w_bf16, packed, variants, bf16_variants, ceiling, *, warmup
         spec: (lambda s, tile=tile: moe_gemm.launch(s[0], s[2], s[3], config=tile))
         for spec, tile in bf16_variants.items()
     }  # fmt: skip
+    register_kernels = {
+        spec: (lambda s, tile=tile: moe_gemm.launch(s[0], s[1], s[3], config=tile, registers=True))
+        for spec, tile in register_variants.items()
+    }  # fmt: skip
     # Correct first: every variant against its twin on the first set.
     x, p, w, counts = sets[0]
     want = moe_gemm.reference_gemm(x, p, counts)
-    for label, fn in [*kernels.items(), ("dequant + grouped_mm", fp4_today)]:
+    registers = [(f"registers {spec}", fn) for spec, fn in register_kernels.items()]
+    for label, fn in [*kernels.items(), ("dequant + grouped_mm", fp4_today), *registers]:
         check(label, fn(sets[0]), want, f"{name} {t} tokens")
     bf16_want = bf16_twin(x, w, counts)
     for label, fn in [("BF16 grouped_mm", bf16_today), *bf16_kernels.items()]:
@@ -185,6 +221,13 @@ def measure(name, t, w_bf16, packed, variants, bf16_variants, ceiling, *, warmup
     today, bf16, ours = us(fp4_today), us(bf16_today), times["auto"]
     bf16_times = {spec: us(fn) for spec, fn in bf16_kernels.items()}
     bf16_ours = bf16_times["auto"]
+    register_times = {spec: us(fn) for spec, fn in register_kernels.items()}
+    best = min(register_times.values(), default=float("nan"))
+    register_tiles = (
+        f"| {name} | {t} | {ours:.1f} | {bf16_ours:.1f} | "
+        + "".join(f"{v:.1f} | " for v in register_times.values())
+        + f"{ours / best:.2f}x | {bf16_ours / best:.2f}x |"
+    )
     row = (
         f"| {name} | {t} | {rows} | {touched:.1f} | {ours:.1f} | {fp4_roof:.1f} | "
         f"{100 * fp4_roof / ours:.0f} | {today:.1f} | {bf16:.1f} | {bf16_roof:.1f} | "
@@ -195,7 +238,7 @@ def measure(name, t, w_bf16, packed, variants, bf16_variants, ceiling, *, warmup
     bf16_tiles = f"| {name} | {t} | {bf16:.1f} | " + " | ".join(
         f"{v:.1f}" for v in bf16_times.values()
     ) + " |"  # fmt: skip
-    return row, tiles, bf16_tiles
+    return row, tiles, bf16_tiles, register_tiles
 
 
 def bf16_twin(x_AK: torch.Tensor, w_ENK: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:

@@ -238,7 +238,8 @@ def _moe_gemm_kernel(
 @dataclass(frozen=True, slots=True)
 class GemmTile:
     """One program: ``block_m`` rows of one expert times ``block_n`` output columns, ``block_k``
-    of the reduction per step (each a power of two >= 16), ``num_stages`` of loads in flight."""
+    of the reduction per step (each a power of two >= 16; ``block_m`` may be 8 for the register
+    kernel, whose MMA takes 8 rows), ``num_stages`` of loads in flight."""
 
     block_m: int
     block_n: int
@@ -248,9 +249,9 @@ class GemmTile:
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
-            v = getattr(self, name)
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"GemmTile.{name} must be a power of two >= 16; got {v}")
+            v, least = getattr(self, name), 8 if name == "block_m" else 16
+            if v < least or v & (v - 1):
+                raise ValueError(f"GemmTile.{name} must be a power of two >= {least}; got {v}")
 
     def fitted(self, n: int, k: int) -> GemmTile:
         """This tile narrowed where N or K is not a multiple of it (N, K multiples of 16)."""
@@ -330,6 +331,7 @@ def launch(
     global_scale_on_accumulator: bool = False,
     order_A: torch.Tensor | None = None,
     top_k: int = 1,
+    registers: bool = False,
 ) -> torch.Tensor:
     """``[A, N]`` BF16: rows ``x_AK`` sorted by expert (``counts_E[e]`` rows of expert e, in
     order) times ``dequantize(w, bf16)[e].T``, or ``w[e].T`` for a BF16 tensor ``w`` (the BF16
@@ -347,6 +349,9 @@ def launch(
     global scale; outputs differ from the contract's by rounding. Compiled, that path decodes
     two codes per instruction (`_decode_tile_paired`), about 28 % fewer instructions than the
     contract's decode (BENCHMARKS.md, "Expert GEMM").
+
+    ``registers`` runs the same product on packed weights with `moe_gemm_registers`' program
+    (compiled only): the weights decoded straight into the tensor cores' register operands.
     """
     check_kernel_device("x_AK", x_AK)
     if x_AK.dtype != torch.bfloat16 or x_AK.dim() != 2:
@@ -380,6 +385,11 @@ def launch(
         check_contiguous("w", w)
         if global_scale_on_accumulator:
             raise ValueError("global_scale_on_accumulator is for NVFP4 weights; w is bfloat16")
+        if registers:
+            raise ValueError("registers is for NVFP4 weights; w is bfloat16")
+    if registers and global_scale_on_accumulator:
+        raise ValueError("registers decodes the contract's weights; global_scale_on_accumulator "
+                         "is not supported there")  # fmt: skip
     check_device("counts_E", counts_E, x_AK.device)
     if counts_E.shape != (E,) or counts_E.dtype not in (torch.int32, torch.int64):
         raise ValueError(
@@ -414,6 +424,19 @@ def launch(
     # Each expert with rows has at most one partial tile.
     max_tiles = A // tile.block_m + min(E, A)
     grid = (N // tile.block_n, max_tiles)
+    if tile.block_m < 16 and not registers:
+        raise ValueError(f"block_m={tile.block_m}: 8 rows are for the register kernel only")
+    if registers:
+        if x_AK.device.type != "cuda":
+            raise ValueError(f"registers runs on a CUDA GPU only; x_AK is on {x_AK.device}")
+        from fp4rl.kernels import moe_gemm_registers
+
+        with device_of(x_AK):
+            moe_gemm_registers.launch_kernel(
+                grid, x_AK, members, counts_E, y_AN, order_A, A=A, E=E, N=N, K=K,
+                rows_per_group=rows_per_group, top_k=top_k, tile=tile,
+            )  # fmt: skip
+        return y_AN
     with device_of(x_AK):
         _moe_gemm_kernel[grid](
             x_AK, *members, counts_E,

@@ -415,3 +415,128 @@ def test_graph_replay_follows_the_counts_on_gpu():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(y, moe_gemm.launch(x, w, counts))
+
+
+# ---- the same product with the weights decoded into the MMA's registers (GPU only) ----------
+REGISTER_TILES = [
+    None,  # the launcher's own choice
+    GemmTile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=2),
+    GemmTile(block_m=8, block_n=64, block_k=256, num_warps=4, num_stages=2),
+    GemmTile(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=1),
+    GemmTile(block_m=32, block_n=128, block_k=32, num_warps=8, num_stages=2),
+    GemmTile(block_m=16, block_n=32, block_k=64, num_warps=2, num_stages=2),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", list(QWEN3_SHAPES), ids=str)
+def test_registers_weights_bitwise_on_gpu(shape):
+    """Every weight of four experts, read off the register kernel with one-hot rows: the
+    contract's bits, through the permuted K of each tile."""
+    n, k = QWEN3_SHAPES[shape]
+    w = random_weights(128, n, k, "cuda", seed=17)
+    experts = [0, 5, 77, 127]
+    x, counts = onehot_rows(k, experts, 128, "cuda")
+    for tile in REGISTER_TILES:
+        y = moe_gemm.launch(x, w, counts, config=tile, registers=True)
+        assert_weights_bitwise(y, w, experts, f"{shape}, register tile {tile}")
+
+
+@pytest.mark.gpu
+def test_registers_every_byte_bitwise_on_gpu():
+    """Every code byte, every finite block-scale byte and global scales from 2**-110 to 2**100
+    (and 0): the register kernel's weights are bitwise the reference's."""
+    e, n, k = 4, 64, 256
+    w = every_byte_weights(e, n, k, seed=3)
+    experts = [0, 1, 3]
+    x, counts = onehot_rows(k, experts, e, "cuda")
+    for tile in REGISTER_TILES:
+        if tile is not None and n % tile.block_n:
+            continue
+        y = moe_gemm.launch(x, w.map(lambda t: t.cuda()), counts, config=tile, registers=True)
+        assert_weights_bitwise(y, w, experts, f"register tile {tile}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", list(QWEN3_SHAPES), ids=str)
+@pytest.mark.parametrize("tokens", [1, 8, 64, 256, 4096])
+def test_registers_qwen3_shapes_on_gpu(shape, tokens):
+    n, k = QWEN3_SHAPES[shape]
+    g = torch.Generator().manual_seed(tokens)
+    w = random_weights(128, n, k, "cuda", seed=tokens)
+    counts = routed(tokens, 128, 8, g)
+    x = torch.randn(int(counts.sum()), k, generator=g).to(torch.bfloat16).cuda()
+    for tile in (None, REGISTER_TILES[2]):
+        y = moe_gemm.launch(x, w, counts.cuda(), config=tile, registers=True)
+        assert_fp32_accumulated(y, x, w, counts, f"registers {shape} {tokens} tokens {tile}")
+
+
+@pytest.mark.gpu
+def test_registers_gather_poison_and_graph_on_gpu():
+    """Rows read through the dispatch order are bitwise the gathered rows' product; NaN scales
+    poison exactly the outputs they touch; a captured launch follows new counts and rows."""
+    n, k = QWEN3_SHAPES["w2"]
+    g = torch.Generator().manual_seed(23)
+    w = random_weights(128, n, k, "cuda", seed=23)
+    tokens, top_k = 37, 8
+    ids = torch.randn(tokens, 128, generator=g).topk(top_k, dim=-1).indices
+    order = torch.argsort(ids.flatten(), stable=True).cuda()
+    counts = torch.bincount(ids.flatten(), minlength=128).cuda()
+    x = torch.randn(tokens, k, generator=g).to(torch.bfloat16).cuda()
+    got = moe_gemm.launch(x, w, counts, order_A=order, top_k=top_k, registers=True)
+    want = moe_gemm.launch(x[order // top_k].contiguous(), w, counts, registers=True)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+    global_scale = w.global_scale.clone()
+    block_scale = w.block_scale.clone()
+    first = int(torch.nonzero(counts)[0])
+    global_scale[first] = math.nan
+    block_scale.view(torch.uint8)[first + 1 :, 5, 3] = 0x7F  # column 5 of every later expert
+    poisoned = NVFP4Tensor(w.codes, block_scale, global_scale)
+    rows = x[order // top_k].contiguous()
+    y = moe_gemm.launch(rows, poisoned, counts, registers=True)
+    assert torch.equal(y.isnan(), moe_gemm.launch(rows, poisoned, counts).isnan())
+    assert y[: int(counts[first])].isnan().all() and y[:, 5].isnan().all()
+
+    rows_in = torch.zeros(tokens * top_k, k, dtype=torch.bfloat16, device="cuda")
+    counts_in = torch.zeros(128, dtype=torch.int64, device="cuda")
+    rows_in.copy_(rows)
+    counts_in.copy_(counts)
+    moe_gemm.launch(rows_in, w, counts_in, registers=True)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = moe_gemm.launch(rows_in, w, counts_in, registers=True)
+    for _ in range(2):
+        rows_in.copy_(torch.randn(rows_in.shape, generator=g).to(torch.bfloat16))
+        counts_in.copy_(routed(tokens, 128, top_k, g))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, moe_gemm.launch(rows_in, w, counts_in, registers=True))
+
+
+def test_registers_checks_name_the_values():
+    from fp4rl.kernels import moe_gemm_registers
+
+    w = random_weights(4, 32, 64, "cpu", seed=3)
+    counts = torch.tensor([1, 0, 0, 0])
+    x = torch.randn(1, 64).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="registers runs on a CUDA GPU only; x_AK is on cpu"):
+        moe_gemm.launch(x, w, counts, registers=True)
+    with pytest.raises(ValueError, match="registers is for NVFP4 weights; w is bfloat16"):
+        moe_gemm.launch(x, bf16_weights(4, 32, 64, "cpu", 3), counts, registers=True)
+    with pytest.raises(ValueError, match="global_scale_on_accumulator is not supported there"):
+        moe_gemm.launch(x, w, counts, registers=True, global_scale_on_accumulator=True)
+    with pytest.raises(ValueError, match="block_m=8: 8 rows are for the register kernel only"):
+        moe_gemm.launch(x, w, counts, config=GemmTile(8, 32, 64, 4, 2))
+    check = moe_gemm_registers.check_tile
+    with pytest.raises(ValueError, match="block_m must be at least 8 .*; got 4"):
+        check(4, 64, 64, 4, 64, 64)
+    with pytest.raises(ValueError, match="block_n=32 must be at least 16 x num_warps=4"):
+        check(16, 32, 64, 4, 64, 64)
+    with pytest.raises(ValueError, match="block_k must be at least 32; got 16"):
+        check(16, 64, 16, 4, 64, 64)
+    with pytest.raises(ValueError, match="num_warps must be 1, 2, 4 or 8; got 3"):
+        check(16, 64, 64, 3, 64, 64)
+    with pytest.raises(ValueError, match=r"must divide the weight's N=96 and K=64"):
+        check(16, 64, 64, 4, 96, 64)

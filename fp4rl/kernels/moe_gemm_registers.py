@@ -1,0 +1,254 @@
+"""`moe_gemm`'s product with the NVFP4 weights decoded straight into the tensor cores' registers.
+
+The same function as `moe_gemm.launch` on packed weights (one program per ``BLOCK_N`` output
+columns of a tile of one expert's rows, found on the device from ``counts_E``), written in
+Triton's Gluon dialect so that the layouts are chosen here rather than by the compiler. The
+difference is where the decoded weights go. `moe_gemm`'s `tl.dot` on Hopper is a wgmma whose
+weight operand sits in shared memory, so every decoded tile is stored there and read back. Here
+the product is a chain of ``mma.sync.m16n8k16`` (Gluon's `mma_v2`), whose operands live in
+registers: each thread decodes exactly the weights its fragment of the operand holds, and no
+weight passes through shared memory.
+
+What makes that possible is a permutation of K. A thread of an m16n8k16 fragment holds, per row
+and per 32 values of K, the 8 hardware positions ``{2c, 2c + 1, 2c + 8, 2c + 9} + {0, 16}`` (c
+its lane's index in a quad). A dot product does not care in which order K is summed, so real
+k is assigned to those positions such that a thread's 8 are the 8 codes of one packed int32
+word: within a step of ``BLOCK_K`` (``CH = BLOCK_K // 32`` chunks), the word ``c * CH + ch``
+fills chunk ``ch`` of lane quad position c, its code ``J = 4 t + 2 b2 + b0`` at hardware position
+``32 ch + 16 t + 8 b2 + 2 c + b0``. The rows of x, the other operand, are loaded in real order
+(8 consecutive values per thread, one 16-byte load) and put in the same hardware order; both
+reorderings are register renamings, checked at compile time (``assert_trivial``).
+
+Numerics: each weight entering a product is ``round_bf16((e2m1 * sf) * s)`` from `numerics`'
+pieces, the bits `moe_gemm` decodes; products of BF16 values are exact in FP32 and accumulate in
+FP32 (in the tensor cores' own order over a k16 step, then step by step along K), rounded to
+BF16 once at the end. Only the order of the FP32 sum differs from `moe_gemm` and from
+`reference_gemm`. The global scale stays inside the weight (the contract), not on the
+accumulator.
+
+Compiled only (sm_80 and newer): Triton's interpreter runs no Gluon, so the CPU runs
+`moe_gemm`'s program, the reference for this one's tests on the GPU.
+
+Legend: A rows (token-expert assignments), K reduction, N output columns, E experts, W words of
+8 codes, CH chunks of 32 values of K in a step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from fp4rl.kernels import numerics
+from fp4rl.kernels.numerics import BLOCK_SCALE_BIAS, GLOBAL_SCALE_BIAS
+
+# The recipe's code decode as a Gluon function: the same Python body. (A block scale byte
+# becomes FP32 through the GPU's E4M3 conversion, as `numerics.e4m3_value` does when compiled.)
+_packed_code = gluon.jit(numerics.packed_code.fn)
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.constexpr_function
+def _words_layout(block_n, block_k, num_warps):
+    """``[BLOCK_N, BLOCK_K // 8]`` packed words, each held by the thread whose operand fragment
+    holds its 8 codes: lanes (c, g) of a quad layout, warps along N as the MMA's."""
+    ch = block_k // 32
+    regs = [[0, 1 << i] for i in range(int(math.log2(ch)))] + [[8, 0]]
+    regs += [[16 * num_warps << i, 0] for i in range(int(math.log2(block_n // (16 * num_warps))))]
+    lanes = [[0, ch], [0, 2 * ch], [1, 0], [2, 0], [4, 0]]
+    warps = [[16 << i, 0] for i in range(int(math.log2(num_warps)))]
+    return gl.DistributedLinearLayout(regs, lanes, warps, [], [block_n, block_k // 8])
+
+
+@gluon.constexpr_function
+def _rows_layout(block_m, block_k, num_warps):
+    """``[BLOCK_M, BLOCK_K]`` rows of x in real K order: each thread holds the 8 consecutive
+    values matching each word it decodes, for its rows; every warp holds all of them."""
+    ch = block_k // 32
+    regs = [[0, 1], [0, 2], [0, 4]] + [[0, 8 << i] for i in range(int(math.log2(ch)))]
+    regs += [[8 << i, 0] for i in range(int(math.log2(block_m // 8)))]
+    lanes = [[0, 8 * ch], [0, 16 * ch], [1, 0], [2, 0], [4, 0]]
+    warps = [[0, 0]] * int(math.log2(num_warps))
+    return gl.DistributedLinearLayout(regs, lanes, warps, [], [block_m, block_k])
+
+
+@gluon.jit
+def _hardware_order(t, ROWS: gl.constexpr, BLOCK_K: gl.constexpr):
+    """``[ROWS, BLOCK_K]`` from real K order to the fragments' order (module docstring)."""
+    CH: gl.constexpr = BLOCK_K // 32
+    t = gl.reshape(t, [ROWS, 4, CH, 2, 2, 2])  # k = 8 * (c * CH + ch) + 4 t + 2 b2 + b0
+    t = gl.permute(t, [0, 2, 3, 4, 1, 5])  # -> 32 ch + 16 t + 8 b2 + 2 c + b0
+    return gl.reshape(t, [ROWS, BLOCK_K])
+
+
+@gluon.jit
+def _weight(words, J: gl.constexpr, scale, s):
+    """Code J of each word as its BF16 weight ``round((e2m1 * sf) * s)`` (biased scales)."""
+    return ((_packed_code(words, J) * scale) * s).to(gl.bfloat16)
+
+
+@gluon.jit
+def _decode(words, scale, s, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
+    """``[BLOCK_N, BLOCK_K]`` BF16 weights of ``[BLOCK_N, BLOCK_K // 8]`` words, real K order."""
+    d = gl.join(
+        gl.join(
+            gl.join(_weight(words, 0, scale, s), _weight(words, 1, scale, s)),
+            gl.join(_weight(words, 2, scale, s), _weight(words, 3, scale, s)),
+        ),
+        gl.join(
+            gl.join(_weight(words, 4, scale, s), _weight(words, 5, scale, s)),
+            gl.join(_weight(words, 6, scale, s), _weight(words, 7, scale, s)),
+        ),
+    )  # [N, W, j0, j1, j2] for J = 4 j2 + 2 j1 + j0
+    return gl.reshape(gl.permute(d, [0, 1, 4, 3, 2]), [BLOCK_N, BLOCK_K])
+
+
+@gluon.jit
+def _expert_tile(counts_E, tile, num_rows, E, BLOCK_M: gl.constexpr, BLOCK_E: gl.constexpr,
+                 NUM_WARPS: gl.constexpr):  # fmt: skip
+    """(tiles in all, expert, first row, end of the expert's rows), as `moe_gemm`'s."""
+    e_E = gl.arange(0, BLOCK_E, layout=gl.BlockedLayout([1], [32], [NUM_WARPS], [0]))
+    counts = gl.load(counts_E + e_E, mask=e_E < E, other=0).to(gl.int32)
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    tile_end = gl.associative_scan(tiles, 0, _add)
+    row_end = gl.associative_scan(counts, 0, _add)
+    expert = gl.sum((tile_end <= tile).to(gl.int32), 0)
+    mine = e_E == expert
+    first_tile = gl.sum(gl.where(mine, tile_end - tiles, 0), 0)
+    rows_end = gl.sum(gl.where(mine, row_end, 0), 0)
+    rows_start = rows_end - gl.sum(gl.where(mine, counts, 0), 0)
+    return (
+        gl.sum(tiles, 0),
+        expert,
+        rows_start + (tile - first_tile) * BLOCK_M,
+        gl.minimum(rows_end, num_rows),
+    )
+
+
+@gluon.jit(do_not_specialize=["A", "top_k"])
+def _moe_gemm_registers_kernel(
+    x_AK,
+    codes_ENW,
+    block_scale_ENB,
+    scale_G,
+    counts_E,
+    y_AN,
+    order_A,
+    A,
+    E,
+    rows_per_group,
+    top_k,
+    N: gl.constexpr,
+    K: gl.constexpr,
+    GATHER: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    BLOCK_K: gl.constexpr,
+    BLOCK_E: gl.constexpr,
+    PREFETCH: gl.constexpr,
+    NUM_WARPS: gl.constexpr,
+):
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8]
+    )
+    weights_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    rows_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    words_l: gl.constexpr = _words_layout(BLOCK_N, BLOCK_K, NUM_WARPS)
+    x_l: gl.constexpr = _rows_layout(BLOCK_M, BLOCK_K, NUM_WARPS)
+
+    num_tiles, expert, row0, rows_end = _expert_tile(
+        counts_E, gl.program_id(1), A, E, BLOCK_M, BLOCK_E, NUM_WARPS
+    )
+    if gl.program_id(1) >= num_tiles:
+        return
+
+    rows_M = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_l))
+    row_ok_M = rows_M < rows_end
+    x_rows_M = rows_M.to(gl.int64)
+    if GATHER:  # x holds tokens: row a of the product is token order[a] // top_k
+        x_rows_M = gl.load(order_A + rows_M, mask=row_ok_M, other=0).to(gl.int64) // top_k
+    k_K = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, x_l))
+    x_ptrs = x_AK + x_rows_M[:, None] * K + k_K[None, :]
+
+    cols_N = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, words_l))
+    w_rows_N = expert.to(gl.int64) * N + cols_N
+    s_N = gl.load(scale_G + w_rows_N // rows_per_group) * GLOBAL_SCALE_BIAS
+    word_W = gl.arange(0, BLOCK_K // 8, layout=gl.SliceLayout(0, words_l))
+    word_ptrs = codes_ENW + w_rows_N[:, None] * (K // 8) + word_W[None, :]
+    # A word's block scale: one byte per two words (a block is 16 codes).
+    scale_ptrs = block_scale_ENB + w_rows_N[:, None] * (K // 16) + (word_W // 2)[None, :]
+
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
+    words = gl.load(word_ptrs)
+    scales = gl.load(scale_ptrs)
+    for k in range(0, K, BLOCK_K):
+        if PREFETCH:  # the next step's words in flight while this step decodes
+            more = k + BLOCK_K < K
+            next_words = gl.load(word_ptrs + BLOCK_K // 8, mask=more, other=0)
+            next_scales = gl.load(scale_ptrs + BLOCK_K // 16, mask=more, other=0)
+        scale = scales.to(gl.float8e4nv, bitcast=True).to(gl.float32) * BLOCK_SCALE_BIAS
+        w_NK = _decode(words, scale, s_N[:, None], BLOCK_N, BLOCK_K)
+        w_NK = gl.convert_layout(
+            _hardware_order(w_NK, BLOCK_N, BLOCK_K), weights_l, assert_trivial=True
+        )
+        x_MK = gl.load(x_ptrs, mask=row_ok_M[:, None], other=0.0)
+        x_KM = gl.permute(_hardware_order(x_MK, BLOCK_M, BLOCK_K), [1, 0])
+        acc = mma_v2(w_NK, gl.convert_layout(x_KM, rows_l, assert_trivial=True), acc)
+        word_ptrs += BLOCK_K // 8
+        scale_ptrs += BLOCK_K // 16
+        x_ptrs += BLOCK_K
+        if PREFETCH:
+            words = next_words
+            scales = next_scales
+        else:
+            if k + BLOCK_K < K:
+                words = gl.load(word_ptrs)
+                scales = gl.load(scale_ptrs)
+
+    cols_out = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
+    rows_out = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
+    y_ptrs = y_AN + rows_out.to(gl.int64)[None, :] * N + cols_out[:, None]
+    gl.store(y_ptrs, acc.to(gl.bfloat16), mask=(rows_out < rows_end)[None, :])
+
+
+def check_tile(block_m: int, block_n: int, block_k: int, num_warps: int, n: int, k: int) -> None:
+    """Raise ValueError naming the value unless the tile fits these fragments and the shape."""
+    if num_warps not in (1, 2, 4, 8):
+        raise ValueError(f"register tile: num_warps must be 1, 2, 4 or 8; got {num_warps}")
+    if block_m < 8:
+        raise ValueError(f"register tile: block_m must be at least 8 (the MMA's n8); got {block_m}")
+    if block_n < 16 * num_warps:
+        raise ValueError(
+            f"register tile: block_n={block_n} must be at least 16 x num_warps={num_warps}"
+        )
+    if block_k < 32:
+        raise ValueError(f"register tile: block_k must be at least 32; got {block_k}")
+    if n % block_n or k % block_k:
+        raise ValueError(
+            f"register tile {block_n}x{block_k} (block_n x block_k) must divide the weight's "
+            f"N={n} and K={k}"
+        )
+
+
+def launch_kernel(grid, x_AK, members, counts_E, y_AN, order_A, *, A, E, N, K, rows_per_group,
+                  top_k, tile) -> None:  # fmt: skip
+    """Launch over ``grid`` with `moe_gemm.launch`'s checked arguments (``members``: the codes
+    as int32, the block scales as bytes, the global scale per group)."""
+    check_tile(tile.block_m, tile.block_n, tile.block_k, tile.num_warps, N, K)
+    _moe_gemm_registers_kernel[grid](
+        x_AK, *members, counts_E, y_AN, x_AK if order_A is None else order_A,
+        A, E, rows_per_group, top_k,
+        N=N, K=K, GATHER=order_A is not None,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        BLOCK_E=triton.next_power_of_2(E), PREFETCH=tile.num_stages >= 2,
+        NUM_WARPS=tile.num_warps, num_warps=tile.num_warps,
+        # Products feed additions only inside the MMA; no FMA may merge the two scalings.
+        enable_fp_fusion=False,
+    )  # fmt: skip
