@@ -351,7 +351,8 @@ def launch(
     contract's decode (BENCHMARKS.md, "Expert GEMM").
 
     ``registers`` runs the same product on packed weights with `moe_gemm_registers`' program
-    (compiled only): the weights decoded straight into the tensor cores' register operands.
+    (compiled only): the weights decoded straight into the tensor cores' register operands. Its
+    tile keeps at most ``block_n // 16`` warps.
     """
     check_kernel_device("x_AK", x_AK)
     if x_AK.dtype != torch.bfloat16 or x_AK.dim() != 2:
@@ -431,6 +432,8 @@ def launch(
             raise ValueError(f"registers runs on a CUDA GPU only; x_AK is on {x_AK.device}")
         from fp4rl.kernels import moe_gemm_registers
 
+        # Each warp takes 16 of the tile's columns at least (the MMA's m16).
+        tile = dataclasses.replace(tile, num_warps=min(tile.num_warps, tile.block_n // 16))
         with device_of(x_AK):
             moe_gemm_registers.launch_kernel(
                 grid, x_AK, members, counts_E, y_AN, order_A, A=A, E=E, N=N, K=K,

@@ -450,9 +450,7 @@ def test_registers_every_byte_bitwise_on_gpu():
     w = every_byte_weights(e, n, k, seed=3)
     experts = [0, 1, 3]
     x, counts = onehot_rows(k, experts, e, "cuda")
-    for tile in REGISTER_TILES:
-        if tile is not None and n % tile.block_n:
-            continue
+    for tile in REGISTER_TILES:  # narrowed to N = 64, with as many warps as fit
         y = moe_gemm.launch(x, w.map(lambda t: t.cuda()), counts, config=tile, registers=True)
         assert_weights_bitwise(y, w, experts, f"register tile {tile}")
 
