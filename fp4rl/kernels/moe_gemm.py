@@ -40,6 +40,7 @@ from fp4rl.kernels.launch import (
     check_device,
     check_kernel_device,
     device_of,
+    interpreting,
     multiprocessors,
     scale_per_group,
 )
@@ -294,6 +295,13 @@ BF16_CONFIGS: tuple[tuple[float, GemmTile], ...] = (
 )
 
 
+# Batches of at most this many rows per expert on average (decode steps up to 128 tokens at
+# top-8 over 128 experts) take the register kernel (`moe_gemm_registers`) on packed weights:
+# 1.15-1.23x faster than this module's program from 1 to 64 tokens, about even at 256 and
+# 0.72x at 1,024, where the shared-memory operand of the wgmma serves many rows better (one H200,
+# `python benchmarks/moe.py`, BENCHMARKS.md "Routed-expert GEMM: the register kernel").
+REGISTERS_MAX_ROWS_PER_EXPERT = 8.0
+
 # A launch whose grid would give the SMs fewer programs than this each (one token's w13: 24
 # column tiles x 8 experts = 192 programs for 132 SMs) halves its tile's width, so that more SMs
 # stream weights: 18.7 against 20.1 µs there, while w2's 256 programs lose by narrowing (14.8
@@ -331,7 +339,7 @@ def launch(
     global_scale_on_accumulator: bool = False,
     order_A: torch.Tensor | None = None,
     top_k: int = 1,
-    registers: bool = False,
+    registers: bool | None = None,
 ) -> torch.Tensor:
     """``[A, N]`` BF16: rows ``x_AK`` sorted by expert (``counts_E[e]`` rows of expert e, in
     order) times ``dequantize(w, bf16)[e].T``, or ``w[e].T`` for a BF16 tensor ``w`` (the BF16
@@ -352,7 +360,9 @@ def launch(
 
     ``registers`` runs the same product on packed weights with `moe_gemm_registers`' program
     (compiled only): the weights decoded straight into the tensor cores' register operands. Its
-    tile keeps at most ``block_n // 16`` warps.
+    tile keeps at most ``block_n // 16`` warps. Left as None, the launcher takes it for packed
+    weights on a CUDA GPU, without ``config`` or ``global_scale_on_accumulator``, for batches
+    of at most `REGISTERS_MAX_ROWS_PER_EXPERT` rows per expert on average (`CONFIGS`' tile).
     """
     check_kernel_device("x_AK", x_AK)
     if x_AK.dtype != torch.bfloat16 or x_AK.dim() != 2:
@@ -414,6 +424,15 @@ def launch(
     y_AN = torch.empty((A, N), dtype=torch.bfloat16, device=x_AK.device)
     if A == 0 or E == 0:
         return y_AN
+    if registers is None:
+        registers = (
+            packed
+            and config is None
+            and not global_scale_on_accumulator
+            and x_AK.is_cuda
+            and not interpreting()
+            and A <= REGISTERS_MAX_ROWS_PER_EXPERT * E
+        )
     sms = multiprocessors(x_AK.device)
     tile = (config or config_for(A, E, N, sms, bf16=not packed)).fitted(N, K)
     if packed:

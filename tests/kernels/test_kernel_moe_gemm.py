@@ -513,16 +513,39 @@ def test_registers_gather_poison_and_graph_on_gpu():
         assert torch.equal(y, moe_gemm.launch(rows_in, w, counts_in, registers=True))
 
 
-def test_registers_checks_name_the_values():
+@pytest.mark.gpu
+def test_decode_batches_take_the_register_kernel_on_gpu():
+    """Left to the launcher, packed weights take the register kernel up to
+    REGISTERS_MAX_ROWS_PER_EXPERT rows per expert and `moe_gemm`'s program above; a tile or the
+    accumulator's scale asked for keeps `moe_gemm`'s program."""
+    n, k = QWEN3_SHAPES["w2"]
+    g = torch.Generator().manual_seed(29)
+    w = random_weights(128, n, k, "cuda", seed=29)
+    bound = int(moe_gemm.REGISTERS_MAX_ROWS_PER_EXPERT * 128) // 8
+    for tokens, registers in ((8, True), (bound, True), (bound + 1, False)):
+        counts = routed(tokens, 128, 8, g).cuda()
+        x = torch.randn(tokens * 8, k, generator=g).to(torch.bfloat16).cuda()
+        want = moe_gemm.launch(x, w, counts, registers=registers)
+        other = moe_gemm.launch(x, w, counts, registers=not registers)
+        got = moe_gemm.launch(x, w, counts)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), tokens
+        assert not torch.equal(got.view(torch.int16), other.view(torch.int16)), tokens
+    tile = moe_gemm.config_for(64, 128)
+    got = moe_gemm.launch(x[:64], w, counts, config=tile)
+    assert torch.equal(got, moe_gemm.launch(x[:64], w, counts, config=tile, registers=False))
+
+
+def test_registers_checks_name_the_values(device):
     from fp4rl.kernels import moe_gemm_registers
 
-    w = random_weights(4, 32, 64, "cpu", seed=3)
-    counts = torch.tensor([1, 0, 0, 0])
-    x = torch.randn(1, 64).to(torch.bfloat16)
-    with pytest.raises(ValueError, match="registers runs on a CUDA GPU only; x_AK is on cpu"):
-        moe_gemm.launch(x, w, counts, registers=True)
+    w = random_weights(4, 32, 64, device, seed=3)
+    counts = torch.tensor([1, 0, 0, 0], device=device)
+    x = torch.randn(1, 64, device=device).to(torch.bfloat16)
+    if device == "cpu":
+        with pytest.raises(ValueError, match="registers runs on a CUDA GPU only; x_AK is on cpu"):
+            moe_gemm.launch(x, w, counts, registers=True)
     with pytest.raises(ValueError, match="registers is for NVFP4 weights; w is bfloat16"):
-        moe_gemm.launch(x, bf16_weights(4, 32, 64, "cpu", 3), counts, registers=True)
+        moe_gemm.launch(x, bf16_weights(4, 32, 64, device, 3), counts, registers=True)
     with pytest.raises(ValueError, match="global_scale_on_accumulator is not supported there"):
         moe_gemm.launch(x, w, counts, registers=True, global_scale_on_accumulator=True)
     with pytest.raises(ValueError, match="block_m=8: 8 rows are for the register kernel only"):
