@@ -295,12 +295,17 @@ BF16_CONFIGS: tuple[tuple[float, GemmTile], ...] = (
 )
 
 
-# Batches of at most this many rows per expert on average (decode steps up to 128 tokens at
-# top-8 over 128 experts) take the register kernel (`moe_gemm_registers`) on packed weights:
-# 1.15-1.23x faster than this module's program from 1 to 64 tokens, about even at 256 and
-# 0.72x at 1,024, where the shared-memory operand of the wgmma serves many rows better (one H200,
-# `python benchmarks/moe.py`, BENCHMARKS.md "Routed-expert GEMM: the register kernel").
-REGISTERS_MAX_ROWS_PER_EXPERT = 8.0
+# Batches of at most this many rows per expert on average (decode steps up to 256 tokens at
+# top-8 over 128 experts) take the register kernel (`moe_gemm_registers`) on packed weights,
+# with `register_config_for`'s tile: 1.12-1.23x faster than this module's program from 1 to
+# 256 tokens, and 0.72x at 1,024, where the shared-memory operand of the wgmma serves many rows
+# better (one H200, `python benchmarks/moe.py`, BENCHMARKS.md "Routed-expert GEMM: the register
+# kernel").
+REGISTERS_MAX_ROWS_PER_EXPERT = 16.0
+# Past 8 rows per expert: 32 rows and 128 columns of 4 warps (each warp's 32 columns share its
+# copy of the rows); at 256 tokens 179 against 204 us (w13) and 95 against 108 (w2) for the
+# bucket's own tile.
+REGISTERS_WIDE_TILE = GemmTile(block_m=32, block_n=128, block_k=128, num_warps=4, num_stages=2)
 
 # A launch whose grid would give the SMs fewer programs than this each (one token's w13: 24
 # column tiles x 8 experts = 192 programs for 132 SMs) halves its tile's width, so that more SMs
@@ -328,6 +333,14 @@ def config_for(
         ):
             tile = dataclasses.replace(tile, block_n=tile.block_n // 2)
     return tile
+
+
+def register_config_for(num_rows: int, num_experts: int, n: int, sms: int) -> GemmTile:
+    """The register kernel's tile: `config_for`'s up to 8 rows per expert on average,
+    `REGISTERS_WIDE_TILE` above (its warps cut to one per 16 columns by the launcher)."""
+    if num_rows > 8.0 * max(num_experts, 1):
+        return REGISTERS_WIDE_TILE
+    return config_for(num_rows, num_experts, n, sms)
 
 
 def launch(
@@ -362,7 +375,8 @@ def launch(
     (compiled only): the weights decoded straight into the tensor cores' register operands. Its
     tile keeps at most ``block_n // 16`` warps. Left as None, the launcher takes it for packed
     weights on a CUDA GPU, without ``config`` or ``global_scale_on_accumulator``, for batches
-    of at most `REGISTERS_MAX_ROWS_PER_EXPERT` rows per expert on average (`CONFIGS`' tile).
+    of at most `REGISTERS_MAX_ROWS_PER_EXPERT` rows per expert on average (the tile of
+    `register_config_for`).
     """
     check_kernel_device("x_AK", x_AK)
     if x_AK.dtype != torch.bfloat16 or x_AK.dim() != 2:
@@ -434,7 +448,11 @@ def launch(
             and A <= REGISTERS_MAX_ROWS_PER_EXPERT * E
         )
     sms = multiprocessors(x_AK.device)
-    tile = (config or config_for(A, E, N, sms, bf16=not packed)).fitted(N, K)
+    if config is None:
+        config = register_config_for(A, E, N, sms) if registers else config_for(
+            A, E, N, sms, bf16=not packed
+        )  # fmt: skip
+    tile = config.fitted(N, K)
     if packed:
         scale_G, rows_per_group = scale_per_group("global_scale", w.global_scale, w.shape)
         members = (w.codes.view(torch.int32), w.block_scale.view(torch.uint8), scale_G)
