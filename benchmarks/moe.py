@@ -7,7 +7,8 @@ and writes them to ``$OUT/moe.md`` when OUT is set.
 Both GEMMs of a layer's experts (w13: N=1536, K=2048; w2: N=2048, K=768; 128 experts), for
 decode batches of 1, 8, 64 and 256 tokens and a 4096-token prefill, top-8 of random router
 logits. Compared in the same run:
-  (a) ``moe_gemm.launch``: packed NVFP4 weights decoded in registers, only touched experts read;
+  (a) ``moe_gemm.launch(..., registers=False)``: packed NVFP4 weights decoded in registers and
+      handed to the tensor cores through shared memory, only touched experts read;
   (b) today's NVFP4 path (`PackedExperts`): ``dequantize`` of every expert to BF16, then the
       model's ``grouped_mm`` (``torch._grouped_mm`` on the GPU);
   (c) ``torch._grouped_mm`` on BF16 weights, the BF16 engine's path before (d);
@@ -15,7 +16,8 @@ logits. Compared in the same run:
       as they lie (the launcher's BF16 tile, and the tiles of ``--bf16-configs``);
   (e) ``moe_gemm.launch(..., registers=True)`` on the packed weights of (a): the weights decoded
       into the tensor cores' register operands (`moe_gemm_registers`, GPU only), the tiles of
-      ``--register-configs``.
+      ``--register-configs`` ("auto": `moe_gemm.register_config_for`'s). The launcher's own
+      choice is (e) up to `moe_gemm.REGISTERS_MAX_ROWS_PER_EXPERT` rows per expert, else (a).
 Every variant is first checked against the plain-PyTorch twin (``moe_gemm.reference_gemm``).
 Times are CUDA-graph replays (the GPU's time) after warm-up, median over repeats, rotating over
 ``--layers`` sets of weights, rows and routing so that no call finds its experts in L2; inputs
@@ -191,7 +193,7 @@ def measure(
 
     kernels = {
         spec: (lambda s, tile=tile, acc=acc: moe_gemm.launch(
-            s[0], s[1], s[3], config=tile, global_scale_on_accumulator=acc))
+            s[0], s[1], s[3], config=tile, global_scale_on_accumulator=acc, registers=False))
         for spec, (tile, acc) in variants.items()
     }  # fmt: skip
     bf16_kernels = {
