@@ -70,7 +70,8 @@ def main() -> None:
         default="auto,16:64:128:4:2,16:64:128:4:1,16:128:128:4:2,8:64:256:4:2,16:64:64:4:2,"
         "32:64:128:4:2,16:128:64:8:2",
         help="tiles for (e), BLOCK_M:BLOCK_N:BLOCK_K:WARPS:STAGES or auto (STAGES >= 2: the "
-        "next step's words loaded ahead), comma-separated; ignored without a GPU",
+        "next step's words loaded ahead), comma-separated; suffix '+lut' decodes by byte-table "
+        "lookup (moe_gemm_registers.LOOKUP); ignored without a GPU",
     )
     args = parser.parse_args()
     if not torch.cuda.is_available() and not args.quick:
@@ -94,8 +95,10 @@ def main() -> None:
         bf16_variants[spec] = GemmTile(*(int(v) for v in spec.split(":")))
     register_variants = {}
     for spec in filter(None, args.register_configs.split(",") if cuda else []):
+        tile, _, lookup = spec.partition("+")
         register_variants[spec] = (
-            None if spec == "auto" else GemmTile(*(int(v) for v in spec.split(":")))
+            None if tile == "auto" else GemmTile(*(int(v) for v in tile.split(":"))),
+            lookup == "lut",
         )
     torch.manual_seed(0)
 
@@ -201,8 +204,8 @@ def measure(
         for spec, tile in bf16_variants.items()
     }  # fmt: skip
     register_kernels = {
-        spec: (lambda s, tile=tile: moe_gemm.launch(s[0], s[1], s[3], config=tile, registers=True))
-        for spec, tile in register_variants.items()
+        spec: (lambda s, tile=tile, lookup=lookup: register_launch(s, tile, lookup))
+        for spec, (tile, lookup) in register_variants.items()
     }  # fmt: skip
     # Correct first: every variant against its twin on the first set.
     x, p, w, counts = sets[0]
@@ -241,6 +244,18 @@ def measure(
         f"{v:.1f}" for v in bf16_times.values()
     ) + " |"  # fmt: skip
     return row, tiles, bf16_tiles, register_tiles
+
+
+def register_launch(s, tile: GemmTile | None, lookup: bool) -> torch.Tensor:
+    """(e) with the decode by byte tables (``lookup``) or by arithmetic per code."""
+    from fp4rl.kernels import moe_gemm_registers
+
+    before = moe_gemm_registers.LOOKUP
+    moe_gemm_registers.LOOKUP = lookup
+    try:
+        return moe_gemm.launch(s[0], s[1], s[3], config=tile, registers=True)
+    finally:
+        moe_gemm_registers.LOOKUP = before
 
 
 def bf16_twin(x_AK: torch.Tensor, w_ENK: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:

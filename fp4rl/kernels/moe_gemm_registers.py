@@ -68,6 +68,18 @@ def _words_layout(block_n, block_k, num_warps):
 
 
 @gluon.constexpr_function
+def _blocks_layout(block_n, block_k, num_warps):
+    """``[BLOCK_N, BLOCK_K // 16]`` blocks of 16 codes, each held by the thread that holds its
+    two words in `_words_layout` (BLOCK_K >= 64)."""
+    ch = block_k // 32
+    regs = [[0, 1 << i] for i in range(int(math.log2(ch)) - 1)] + [[8, 0]]
+    regs += [[16 * num_warps << i, 0] for i in range(int(math.log2(block_n // (16 * num_warps))))]
+    lanes = [[0, ch // 2], [0, ch], [1, 0], [2, 0], [4, 0]]
+    warps = [[16 << i, 0] for i in range(int(math.log2(num_warps)))]
+    return gl.DistributedLinearLayout(regs, lanes, warps, [], [block_n, block_k // 16])
+
+
+@gluon.constexpr_function
 def _rows_layout(block_m, block_k, num_warps):
     """``[BLOCK_M, BLOCK_K]`` rows of x in real K order: each thread holds the 8 consecutive
     values matching each word it decodes, for its rows; every warp holds all of them."""
@@ -97,16 +109,99 @@ def _weight(words, J: gl.constexpr, scale, s):
 @gluon.jit
 def _decode(words, scale, s, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
     """``[BLOCK_N, BLOCK_K]`` BF16 weights of ``[BLOCK_N, BLOCK_K // 8]`` words, real K order."""
+    return _joined(
+        _weight(words, 0, scale, s), _weight(words, 1, scale, s),
+        _weight(words, 2, scale, s), _weight(words, 3, scale, s),
+        _weight(words, 4, scale, s), _weight(words, 5, scale, s),
+        _weight(words, 6, scale, s), _weight(words, 7, scale, s),
+        BLOCK_N, BLOCK_K,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _tables(scale, s):
+    """The 8 BF16 magnitudes a block's codes can take, ``round((e2m1 * sf) * s)`` for the E2M1
+    indices 0..7 (the same products as `_weight`), as byte tables for PRMT: (low bytes of
+    indices 0-3, of 4-7, high bytes of 0-3, of 4-7), int32 each."""
+    half = (2.0**-127 * scale) * s
+    return gl.inline_asm_elementwise(
+        """{ .reg .b32 p0, p1, p2, p3;
+        cvt.rn.bf16x2.f32 p0, $5, $4;
+        cvt.rn.bf16x2.f32 p1, $7, $6;
+        cvt.rn.bf16x2.f32 p2, $9, $8;
+        cvt.rn.bf16x2.f32 p3, $11, $10;
+        prmt.b32 $0, p0, p1, 0x6420;
+        prmt.b32 $1, p2, p3, 0x6420;
+        prmt.b32 $2, p0, p1, 0x7531;
+        prmt.b32 $3, p2, p3, 0x7531; }""",
+        "=r,=r,=r,=r,f,f,f,f,f,f,f,f",
+        [
+            half * 0.0,  # (0 * sf) * s: 0, or NaN where sf or s is NaN (or s inf), as `half`
+            half,
+            (2.0**-126 * scale) * s,
+            (1.5 * 2.0**-126 * scale) * s,
+            (2.0**-125 * scale) * s,
+            (3.0 * 2.0**-126 * scale) * s,
+            (2.0**-124 * scale) * s,
+            (6.0 * 2.0**-126 * scale) * s,
+        ],
+        dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
+        is_pure=True,
+        pack=1,
+    )
+
+
+@gluon.jit
+def _look_up(words, lo0, lo1, hi0, hi1):
+    """The 8 BF16 weights of each word, codes 0..7, from its block's byte tables. Per half word
+    (4 codes): a PRMT picks the 4 low bytes by the codes' magnitude indices and one the 4 high
+    bytes; a sign-replicating PRMT of the word (and of the word shifted by a nibble) gives 0xFF
+    for each negative code, whose top bit flips its high byte's sign (a block scale may be
+    negative: the table then holds negative values); two PRMTs pair low and high bytes into
+    BF16x2 words. 15 instructions for 8 weights."""
+    return gl.inline_asm_elementwise(
+        """{ .reg .b32 m, mh, w4, l0, h0, l1, h1, sg, q;
+        and.b32 m, $8, 0x77777777;
+        shr.b32 mh, m, 16;
+        shl.b32 w4, $8, 4;
+        prmt.b32 l0, $9, $10, m;
+        prmt.b32 h0, $11, $12, m;
+        prmt.b32 sg, w4, $8, 0xD9C8;
+        lop3.b32 h0, h0, sg, 0x80808080, 0x78;
+        prmt.b32 l1, $9, $10, mh;
+        prmt.b32 h1, $11, $12, mh;
+        prmt.b32 sg, w4, $8, 0xFBEA;
+        lop3.b32 h1, h1, sg, 0x80808080, 0x78;
+        prmt.b32 q, l0, h0, 0x5140;
+        mov.b32 {$0, $1}, q;
+        prmt.b32 q, l0, h0, 0x7362;
+        mov.b32 {$2, $3}, q;
+        prmt.b32 q, l1, h1, 0x5140;
+        mov.b32 {$4, $5}, q;
+        prmt.b32 q, l1, h1, 0x7362;
+        mov.b32 {$6, $7}, q; }""",
+        "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r",
+        [words, lo0, lo1, hi0, hi1],
+        dtype=(gl.bfloat16,) * 8,
+        is_pure=True,
+        pack=1,
+    )
+
+
+@gluon.jit
+def _per_word(t, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, words_l: gl.constexpr):
+    """``[BLOCK_N, BLOCK_K // 16]`` per block -> ``[BLOCK_N, BLOCK_K // 8]`` per word."""
+    t = gl.reshape(gl.join(t, t), [BLOCK_N, BLOCK_K // 8])
+    return gl.convert_layout(t, words_l, assert_trivial=True)
+
+
+@gluon.jit
+def _joined(v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
+    """Codes 0..7 of each word ``[BLOCK_N, BLOCK_K // 8]`` -> ``[BLOCK_N, BLOCK_K]``, real K."""
     d = gl.join(
-        gl.join(
-            gl.join(_weight(words, 0, scale, s), _weight(words, 1, scale, s)),
-            gl.join(_weight(words, 2, scale, s), _weight(words, 3, scale, s)),
-        ),
-        gl.join(
-            gl.join(_weight(words, 4, scale, s), _weight(words, 5, scale, s)),
-            gl.join(_weight(words, 6, scale, s), _weight(words, 7, scale, s)),
-        ),
-    )  # [N, W, j0, j1, j2] for J = 4 j2 + 2 j1 + j0
+        gl.join(gl.join(v0, v1), gl.join(v2, v3)), gl.join(gl.join(v4, v5), gl.join(v6, v7))
+    )
+    # [N, W, j0, j1, j2] for J = 4 j2 + 2 j1 + j0
     return gl.reshape(gl.permute(d, [0, 1, 4, 3, 2]), [BLOCK_N, BLOCK_K])
 
 
@@ -153,6 +248,7 @@ def _moe_gemm_registers_kernel(
     BLOCK_K: gl.constexpr,
     BLOCK_E: gl.constexpr,
     PREFETCH: gl.constexpr,
+    LOOKUP: gl.constexpr,
     NUM_WARPS: gl.constexpr,
 ):
     mma: gl.constexpr = gl.NVMMADistributedLayout(
@@ -182,8 +278,17 @@ def _moe_gemm_registers_kernel(
     s_N = gl.load(scale_G + w_rows_N // rows_per_group) * GLOBAL_SCALE_BIAS
     word_W = gl.arange(0, BLOCK_K // 8, layout=gl.SliceLayout(0, words_l))
     word_ptrs = codes_ENW + w_rows_N[:, None] * (K // 8) + word_W[None, :]
-    # A word's block scale: one byte per two words (a block is 16 codes).
-    scale_ptrs = block_scale_ENB + w_rows_N[:, None] * (K // 16) + (word_W // 2)[None, :]
+    if LOOKUP:  # block scales per block, and each block's byte tables built once
+        blocks_l: gl.constexpr = _blocks_layout(BLOCK_N, BLOCK_K, NUM_WARPS)
+        cols_B = gl.program_id(0) * BLOCK_N + gl.arange(
+            0, BLOCK_N, layout=gl.SliceLayout(1, blocks_l)
+        )
+        w_rows_B = expert.to(gl.int64) * N + cols_B
+        s_B = gl.load(scale_G + w_rows_B // rows_per_group) * GLOBAL_SCALE_BIAS
+        block_B = gl.arange(0, BLOCK_K // 16, layout=gl.SliceLayout(0, blocks_l))
+        scale_ptrs = block_scale_ENB + w_rows_B[:, None] * (K // 16) + block_B[None, :]
+    else:  # a word's block scale: one byte per two words (a block is 16 codes)
+        scale_ptrs = block_scale_ENB + w_rows_N[:, None] * (K // 16) + (word_W // 2)[None, :]
 
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
     words = gl.load(word_ptrs)
@@ -194,7 +299,18 @@ def _moe_gemm_registers_kernel(
             next_words = gl.load(word_ptrs + BLOCK_K // 8, mask=more, other=0)
             next_scales = gl.load(scale_ptrs + BLOCK_K // 16, mask=more, other=0)
         scale = scales.to(gl.float8e4nv, bitcast=True).to(gl.float32) * BLOCK_SCALE_BIAS
-        w_NK = _decode(words, scale, s_N[:, None], BLOCK_N, BLOCK_K)
+        if LOOKUP:
+            lo0, lo1, hi0, hi1 = _tables(scale, s_B[:, None])
+            v0, v1, v2, v3, v4, v5, v6, v7 = _look_up(
+                words,
+                _per_word(lo0, BLOCK_N, BLOCK_K, words_l),
+                _per_word(lo1, BLOCK_N, BLOCK_K, words_l),
+                _per_word(hi0, BLOCK_N, BLOCK_K, words_l),
+                _per_word(hi1, BLOCK_N, BLOCK_K, words_l),
+            )
+            w_NK = _joined(v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_N, BLOCK_K)
+        else:
+            w_NK = _decode(words, scale, s_N[:, None], BLOCK_N, BLOCK_K)
         w_NK = gl.convert_layout(
             _hardware_order(w_NK, BLOCK_N, BLOCK_K), weights_l, assert_trivial=True
         )
@@ -216,6 +332,10 @@ def _moe_gemm_registers_kernel(
     rows_out = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
     y_ptrs = y_AN + rows_out.to(gl.int64)[None, :] * N + cols_out[:, None]
     gl.store(y_ptrs, acc.to(gl.bfloat16), mask=(rows_out < rows_end)[None, :])
+
+
+# Decode by byte-table lookup (`_tables`, `_look_up`) rather than by arithmetic per code.
+LOOKUP = False
 
 
 def check_tile(block_m: int, block_n: int, block_k: int, num_warps: int, n: int, k: int) -> None:
@@ -248,7 +368,7 @@ def launch_kernel(grid, x_AK, members, counts_E, y_AN, order_A, *, A, E, N, K, r
         N=N, K=K, GATHER=order_A is not None,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         BLOCK_E=triton.next_power_of_2(E), PREFETCH=tile.num_stages >= 2,
-        NUM_WARPS=tile.num_warps, num_warps=tile.num_warps,
+        LOOKUP=LOOKUP and tile.block_k >= 64, NUM_WARPS=tile.num_warps, num_warps=tile.num_warps,
         # Products feed additions only inside the MMA; no FMA may merge the two scalings.
         enable_fp_fusion=False,
     )  # fmt: skip

@@ -428,9 +428,22 @@ REGISTER_TILES = [
 ]
 
 
+DECODES = pytest.mark.parametrize("lookup", [False, True], ids=["arithmetic", "lookup"])
+
+
+@pytest.fixture
+def decode(lookup, monkeypatch):
+    """The register kernel's decode: by arithmetic per code, or by byte-table lookup."""
+    from fp4rl.kernels import moe_gemm_registers
+
+    monkeypatch.setattr(moe_gemm_registers, "LOOKUP", lookup)
+    return lookup
+
+
 @pytest.mark.gpu
+@DECODES
 @pytest.mark.parametrize("shape", list(QWEN3_SHAPES), ids=str)
-def test_registers_weights_bitwise_on_gpu(shape):
+def test_registers_weights_bitwise_on_gpu(shape, decode):
     """Every weight of four experts, read off the register kernel with one-hot rows: the
     contract's bits, through the permuted K of each tile."""
     n, k = QWEN3_SHAPES[shape]
@@ -443,7 +456,8 @@ def test_registers_weights_bitwise_on_gpu(shape):
 
 
 @pytest.mark.gpu
-def test_registers_every_byte_bitwise_on_gpu():
+@DECODES
+def test_registers_every_byte_bitwise_on_gpu(decode):
     """Every code byte, every finite block-scale byte and global scales from 2**-110 to 2**100
     (and 0): the register kernel's weights are bitwise the reference's."""
     e, n, k = 4, 64, 256
@@ -456,9 +470,10 @@ def test_registers_every_byte_bitwise_on_gpu():
 
 
 @pytest.mark.gpu
+@DECODES
 @pytest.mark.parametrize("shape", list(QWEN3_SHAPES), ids=str)
 @pytest.mark.parametrize("tokens", [1, 8, 64, 256, 4096])
-def test_registers_qwen3_shapes_on_gpu(shape, tokens):
+def test_registers_qwen3_shapes_on_gpu(shape, tokens, decode):
     n, k = QWEN3_SHAPES[shape]
     g = torch.Generator().manual_seed(tokens)
     w = random_weights(128, n, k, "cuda", seed=tokens)
@@ -470,7 +485,8 @@ def test_registers_qwen3_shapes_on_gpu(shape, tokens):
 
 
 @pytest.mark.gpu
-def test_registers_gather_poison_and_graph_on_gpu():
+@DECODES
+def test_registers_gather_poison_and_graph_on_gpu(decode):
     """Rows read through the dispatch order are bitwise the gathered rows' product; NaN scales
     poison exactly the outputs they touch; a captured launch follows new counts and rows."""
     n, k = QWEN3_SHAPES["w2"]
