@@ -297,14 +297,16 @@ BF16_CONFIGS: tuple[tuple[float, GemmTile], ...] = (
 
 # Batches of at most this many rows per expert on average (decode steps up to 256 tokens at
 # top-8 over 128 experts) take the register kernel (`moe_gemm_registers`) on packed weights,
-# with `register_config_for`'s tile: 1.12-1.23x faster than this module's program from 1 to
-# 256 tokens, and 0.72x at 1,024, where the shared-memory operand of the wgmma serves many rows
-# better (one H200, `python benchmarks/moe.py`, BENCHMARKS.md "Routed-expert GEMM: the register
-# kernel").
+# with `register_config_for`'s tile: 1.25-1.56x faster than the BF16 kernel from 1 to 256 tokens
+# but for w13 at one token (1.09x), where this module's program is 0.84-1.08x; at 1,024 tokens
+# both NVFP4 programs are 0.57-0.71x the BF16 kernel (one H200, `python benchmarks/moe.py`,
+# BENCHMARKS.md "Routed-expert GEMM: the register kernel").
 REGISTERS_MAX_ROWS_PER_EXPERT = 16.0
+# Up to 8 rows per expert: 16 rows, 64 columns, 256-wide K steps (w13 at 8 / 64 tokens 53.3 /
+# 117.5 us against 57.5 / 123.8 for the bucket's tile, w2 30.7 / 67.8 against 33.0 / 69.1).
+REGISTERS_TILE = GemmTile(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=2)
 # Past 8 rows per expert: 32 rows and 128 columns of 4 warps (each warp's 32 columns share its
-# copy of the rows); at 256 tokens 179 against 204 us (w13) and 95 against 108 (w2) for the
-# bucket's own tile.
+# copy of the rows); at 256 tokens 171 against 280 us (w13) and 82 against 149 (w2).
 REGISTERS_WIDE_TILE = GemmTile(block_m=32, block_n=128, block_k=128, num_warps=4, num_stages=2)
 
 # A launch whose grid would give the SMs fewer programs than this each (one token's w13: 24
@@ -335,12 +337,13 @@ def config_for(
     return tile
 
 
-def register_config_for(num_rows: int, num_experts: int, n: int, sms: int) -> GemmTile:
-    """The register kernel's tile: `config_for`'s up to 8 rows per expert on average,
-    `REGISTERS_WIDE_TILE` above (its warps cut to one per 16 columns by the launcher)."""
+def register_config_for(num_rows: int, num_experts: int) -> GemmTile:
+    """The register kernel's tile: `REGISTERS_TILE` up to 8 rows per expert on average,
+    `REGISTERS_WIDE_TILE` above (narrowed to the weight's shape by the launcher, its warps cut
+    to one per 16 columns)."""
     if num_rows > 8.0 * max(num_experts, 1):
         return REGISTERS_WIDE_TILE
-    return config_for(num_rows, num_experts, n, sms)
+    return REGISTERS_TILE
 
 
 def launch(
@@ -449,7 +452,7 @@ def launch(
         )
     sms = multiprocessors(x_AK.device)
     if config is None:
-        config = register_config_for(A, E, N, sms) if registers else config_for(
+        config = register_config_for(A, E) if registers else config_for(
             A, E, N, sms, bf16=not packed
         )  # fmt: skip
     tile = config.fitted(N, K)

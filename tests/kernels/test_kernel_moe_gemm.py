@@ -552,12 +552,11 @@ def test_decode_batches_take_the_register_kernel_on_gpu():
 
 
 def test_register_tiles_by_rows_per_expert():
-    """The register kernel's tile: the bucket's (narrowed) up to 8 rows per expert, then the
-    wide tile; the launcher's own choice reaches as far as REGISTERS_MAX_ROWS_PER_EXPERT."""
-    for rows in (8, 512, 1024):
-        want = moe_gemm.config_for(rows, 128, n=1536, sms=132)
-        assert moe_gemm.register_config_for(rows, 128, n=1536, sms=132) == want
-    assert moe_gemm.register_config_for(1025, 128, 1536, 132) == moe_gemm.REGISTERS_WIDE_TILE
+    """The register kernel's tile: REGISTERS_TILE up to 8 rows per expert, then the wide tile;
+    the launcher's own choice reaches as far as REGISTERS_MAX_ROWS_PER_EXPERT."""
+    for rows in (1, 8, 512, 1024):
+        assert moe_gemm.register_config_for(rows, 128) == moe_gemm.REGISTERS_TILE
+    assert moe_gemm.register_config_for(1025, 128) == moe_gemm.REGISTERS_WIDE_TILE
     assert moe_gemm.REGISTERS_MAX_ROWS_PER_EXPERT * 128 >= 2048  # 256 tokens at top-8
 
 
