@@ -71,7 +71,8 @@ def main() -> None:
         "32:64:128:4:2,16:128:64:8:2",
         help="tiles for (e), BLOCK_M:BLOCK_N:BLOCK_K:WARPS:STAGES or auto (STAGES >= 2: the "
         "next step's words loaded ahead), comma-separated; suffix '+lut' decodes by byte-table "
-        "lookup (moe_gemm_registers.LOOKUP); ignored without a GPU",
+        "lookup, '+arith' by arithmetic per code (moe_gemm_registers.LOOKUP; no suffix: its "
+        "default); ignored without a GPU",
     )
     args = parser.parse_args()
     if not torch.cuda.is_available() and not args.quick:
@@ -98,7 +99,7 @@ def main() -> None:
         tile, _, lookup = spec.partition("+")
         register_variants[spec] = (
             None if tile == "auto" else GemmTile(*(int(v) for v in tile.split(":"))),
-            lookup == "lut",
+            {"": None, "lut": True, "arith": False}[lookup],
         )
     torch.manual_seed(0)
 
@@ -246,10 +247,13 @@ def measure(
     return row, tiles, bf16_tiles, register_tiles
 
 
-def register_launch(s, tile: GemmTile | None, lookup: bool) -> torch.Tensor:
-    """(e) with the decode by byte tables (``lookup``) or by arithmetic per code."""
+def register_launch(s, tile: GemmTile | None, lookup: bool | None) -> torch.Tensor:
+    """(e) with the decode by byte tables (``lookup``), by arithmetic per code, or (None) the
+    module's choice."""
     from fp4rl.kernels import moe_gemm_registers
 
+    if lookup is None:
+        return moe_gemm.launch(s[0], s[1], s[3], config=tile, registers=True)
     before = moe_gemm_registers.LOOKUP
     moe_gemm_registers.LOOKUP = lookup
     try:
