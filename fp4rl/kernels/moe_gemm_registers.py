@@ -19,12 +19,19 @@ fills chunk ``ch`` of lane quad position c, its code ``J = 4 t + 2 b2 + b0`` at 
 (8 consecutive values per thread, one 16-byte load) and put in the same hardware order; both
 reorderings are register renamings, checked at compile time (``assert_trivial``).
 
+Decode: a block's 16 codes can take only 8 magnitudes, so each step first computes, per block,
+those 8 BF16 values with the contract's products and splits them into byte tables (`_tables`);
+a word's 8 weights are then table lookups, sign flips and pairings by PRMT, 15 instructions for
+8 weights (`_look_up`) against about 40 for the arithmetic per code (`_decode`, kept for 32-wide
+K steps and as the lookup's reference in the tests). See `LOOKUP`.
+
 Numerics: each weight entering a product is ``round_bf16((e2m1 * sf) * s)`` from `numerics`'
-pieces, the bits `moe_gemm` decodes; products of BF16 values are exact in FP32 and accumulate in
-FP32 (in the tensor cores' own order over a k16 step, then step by step along K), rounded to
-BF16 once at the end. Only the order of the FP32 sum differs from `moe_gemm` and from
-`reference_gemm`. The global scale stays inside the weight (the contract), not on the
-accumulator.
+pieces, the bits `moe_gemm` decodes (the lookup's tables hold exactly those values for the 8
+magnitudes, and a negative code flips the sign bit, as the symmetric rounding does); products
+of BF16 values are exact in FP32 and accumulate in FP32 (in the tensor cores' own order over a
+k16 step, then step by step along K), rounded to BF16 once at the end. Only the order of the
+FP32 sum differs from `moe_gemm` and from `reference_gemm`. The global scale stays inside the
+weight (the contract), not on the accumulator.
 
 Compiled only (sm_80 and newer): Triton's interpreter runs no Gluon, so the CPU runs
 `moe_gemm`'s program, the reference for this one's tests on the GPU.
