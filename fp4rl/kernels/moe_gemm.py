@@ -448,6 +448,7 @@ def launch(
             and not global_scale_on_accumulator
             and x_AK.is_cuda
             and not interpreting()
+            and torch.cuda.get_device_capability(x_AK.device) >= (8, 0)
             and A <= REGISTERS_MAX_ROWS_PER_EXPERT * E
         )
     sms = multiprocessors(x_AK.device)
@@ -470,6 +471,8 @@ def launch(
     if registers:
         if x_AK.device.type != "cuda":
             raise ValueError(f"registers runs on a CUDA GPU only; x_AK is on {x_AK.device}")
+        if (capability := torch.cuda.get_device_capability(x_AK.device)) < (8, 0):
+            raise ValueError(f"registers needs sm_80 or newer (bf16 mma.sync); got {capability}")
         from fp4rl.kernels import moe_gemm_registers
 
         # Each warp takes 16 of the tile's columns at least (the MMA's m16).
