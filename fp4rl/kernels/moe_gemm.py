@@ -297,10 +297,10 @@ BF16_CONFIGS: tuple[tuple[float, GemmTile], ...] = (
 
 # Batches of at most this many rows per expert on average (decode steps up to 256 tokens at
 # top-8 over 128 experts) take the register kernel (`moe_gemm_registers`) on packed weights,
-# with `register_config_for`'s tile: 1.25-1.56x faster than the BF16 kernel from 1 to 256 tokens
-# but for w13 at one token (1.09x), where this module's program is 0.84-1.08x; at 1,024 tokens
-# both NVFP4 programs are 0.57-0.71x the BF16 kernel (one H200, `python benchmarks/moe.py`,
-# BENCHMARKS.md "Routed-expert GEMM: the register kernel").
+# with `register_config_for`'s tile: 1.08-1.56x the BF16 kernel's speed from 1 to 256 tokens,
+# where this module's program is 0.84-1.07x; at 1,024 tokens both NVFP4 programs are 0.55-0.71x
+# the BF16 kernel, and this one is used (one H200, `python benchmarks/moe.py`, BENCHMARKS.md
+# "Routed-expert GEMM: the register kernel").
 REGISTERS_MAX_ROWS_PER_EXPERT = 16.0
 # Up to 8 rows per expert: 16 rows, 64 columns, 256-wide K steps (w13 at 8 / 64 tokens 53.3 /
 # 117.5 us against 57.5 / 123.8 for the bucket's tile, w2 30.7 / 67.8 against 33.0 / 69.1).
