@@ -1,0 +1,197 @@
+"""The register expert GEMM (`moe_gemm_registers`, through `moe_gemm.launch(registers=...)`)
+against the same checks as `moe_gemm`'s program (test_kernel_moe_gemm.py): the weights entering
+the products bitwise through one-hot rows, general rows within the float64 bound, gathered rows
+bitwise the gathered product. The kernel is Gluon, compiled only: its tests run on the GPU,
+under both of its decodes; on the CPU only the checks and tile rules run.
+"""
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the kernels need triton (pip install 'fp4rl[kernels]')")
+
+from test_kernel_moe_gemm import (  # noqa: E402
+    QWEN3_SHAPES,
+    assert_fp32_accumulated,
+    assert_weights_bitwise,
+    bf16_weights,
+    every_byte_weights,
+    onehot_rows,
+    random_weights,
+    routed,
+)
+
+from fp4rl.fp4.tensor import NVFP4Tensor  # noqa: E402
+from fp4rl.kernels import moe_gemm  # noqa: E402
+from fp4rl.kernels.moe_gemm import GemmTile  # noqa: E402
+
+REGISTER_TILES = [
+    None,  # the launcher's own choice
+    GemmTile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=2),
+    GemmTile(block_m=8, block_n=64, block_k=256, num_warps=4, num_stages=2),
+    GemmTile(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=1),
+    GemmTile(block_m=32, block_n=128, block_k=32, num_warps=8, num_stages=2),
+    GemmTile(block_m=16, block_n=32, block_k=64, num_warps=2, num_stages=2),
+]
+
+
+DECODES = pytest.mark.parametrize("lookup", [False, True], ids=["arithmetic", "lookup"])
+
+
+@pytest.fixture
+def decode(lookup, monkeypatch):
+    """The register kernel's decode: by arithmetic per code, or by byte-table lookup."""
+    from fp4rl.kernels import moe_gemm_registers
+
+    monkeypatch.setattr(moe_gemm_registers, "LOOKUP", lookup)
+    return lookup
+
+
+@pytest.mark.gpu
+@DECODES
+@pytest.mark.parametrize("shape", list(QWEN3_SHAPES), ids=str)
+def test_registers_weights_bitwise_on_gpu(shape, decode):
+    """Every weight of four experts, read off the register kernel with one-hot rows: the
+    contract's bits, through the permuted K of each tile."""
+    n, k = QWEN3_SHAPES[shape]
+    w = random_weights(128, n, k, "cuda", seed=17)
+    experts = [0, 5, 77, 127]
+    x, counts = onehot_rows(k, experts, 128, "cuda")
+    for tile in REGISTER_TILES:
+        y = moe_gemm.launch(x, w, counts, config=tile, registers=True)
+        assert_weights_bitwise(y, w, experts, f"{shape}, register tile {tile}")
+
+
+@pytest.mark.gpu
+@DECODES
+def test_registers_every_byte_bitwise_on_gpu(decode):
+    """Every code byte, every finite block-scale byte and global scales from 2**-110 to 2**100
+    (and 0): the register kernel's weights are bitwise the reference's."""
+    e, n, k = 4, 64, 256
+    w = every_byte_weights(e, n, k, seed=3)
+    experts = [0, 1, 3]
+    x, counts = onehot_rows(k, experts, e, "cuda")
+    for tile in REGISTER_TILES:  # narrowed to N = 64, with as many warps as fit
+        y = moe_gemm.launch(x, w.map(lambda t: t.cuda()), counts, config=tile, registers=True)
+        assert_weights_bitwise(y, w, experts, f"register tile {tile}")
+
+
+@pytest.mark.gpu
+@DECODES
+@pytest.mark.parametrize("shape", list(QWEN3_SHAPES), ids=str)
+@pytest.mark.parametrize("tokens", [1, 8, 64, 256, 4096])
+def test_registers_qwen3_shapes_on_gpu(shape, tokens, decode):
+    n, k = QWEN3_SHAPES[shape]
+    g = torch.Generator().manual_seed(tokens)
+    w = random_weights(128, n, k, "cuda", seed=tokens)
+    counts = routed(tokens, 128, 8, g)
+    x = torch.randn(int(counts.sum()), k, generator=g).to(torch.bfloat16).cuda()
+    for tile in (None, REGISTER_TILES[2]):
+        y = moe_gemm.launch(x, w, counts.cuda(), config=tile, registers=True)
+        assert_fp32_accumulated(y, x, w, counts, f"registers {shape} {tokens} tokens {tile}")
+
+
+@pytest.mark.gpu
+@DECODES
+def test_registers_gather_poison_and_graph_on_gpu(decode):
+    """Rows read through the dispatch order are bitwise the gathered rows' product; NaN scales
+    poison exactly the outputs they touch; a captured launch follows new counts and rows."""
+    n, k = QWEN3_SHAPES["w2"]
+    g = torch.Generator().manual_seed(23)
+    w = random_weights(128, n, k, "cuda", seed=23)
+    tokens, top_k = 37, 8
+    ids = torch.randn(tokens, 128, generator=g).topk(top_k, dim=-1).indices
+    order = torch.argsort(ids.flatten(), stable=True).cuda()
+    counts = torch.bincount(ids.flatten(), minlength=128).cuda()
+    x = torch.randn(tokens, k, generator=g).to(torch.bfloat16).cuda()
+    got = moe_gemm.launch(x, w, counts, order_A=order, top_k=top_k, registers=True)
+    want = moe_gemm.launch(x[order // top_k].contiguous(), w, counts, registers=True)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+    global_scale = w.global_scale.clone()
+    block_scale = w.block_scale.clone()
+    first = int(torch.nonzero(counts)[0])
+    global_scale[first] = math.nan
+    block_scale.view(torch.uint8)[first + 1 :, 5, 3] = 0x7F  # column 5 of every later expert
+    poisoned = NVFP4Tensor(w.codes, block_scale, global_scale)
+    rows = x[order // top_k].contiguous()
+    y = moe_gemm.launch(rows, poisoned, counts, registers=True)
+    assert torch.equal(y.isnan(), moe_gemm.launch(rows, poisoned, counts).isnan())
+    assert y[: int(counts[first])].isnan().all() and y[:, 5].isnan().all()
+
+    rows_in = torch.zeros(tokens * top_k, k, dtype=torch.bfloat16, device="cuda")
+    counts_in = torch.zeros(128, dtype=torch.int64, device="cuda")
+    rows_in.copy_(rows)
+    counts_in.copy_(counts)
+    moe_gemm.launch(rows_in, w, counts_in, registers=True)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = moe_gemm.launch(rows_in, w, counts_in, registers=True)
+    for _ in range(2):
+        rows_in.copy_(torch.randn(rows_in.shape, generator=g).to(torch.bfloat16))
+        counts_in.copy_(routed(tokens, 128, top_k, g))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, moe_gemm.launch(rows_in, w, counts_in, registers=True))
+
+
+@pytest.mark.gpu
+def test_decode_batches_take_the_register_kernel_on_gpu():
+    """Left to the launcher, packed weights take the register kernel up to
+    REGISTERS_MAX_ROWS_PER_EXPERT rows per expert and `moe_gemm`'s program above; a tile or the
+    accumulator's scale asked for keeps `moe_gemm`'s program."""
+    n, k = QWEN3_SHAPES["w2"]
+    g = torch.Generator().manual_seed(29)
+    w = random_weights(128, n, k, "cuda", seed=29)
+    bound = int(moe_gemm.REGISTERS_MAX_ROWS_PER_EXPERT * 128) // 8
+    for tokens, registers in ((8, True), (bound, True), (bound + 1, False)):
+        counts = routed(tokens, 128, 8, g).cuda()
+        x = torch.randn(tokens * 8, k, generator=g).to(torch.bfloat16).cuda()
+        want = moe_gemm.launch(x, w, counts, registers=registers)
+        other = moe_gemm.launch(x, w, counts, registers=not registers)
+        got = moe_gemm.launch(x, w, counts)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), tokens
+        assert not torch.equal(got.view(torch.int16), other.view(torch.int16)), tokens
+    tile = moe_gemm.config_for(64, 128)
+    got = moe_gemm.launch(x[:64], w, counts, config=tile)
+    assert torch.equal(got, moe_gemm.launch(x[:64], w, counts, config=tile, registers=False))
+
+
+def test_register_tiles_by_rows_per_expert():
+    """The register kernel's tile: REGISTERS_TILE up to 8 rows per expert, then the wide tile;
+    the launcher's own choice reaches as far as REGISTERS_MAX_ROWS_PER_EXPERT."""
+    for rows in (1, 8, 512, 1024):
+        assert moe_gemm.register_config_for(rows, 128) == moe_gemm.REGISTERS_TILE
+    assert moe_gemm.register_config_for(1025, 128) == moe_gemm.REGISTERS_WIDE_TILE
+    assert moe_gemm.REGISTERS_MAX_ROWS_PER_EXPERT * 128 >= 2048  # 256 tokens at top-8
+
+
+def test_registers_checks_name_the_values(device):
+    from fp4rl.kernels import moe_gemm_registers
+
+    w = random_weights(4, 32, 64, device, seed=3)
+    counts = torch.tensor([1, 0, 0, 0], device=device)
+    x = torch.randn(1, 64, device=device).to(torch.bfloat16)
+    if device == "cpu":
+        with pytest.raises(ValueError, match="registers runs on a CUDA GPU only; x_AK is on cpu"):
+            moe_gemm.launch(x, w, counts, registers=True)
+    with pytest.raises(ValueError, match="registers is for NVFP4 weights; w is bfloat16"):
+        moe_gemm.launch(x, bf16_weights(4, 32, 64, device, 3), counts, registers=True)
+    with pytest.raises(ValueError, match="global_scale_on_accumulator is not supported there"):
+        moe_gemm.launch(x, w, counts, registers=True, global_scale_on_accumulator=True)
+    with pytest.raises(ValueError, match="block_m=8: 8 rows are for the register kernel only"):
+        moe_gemm.launch(x, w, counts, config=GemmTile(8, 32, 64, 4, 2))
+    check = moe_gemm_registers.check_tile
+    with pytest.raises(ValueError, match="block_m must be at least 8 .*; got 4"):
+        check(4, 64, 64, 4, 64, 64)
+    with pytest.raises(ValueError, match="block_n=32 must be at least 16 x num_warps=4"):
+        check(16, 32, 64, 4, 64, 64)
+    with pytest.raises(ValueError, match="block_k must be at least 32; got 16"):
+        check(16, 64, 16, 4, 64, 64)
+    with pytest.raises(ValueError, match="num_warps must be 1, 2, 4 or 8; got 3"):
+        check(16, 64, 64, 3, 64, 64)
+    with pytest.raises(ValueError, match=r"must divide the weight's N=96 and K=64"):
+        check(16, 64, 64, 4, 96, 64)
