@@ -9,21 +9,15 @@ the product is a chain of ``mma.sync.m16n8k16`` (Gluon's `mma_v2`), whose operan
 registers: each thread decodes exactly the weights its fragment of the operand holds, and no
 weight passes through shared memory.
 
-What makes that possible is a permutation of K. A thread of an m16n8k16 fragment holds, per row
-and per 32 values of K, the 8 hardware positions ``{2c, 2c + 1, 2c + 8, 2c + 9} + {0, 16}`` (c
-its lane's index in a quad). A dot product does not care in which order K is summed, so real
-k is assigned to those positions such that a thread's 8 are the 8 codes of one packed int32
-word: within a step of ``BLOCK_K`` (``CH = BLOCK_K // 32`` chunks), the word ``c * CH + ch``
-fills chunk ``ch`` of lane quad position c, its code ``J = 4 t + 2 b2 + b0`` at hardware position
-``32 ch + 16 t + 8 b2 + 2 c + b0``. The rows of x, the other operand, are loaded in real order
-(8 consecutive values per thread, one 16-byte load) and put in the same hardware order; both
-reorderings are register renamings, checked at compile time (``assert_trivial``).
+What makes that possible is a permutation of K (`fragments`): within a step of ``BLOCK_K``,
+real k is assigned to the fragments' positions such that the 8 a thread holds per 32 values of
+K are the 8 codes of one packed word. The rows of x, the other operand, are loaded in real
+order (8 consecutive values per thread, one 16-byte load) and put in the same order; both
+reorderings are register renamings, checked at compile time.
 
-Decode: a block's 16 codes can take only 8 magnitudes, so each step first computes, per block,
-those 8 BF16 values with the contract's products and splits them into byte tables (`_tables`);
-a word's 8 weights are then table lookups, sign flips and pairings by PRMT, 15 instructions for
-8 weights (`_look_up`) against about 40 for the arithmetic per code (`_decode`, kept for 32-wide
-K steps and as the lookup's reference in the tests). See `LOOKUP`.
+Decode: by byte-table lookup (`fragments.byte_tables`, `fragments.look_up`: 15 instructions for
+8 weights) against about 40 for the arithmetic per code (`_decode`, kept for 32-wide K steps
+and as the lookup's reference in the tests). See `LOOKUP`.
 
 Numerics: each weight entering a product is ``round_bf16((e2m1 * sf) * s)`` from `numerics`'
 pieces, the bits `moe_gemm` decodes (the lookup's tables hold exactly those values for the 8
@@ -49,7 +43,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from fp4rl.kernels import numerics
+from fp4rl.kernels import fragments, numerics
 from fp4rl.kernels.numerics import BLOCK_SCALE_BIAS, GLOBAL_SCALE_BIAS
 
 # The recipe's code decode as a Gluon function: the same Python body. (A block scale byte
@@ -99,15 +93,6 @@ def _rows_layout(block_m, block_k, num_warps):
 
 
 @gluon.jit
-def _hardware_order(t, ROWS: gl.constexpr, BLOCK_K: gl.constexpr):
-    """``[ROWS, BLOCK_K]`` from real K order to the fragments' order (module docstring)."""
-    CH: gl.constexpr = BLOCK_K // 32
-    t = gl.reshape(t, [ROWS, 4, CH, 2, 2, 2])  # k = 8 * (c * CH + ch) + 4 t + 2 b2 + b0
-    t = gl.permute(t, [0, 2, 3, 4, 1, 5])  # -> 32 ch + 16 t + 8 b2 + 2 c + b0
-    return gl.reshape(t, [ROWS, BLOCK_K])
-
-
-@gluon.jit
 def _weight(words, J: gl.constexpr, scale, s):
     """Code J of each word as its BF16 weight ``round((e2m1 * sf) * s)`` (biased scales)."""
     return ((_packed_code(words, J) * scale) * s).to(gl.bfloat16)
@@ -116,100 +101,13 @@ def _weight(words, J: gl.constexpr, scale, s):
 @gluon.jit
 def _decode(words, scale, s, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
     """``[BLOCK_N, BLOCK_K]`` BF16 weights of ``[BLOCK_N, BLOCK_K // 8]`` words, real K order."""
-    return _joined(
+    return fragments.joined(
         _weight(words, 0, scale, s), _weight(words, 1, scale, s),
         _weight(words, 2, scale, s), _weight(words, 3, scale, s),
         _weight(words, 4, scale, s), _weight(words, 5, scale, s),
         _weight(words, 6, scale, s), _weight(words, 7, scale, s),
         BLOCK_N, BLOCK_K,
     )  # fmt: skip
-
-
-@gluon.jit
-def _tables(scale, s):
-    """The 8 BF16 magnitudes a block's codes can take, ``round((e2m1 * sf) * s)`` for the E2M1
-    indices 0..7 (the same products as `_weight`), as byte tables for PRMT: (low bytes of
-    indices 0-3, of 4-7, high bytes of 0-3, of 4-7), int32 each."""
-    half = (2.0**-127 * scale) * s
-    return gl.inline_asm_elementwise(
-        """{ .reg .b32 p0, p1, p2, p3;
-        cvt.rn.bf16x2.f32 p0, $5, $4;
-        cvt.rn.bf16x2.f32 p1, $7, $6;
-        cvt.rn.bf16x2.f32 p2, $9, $8;
-        cvt.rn.bf16x2.f32 p3, $11, $10;
-        prmt.b32 $0, p0, p1, 0x6420;
-        prmt.b32 $1, p2, p3, 0x6420;
-        prmt.b32 $2, p0, p1, 0x7531;
-        prmt.b32 $3, p2, p3, 0x7531; }""",
-        "=r,=r,=r,=r,f,f,f,f,f,f,f,f",
-        [
-            half * 0.0,  # (0 * sf) * s: 0, or NaN where sf or s is NaN (or s inf), as `half`
-            half,
-            (2.0**-126 * scale) * s,
-            (1.5 * 2.0**-126 * scale) * s,
-            (2.0**-125 * scale) * s,
-            (3.0 * 2.0**-126 * scale) * s,
-            (2.0**-124 * scale) * s,
-            (6.0 * 2.0**-126 * scale) * s,
-        ],
-        dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
-        is_pure=True,
-        pack=1,
-    )
-
-
-@gluon.jit
-def _look_up(words, lo0, lo1, hi0, hi1):
-    """The 8 BF16 weights of each word, codes 0..7, from its block's byte tables. Per half word
-    (4 codes): a PRMT picks the 4 low bytes by the codes' magnitude indices and one the 4 high
-    bytes; a sign-replicating PRMT of the word (and of the word shifted by a nibble) gives 0xFF
-    for each negative code, whose top bit flips its high byte's sign (a block scale may be
-    negative: the table then holds negative values); two PRMTs pair low and high bytes into
-    BF16x2 words. 15 instructions for 8 weights."""
-    return gl.inline_asm_elementwise(
-        """{ .reg .b32 m, mh, w4, l0, h0, l1, h1, sg, q;
-        and.b32 m, $8, 0x77777777;
-        shr.b32 mh, m, 16;
-        shl.b32 w4, $8, 4;
-        prmt.b32 l0, $9, $10, m;
-        prmt.b32 h0, $11, $12, m;
-        prmt.b32 sg, w4, $8, 0xD9C8;
-        lop3.b32 h0, h0, sg, 0x80808080, 0x78;
-        prmt.b32 l1, $9, $10, mh;
-        prmt.b32 h1, $11, $12, mh;
-        prmt.b32 sg, w4, $8, 0xFBEA;
-        lop3.b32 h1, h1, sg, 0x80808080, 0x78;
-        prmt.b32 q, l0, h0, 0x5140;
-        mov.b32 {$0, $1}, q;
-        prmt.b32 q, l0, h0, 0x7362;
-        mov.b32 {$2, $3}, q;
-        prmt.b32 q, l1, h1, 0x5140;
-        mov.b32 {$4, $5}, q;
-        prmt.b32 q, l1, h1, 0x7362;
-        mov.b32 {$6, $7}, q; }""",
-        "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r",
-        [words, lo0, lo1, hi0, hi1],
-        dtype=(gl.bfloat16,) * 8,
-        is_pure=True,
-        pack=1,
-    )
-
-
-@gluon.jit
-def _per_word(t, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, words_l: gl.constexpr):
-    """``[BLOCK_N, BLOCK_K // 16]`` per block -> ``[BLOCK_N, BLOCK_K // 8]`` per word."""
-    t = gl.reshape(gl.join(t, t), [BLOCK_N, BLOCK_K // 8])
-    return gl.convert_layout(t, words_l, assert_trivial=True)
-
-
-@gluon.jit
-def _joined(v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
-    """Codes 0..7 of each word ``[BLOCK_N, BLOCK_K // 8]`` -> ``[BLOCK_N, BLOCK_K]``, real K."""
-    d = gl.join(
-        gl.join(gl.join(v0, v1), gl.join(v2, v3)), gl.join(gl.join(v4, v5), gl.join(v6, v7))
-    )
-    # [N, W, j0, j1, j2] for J = 4 j2 + 2 j1 + j0
-    return gl.reshape(gl.permute(d, [0, 1, 4, 3, 2]), [BLOCK_N, BLOCK_K])
 
 
 @gluon.jit
@@ -307,22 +205,22 @@ def _moe_gemm_registers_kernel(
             next_scales = gl.load(scale_ptrs + BLOCK_K // 16, mask=more, other=0)
         scale = scales.to(gl.float8e4nv, bitcast=True).to(gl.float32) * BLOCK_SCALE_BIAS
         if LOOKUP:
-            lo0, lo1, hi0, hi1 = _tables(scale, s_B[:, None])
-            v0, v1, v2, v3, v4, v5, v6, v7 = _look_up(
+            lo0, lo1, hi0, hi1 = fragments.byte_tables(scale, s_B[:, None])
+            v0, v1, v2, v3, v4, v5, v6, v7 = fragments.look_up(
                 words,
-                _per_word(lo0, BLOCK_N, BLOCK_K, words_l),
-                _per_word(lo1, BLOCK_N, BLOCK_K, words_l),
-                _per_word(hi0, BLOCK_N, BLOCK_K, words_l),
-                _per_word(hi1, BLOCK_N, BLOCK_K, words_l),
+                fragments.per_word(lo0, BLOCK_N, BLOCK_K, words_l),
+                fragments.per_word(lo1, BLOCK_N, BLOCK_K, words_l),
+                fragments.per_word(hi0, BLOCK_N, BLOCK_K, words_l),
+                fragments.per_word(hi1, BLOCK_N, BLOCK_K, words_l),
             )
-            w_NK = _joined(v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_N, BLOCK_K)
+            w_NK = fragments.joined(v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_N, BLOCK_K)
         else:
             w_NK = _decode(words, scale, s_N[:, None], BLOCK_N, BLOCK_K)
         w_NK = gl.convert_layout(
-            _hardware_order(w_NK, BLOCK_N, BLOCK_K), weights_l, assert_trivial=True
+            fragments.hardware_order(w_NK, BLOCK_N, BLOCK_K), weights_l, assert_trivial=True
         )
         x_MK = gl.load(x_ptrs, mask=row_ok_M[:, None], other=0.0)
-        x_KM = gl.permute(_hardware_order(x_MK, BLOCK_M, BLOCK_K), [1, 0])
+        x_KM = gl.permute(fragments.hardware_order(x_MK, BLOCK_M, BLOCK_K), [1, 0])
         acc = mma_v2(w_NK, gl.convert_layout(x_KM, rows_l, assert_trivial=True), acc)
         word_ptrs += BLOCK_K // 8
         scale_ptrs += BLOCK_K // 16
@@ -341,8 +239,8 @@ def _moe_gemm_registers_kernel(
     gl.store(y_ptrs, acc.to(gl.bfloat16), mask=(rows_out < rows_end)[None, :])
 
 
-# Decode by byte-table lookup (`_tables`, `_look_up`; tiles with BLOCK_K >= 64) rather than by
-# arithmetic per code (`_decode`): 315 against 464 instructions in the K loop for 64 weights a
+# Decode by byte-table lookup (`fragments`; tiles with BLOCK_K >= 64) rather than by arithmetic
+# per code (`_decode`): 315 against 464 instructions in the K loop for 64 weights a
 # thread (offline SASS for sm_90, 16:64:128:4 tile) and 1.04-1.18x faster from 1 to 256 tokens
 # (one H200, `python benchmarks/moe.py`, BENCHMARKS.md "Routed-expert GEMM: the register
 # kernel"). Both are the contract's bits; the arithmetic decode stays for 32-wide K steps,

@@ -1,0 +1,128 @@
+"""NVFP4 codes decoded straight into the register fragments of ``mma.sync.m16n8k16``.
+
+The Gluon kernels that multiply NVFP4 values on the tensor cores without passing them through
+shared memory (`moe_gemm_registers`: expert weights; `paged_attention_registers`: K and V
+pages) share these pieces: the reduction order that makes a thread's fragment one packed word,
+and the byte-table decode.
+
+The order. A thread of an m16n8k16 fragment holds, per row (operand A) or column (operand B)
+and per 32 values of the reduction, the 8 hardware positions ``{2c, 2c + 1, 2c + 8, 2c + 9} +
+{0, 16}`` (c its lane's index in a quad). A dot product does not care in which order it is
+summed, so real k is assigned to those positions such that a thread's 8 are the 8 codes of one
+packed int32 word: for a reduction of ``BLOCK_K`` (``CH = BLOCK_K // 32`` chunks), word ``c * CH
++ ch`` fills chunk ``ch`` of quad position c, its code ``J = 4 t + 2 b2 + b0`` at hardware
+position ``32 ch + 16 t + 8 b2 + 2 c + b0`` (`hardware_order`). The other operand is loaded in
+real order and put in the same order; both reorderings are register renamings, which the
+kernels check at compile time (``convert_layout(..., assert_trivial=True)``).
+
+The decode. A block's 16 codes can take only 8 magnitudes, so a kernel first computes, per
+block, those 8 BF16 values with the contract's products and splits them into byte tables
+(`byte_tables`); a word's 8 values are then table lookups, sign flips and pairings by PRMT, 15
+instructions for 8 values (`look_up`). Each value is ``round_bf16((e2m1 * sf) * s)``, the bits
+`numerics` defines (a negative code flips the sign bit, as the symmetric rounding does).
+
+Compiled only (sm_80 and newer): Triton's interpreter runs no Gluon.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+
+@gluon.jit
+def hardware_order(t, ROWS: gl.constexpr, BLOCK_K: gl.constexpr):
+    """``[ROWS, BLOCK_K]`` from real K order to the fragments' order (the module docstring):
+    word ``c * CH + ch``'s code ``J = 4 t + 2 b2 + b0`` to ``32 ch + 16 t + 8 b2 + 2 c + b0``."""
+    CH: gl.constexpr = BLOCK_K // 32
+    t = gl.reshape(t, [ROWS, 4, CH, 2, 2, 2])  # k = 8 * (c * CH + ch) + 4 t + 2 b2 + b0
+    t = gl.permute(t, [0, 2, 3, 4, 1, 5])  # -> 32 ch + 16 t + 8 b2 + 2 c + b0
+    return gl.reshape(t, [ROWS, BLOCK_K])
+
+
+@gluon.jit
+def byte_tables(scale, s):
+    """The 8 BF16 magnitudes a block's codes can take, ``round((e2m1 * sf) * s)`` for the E2M1
+    indices 0..7, biased scales as `numerics` keeps them (the products of the arithmetic decode
+    per code), as byte tables for PRMT: (low bytes of indices 0-3, of 4-7, high bytes of 0-3, of
+    4-7), int32 each."""
+    half = (2.0**-127 * scale) * s
+    return gl.inline_asm_elementwise(
+        """{ .reg .b32 p0, p1, p2, p3;
+        cvt.rn.bf16x2.f32 p0, $5, $4;
+        cvt.rn.bf16x2.f32 p1, $7, $6;
+        cvt.rn.bf16x2.f32 p2, $9, $8;
+        cvt.rn.bf16x2.f32 p3, $11, $10;
+        prmt.b32 $0, p0, p1, 0x6420;
+        prmt.b32 $1, p2, p3, 0x6420;
+        prmt.b32 $2, p0, p1, 0x7531;
+        prmt.b32 $3, p2, p3, 0x7531; }""",
+        "=r,=r,=r,=r,f,f,f,f,f,f,f,f",
+        [
+            half * 0.0,  # (0 * sf) * s: 0, or NaN where sf or s is NaN (or s inf), as `half`
+            half,
+            (2.0**-126 * scale) * s,
+            (1.5 * 2.0**-126 * scale) * s,
+            (2.0**-125 * scale) * s,
+            (3.0 * 2.0**-126 * scale) * s,
+            (2.0**-124 * scale) * s,
+            (6.0 * 2.0**-126 * scale) * s,
+        ],
+        dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
+        is_pure=True,
+        pack=1,
+    )
+
+
+@gluon.jit
+def look_up(words, lo0, lo1, hi0, hi1):
+    """The 8 BF16 weights of each word, codes 0..7, from its block's byte tables. Per half word
+    (4 codes): a PRMT picks the 4 low bytes by the codes' magnitude indices and one the 4 high
+    bytes; a sign-replicating PRMT of the word (and of the word shifted by a nibble) gives 0xFF
+    for each negative code, whose top bit flips its high byte's sign (a block scale may be
+    negative: the table then holds negative values); two PRMTs pair low and high bytes into
+    BF16x2 words. 15 instructions for 8 weights."""
+    return gl.inline_asm_elementwise(
+        """{ .reg .b32 m, mh, w4, l0, h0, l1, h1, sg, q;
+        and.b32 m, $8, 0x77777777;
+        shr.b32 mh, m, 16;
+        shl.b32 w4, $8, 4;
+        prmt.b32 l0, $9, $10, m;
+        prmt.b32 h0, $11, $12, m;
+        prmt.b32 sg, w4, $8, 0xD9C8;
+        lop3.b32 h0, h0, sg, 0x80808080, 0x78;
+        prmt.b32 l1, $9, $10, mh;
+        prmt.b32 h1, $11, $12, mh;
+        prmt.b32 sg, w4, $8, 0xFBEA;
+        lop3.b32 h1, h1, sg, 0x80808080, 0x78;
+        prmt.b32 q, l0, h0, 0x5140;
+        mov.b32 {$0, $1}, q;
+        prmt.b32 q, l0, h0, 0x7362;
+        mov.b32 {$2, $3}, q;
+        prmt.b32 q, l1, h1, 0x5140;
+        mov.b32 {$4, $5}, q;
+        prmt.b32 q, l1, h1, 0x7362;
+        mov.b32 {$6, $7}, q; }""",
+        "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r",
+        [words, lo0, lo1, hi0, hi1],
+        dtype=(gl.bfloat16,) * 8,
+        is_pure=True,
+        pack=1,
+    )
+
+
+@gluon.jit
+def per_word(t, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, words_l: gl.constexpr):
+    """``[BLOCK_N, BLOCK_K // 16]`` per block -> ``[BLOCK_N, BLOCK_K // 8]`` per word."""
+    t = gl.reshape(gl.join(t, t), [BLOCK_N, BLOCK_K // 8])
+    return gl.convert_layout(t, words_l, assert_trivial=True)
+
+
+@gluon.jit
+def joined(v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
+    """Codes 0..7 of each word ``[BLOCK_N, BLOCK_K // 8]`` -> ``[BLOCK_N, BLOCK_K]``, real K."""
+    d = gl.join(
+        gl.join(gl.join(v0, v1), gl.join(v2, v3)), gl.join(gl.join(v4, v5), gl.join(v6, v7))
+    )
+    # [N, W, j0, j1, j2] for J = 4 j2 + 2 j1 + j0
+    return gl.reshape(gl.permute(d, [0, 1, 4, 3, 2]), [BLOCK_N, BLOCK_K])
