@@ -9,11 +9,13 @@ Prints markdown tables and writes them to ``$OUT/attention.md`` when OUT is set.
 sequences each at a context of 1k, 2k or 4k tokens, block tables drawn from a shuffled pool
 (interleaved, out of order). Compared in the same run, per layer call:
   (a) ``paged_attention.launch`` over BF16 pages;
-  (b) the same kernel over NVFP4 pages (codes and scales decoded in registers);
+  (b) the launcher over NVFP4 pages (codes and scales decoded in registers): on the GPU the
+      register kernel (``paged_attention_registers``), and beside it (b') the Triton program
+      over the same pages with the tile it would take (``plan_for("nvfp4", ...)``);
   (c) today's decode path of ``PagedAttention.attend``: ``KVCache.read`` of every sequence's
       padded context (NVFP4 rows dequantized), ``attend_fp32``, the cast back to BF16 -- over
       BF16 pages and over NVFP4 pages.
-(c)'s output is the specification; (a) and (b) are checked against it at every shape before
+(c)'s output is the specification; (a), (b) and (b') are checked against it at every shape before
 they are timed (outputs within one BF16 rounding). Times are CUDA-graph replays (the GPU's time)
 after warm-up, median over repeats, each repeat rotating over enough sets of pages, tables and
 queries that no call finds its KV in L2; inputs are random, never zeros. The roofline beside
@@ -98,9 +100,9 @@ def main() -> None:
         f"replay, median of {repeats}, us per layer call. Roofline: KV bytes / copy bandwidth.",
         "",
         "| batch | context | (a) BF16 pages us | roofline us | % | (b) NVFP4 pages us | roofline "
-        "us | % | (a) / (b) | (c) gather BF16 us | (c) gather NVFP4 us | (c) BF16 / (a) | (c) "
-        "NVFP4 / (b) | splits | check (a), (b) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "us | % | (a) / (b) | (b') Triton program us | (b') / (b) | (c) gather BF16 us | (c) "
+        "gather NVFP4 us | (c) BF16 / (a) | (c) NVFP4 / (b) | splits | check (a), (b), (b') |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     sweep = [
         "",
@@ -179,6 +181,13 @@ class Bench:
         k, v = self.pages[fmt]
         return lambda s: paged_attention.launch(s[0], k, v, s[1], s[2], **kw)
 
+    def triton_program(self):
+        """The launcher's Triton program over NVFP4 pages, with the tile and split it would
+        take were the register kernel not there."""
+        programs, device = self.batch * self.kv_heads, self.inputs[0][0].device
+        tile, planned = paged_attention.plan_for("nvfp4", programs, self.tokens, device)
+        return self.kernel("nvfp4", config=tile, num_splits=planned)
+
     def today(self, fmt):
         layer = 0 if fmt == "bf16" else 1
 
@@ -198,30 +207,39 @@ class Bench:
         """How many stretches the launcher cuts each context into."""
         programs, device = self.batch * self.kv_heads, self.inputs[0][0].device
         if tile is None:
-            tile, planned = paged_attention.plan_for(fmt, programs, self.tokens, device)
+            q, Hq = self.inputs[0][0], self.inputs[0][0].shape[1]
+            kind = paged_attention.page_format(q, fmt == "nvfp4", self.dim, Hq // self.kv_heads)
+            tile, planned = paged_attention.plan_for(kind, programs, self.tokens, device)
             num_splits = planned if num_splits is None else num_splits
         per = split_tokens_for(programs, self.tokens, tile, device, num_splits)
         return -(-self.tokens // per)
 
     def table_row(self, copy_gbs, warmup, repeats):
-        bad, t = [], {}
+        bad, t, want = [], {}, {}
         for fmt in ("bf16", "nvfp4"):
-            want = self.today(fmt)(self.inputs[0])
-            verdict = check(self.kernel(fmt)(self.inputs[0]), want)
+            want[fmt] = self.today(fmt)(self.inputs[0])
+            verdict = check(self.kernel(fmt)(self.inputs[0]), want[fmt])
             if verdict != "ok":
                 bad.append(f"{fmt} pages, batch {self.batch}, context {self.context}: {verdict}")
             t[fmt, "check"] = verdict
             t[fmt, "kernel"] = self.us(self.kernel(fmt), warmup, repeats)
             t[fmt, "today"] = self.us(self.today(fmt), warmup, repeats)
+        program = self.triton_program()
+        t["program", "check"] = check(program(self.inputs[0]), want["nvfp4"])
+        if t["program", "check"] != "ok":
+            bad.append(f"Triton program over NVFP4 pages, batch {self.batch}, context "
+                       f"{self.context}: {t['program', 'check']}")  # fmt: skip
+        t["program", "kernel"] = self.us(program, warmup, repeats)
         roof = {fmt: 1e-3 * b / copy_gbs for fmt, b in self.kv_bytes.items()}  # us
         a, b = t["bf16", "kernel"], t["nvfp4", "kernel"]
         row = (
             f"| {self.batch} | {self.context} | {a:.1f} | {roof['bf16']:.1f} | "
             f"{100 * roof['bf16'] / a:.0f} | {b:.1f} | {roof['nvfp4']:.1f} | "
-            f"{100 * roof['nvfp4'] / b:.0f} | {a / b:.2f}x | {t['bf16', 'today']:.1f} | "
+            f"{100 * roof['nvfp4'] / b:.0f} | {a / b:.2f}x | {t['program', 'kernel']:.1f} | "
+            f"{t['program', 'kernel'] / b:.2f}x | {t['bf16', 'today']:.1f} | "
             f"{t['nvfp4', 'today']:.1f} | {t['bf16', 'today'] / a:.1f}x | "
             f"{t['nvfp4', 'today'] / b:.1f}x | {self.splits('bf16')} | "
-            f"{t['bf16', 'check']}, {t['nvfp4', 'check']} |"
+            f"{t['bf16', 'check']}, {t['nvfp4', 'check']}, {t['program', 'check']} |"
         )
         return row, bad
 
@@ -235,11 +253,14 @@ class Bench:
                 seen.add(actual)
                 us = self.us(self.kernel(fmt, num_splits=n), warmup, repeats)
                 by_splits.append(f"{actual}: {us:.1f}")
-        by_tile = [
-            f"{tile_label(x, n)}: "
-            f"{self.us(self.kernel(fmt, config=x, num_splits=n), warmup, repeats):.1f}"
-            for x, n in tiles
-        ]
+        want, by_tile = self.today(fmt)(self.inputs[0]), []
+        for x, n in tiles:
+            if x.registers and fmt == "bf16":
+                continue  # the register kernel reads NVFP4 pages only
+            verdict = check(self.kernel(fmt, config=x, num_splits=n)(self.inputs[0]), want)
+            us = self.us(self.kernel(fmt, config=x, num_splits=n), warmup, repeats)
+            by_tile.append(f"{tile_label(x, n)}: {us:.1f}" + ("" if verdict == "ok" else
+                                                              f" ({verdict})"))  # fmt: skip
         auto_us = self.us(self.kernel(fmt), warmup, repeats)
         return (f"| {self.batch} | {self.context} | {fmt} | {auto_us:.1f} ({auto}) | "
                 f"{', '.join(by_splits)} | {', '.join(by_tile)} |")  # fmt: skip
@@ -255,18 +276,21 @@ class Bench:
 
 
 def parse_tile(text: str) -> tuple[DecodeTile, int | None]:
-    """``BLOCK_N:WARPS:STAGES``, with ``:k`` appended for the keys-first orientation and
-    ``@S`` for S context stretches (else the launcher's split): (tile, S or None)."""
+    """``BLOCK_N:WARPS:STAGES``, with ``:k`` appended for the keys-first orientation or ``:r``
+    for the register kernel (NVFP4 pages; ``BLOCK_N:1:2:r``), and ``@S`` for S context
+    stretches (else the launcher's split): (tile, S or None)."""
     text, _, splits = text.partition("@")
     fields = text.split(":")
     block_n, warps, stages = (int(v) for v in fields[:3])
-    tile = DecodeTile(block_n, warps, stages, keys_first="k" in fields[3:])
+    tile = DecodeTile(block_n, warps, stages, keys_first="k" in fields[3:],
+                      registers="r" in fields[3:])  # fmt: skip
     return tile, int(splits) if splits else None
 
 
 def tile_label(tile: DecodeTile, splits: int | None = None) -> str:
     label = f"{tile.block_n}:{tile.num_warps}:{tile.num_stages}"
-    return label + (":k" if tile.keys_first else "") + (f"@{splits}" if splits else "")
+    label += ":k" if tile.keys_first else ":r" if tile.registers else ""
+    return label + (f"@{splits}" if splits else "")
 
 
 def check(got: torch.Tensor, want: torch.Tensor) -> str:

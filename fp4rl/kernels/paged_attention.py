@@ -52,7 +52,13 @@ import triton
 import triton.language as tl
 
 from fp4rl.fp4.tensor import NVFP4Tensor
-from fp4rl.kernels.launch import check_contiguous, check_device, device_of, multiprocessors
+from fp4rl.kernels.launch import (
+    check_contiguous,
+    check_device,
+    device_of,
+    interpreting,
+    multiprocessors,
+)
 from fp4rl.kernels.numerics import dot, round_to
 from fp4rl.kernels.paged_kv import (
     MIN_BF16_NVFP4_REDUCTION,
@@ -218,10 +224,19 @@ class DecodeTile:
     num_stages: int
     min_split_tokens: int = 128
     keys_first: bool = False  # tokens as the dots' rows (see `_paged_decode_kernel`)
+    # NVFP4 pages decoded into the MMA's registers (`paged_attention_registers`; one warp, the
+    # next step's pages in flight: num_warps 1, num_stages 2)
+    registers: bool = False
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise ValueError(f"DecodeTile.block_n must be a power of two >= 16; got {self.block_n}")
+        if self.registers and (self.num_warps, self.num_stages, self.keys_first) != (1, 2, False):
+            raise ValueError(
+                f"a registers DecodeTile runs one warp with the next step in flight (num_warps=1,"
+                f" num_stages=2, keys_first=False); got {self.num_warps}, {self.num_stages}, "
+                f"{self.keys_first}"
+            )
 
 
 # (fewest programs, tile) per page format: the last entry whose bound the launch's programs
@@ -236,6 +251,12 @@ class DecodeTile:
 # steps of 4 warps, 2 loads in flight, keys first (batch 64, 4k: 196 us against 209 for
 # 64:2:3; batch 256, 2k: 367 against 392); BF16 pages stay rows first (keys first 159 against
 # 141 us).
+# The register kernel (`paged_attention_registers`, "registers": NVFP4 pages under BF16 queries
+# at head dim 128 on sm_80 and newer; "nvfp4" is the Triton program for the other launches):
+# 16-token steps ("Decode attention: K and V decoded into registers" in BENCHMARKS.md): batch
+# 64, 4k: 132.9 us against 204.8 for the "nvfp4" tile and 141.5 for BF16 pages; 32-token steps
+# 153.3 (their registers spill).
+REGISTERS_TILE = DecodeTile(block_n=16, num_warps=1, num_stages=2, registers=True)
 CONFIGS = {
     "bf16": (
         (0, DecodeTile(block_n=128, num_warps=4, num_stages=3)),
@@ -245,6 +266,7 @@ CONFIGS = {
         (0, DecodeTile(block_n=128, num_warps=8, num_stages=2)),
         (64, DecodeTile(block_n=64, num_warps=4, num_stages=2, keys_first=True)),
     ),
+    "registers": ((0, REGISTERS_TILE),),
 }
 
 
@@ -276,6 +298,10 @@ SMALL_TILES = {
         128: DecodeTile(block_n=128, num_warps=8, num_stages=2),
     },
 }
+# A few sequences keep the Triton program: one step per stretch leaves the register kernel's one
+# warp nothing to overlap its loads with (batch 1, 1k: 8.2 us at its best split against 7.1;
+# 4k: 11.9 against 9.9).
+SMALL_TILES["registers"] = SMALL_TILES["nvfp4"]
 
 
 def plan_for(
@@ -284,7 +310,7 @@ def plan_for(
     """``(tile, context stretches)`` for a launch of ``programs`` sequence-heads over block
     tables of ``table_tokens``: `SMALL_TILES` with one stretch per multiprocessor (a power of
     two) at most SMALL_LAUNCH programs, else `config_for`'s tile with `split_tokens_for`'s
-    choice (None)."""
+    choice (None). ``fmt``: 'bf16', 'nvfp4' or 'registers' (`page_format`)."""
     if programs > SMALL_LAUNCH:
         return config_for(fmt, programs), None
     per_sm = max(1, multiprocessors(device) // max(programs, 1))
@@ -315,6 +341,48 @@ def split_tokens_for(
         num_splits = max(1, min(wanted, table_tokens // tile.min_split_tokens))
     per_split = -(-table_tokens // max(num_splits, 1))
     return max(tile.block_n, -(-per_split // tile.block_n) * tile.block_n)
+
+
+def page_format(q_BHD: torch.Tensor, nvfp4: bool, head_dim: int, group: int) -> str:
+    """Which kernel's tiles serve a launch: 'registers' (the register kernel) where it can run,
+    else the Triton program's 'nvfp4' or 'bf16'."""
+    from fp4rl.kernels import paged_attention_registers
+
+    if not nvfp4:
+        return "bf16"
+    registers = (
+        paged_attention_registers.supported(q_BHD.dtype, head_dim, group)
+        and q_BHD.is_cuda
+        and not interpreting()
+        and torch.cuda.get_device_capability(q_BHD.device) >= (8, 0)
+    )
+    return "registers" if registers else "nvfp4"
+
+
+def check_registers(q_BHD: torch.Tensor, nvfp4: bool, head_dim: int, group: int) -> None:
+    """Raise ValueError naming the value unless a registers tile can run this launch: NVFP4
+    pages, BF16 queries, a head dim and group `paged_attention_registers` takes, sm_80 or newer."""
+    from fp4rl.kernels import paged_attention_registers
+
+    if not nvfp4:
+        raise ValueError("a registers DecodeTile is for NVFP4 pages; k and v are not NVFP4Tensors")
+    if not paged_attention_registers.supported(q_BHD.dtype, head_dim, group):
+        raise ValueError(
+            f"a registers DecodeTile takes bfloat16 queries, head dim 128 and at most 8 "
+            f"query heads per KV head; got {q_BHD.dtype}, D={head_dim}, G={group}"
+        )
+    if q_BHD.device.type != "cuda" or interpreting():
+        raise ValueError(f"a registers DecodeTile runs on a CUDA GPU only; q_BHD is on "
+                         f"{q_BHD.device}{' (interpreted)' if interpreting() else ''}")  # fmt: skip
+    if (capability := torch.cuda.get_device_capability(q_BHD.device)) < (8, 0):
+        raise ValueError(f"a registers DecodeTile needs sm_80 or newer (mma.sync); got "
+                         f"{capability}")  # fmt: skip
+
+
+def register_members(pages: NVFP4Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes as int32 words, block-scale bytes, global scales) of NVFP4 pages for the register
+    kernel (checked by `page_members`)."""
+    return pages.codes.view(torch.int32), pages.block_scale.view(torch.uint8), pages.global_scale
 
 
 def launch(
@@ -380,11 +448,15 @@ def launch(
     if B == 0:
         return out_BHD
     N = block_table_BN.shape[1]
+    G = Hq // K
     if config is None:
-        config, planned = plan_for("nvfp4" if nvfp4 else "bf16", B * K, N * page, q_BHD.device)
+        fmt = page_format(q_BHD, nvfp4, D, G)
+        config, planned = plan_for(fmt, B * K, N * page, q_BHD.device)
         num_splits = planned if num_splits is None else num_splits
     tile = config
-    if nvfp4 and q_BHD.dtype == torch.bfloat16 and not bf16_nvfp4_supported(D, tile.block_n):
+    if tile.registers:
+        check_registers(q_BHD, nvfp4, D, G)
+    elif nvfp4 and q_BHD.dtype == torch.bfloat16 and not bf16_nvfp4_supported(D, tile.block_n):
         raise ValueError(
             f"BF16 queries over NVFP4 pages need head dim and block_n >= "
             f"{MIN_BF16_NVFP4_REDUCTION} (shorter reductions miscompile on sm_90, see "
@@ -392,22 +464,30 @@ def launch(
         )
     split_tokens = split_tokens_for(B * K, N * page, tile, q_BHD.device, num_splits)
     splits = max(1, -(-N * page // split_tokens))
-    G = Hq // K
     part_m = part_l = part_o = out_BHD  # stand-ins, not written without splits
     if splits > 1:
         part_m = torch.empty((B * Hq, splits), dtype=torch.float32, device=q_BHD.device)
         part_l = torch.empty_like(part_m)
         part_o = torch.empty((B * Hq, splits, D), dtype=torch.float32, device=q_BHD.device)
     with device_of(q_BHD):
-        _paged_decode_kernel[(B * K, splits)](
-            q_BHD, *members, block_table_BN, context_B, out_BHD, part_m, part_l, part_o,
-            1.0 / math.sqrt(D), K, N, split_tokens,
-            G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, PAGE=page,
-            BLOCK_N=tile.block_n, NVFP4=nvfp4, SPLIT=splits > 1, NUM_STAGES=tile.num_stages,
-            KEYS_FIRST=tile.keys_first, num_warps=tile.num_warps,
-            # The decode's two products must not merge into an FMA with anything.
-            enable_fp_fusion=False,
-        )  # fmt: skip
+        if tile.registers:
+            from fp4rl.kernels import paged_attention_registers
+
+            paged_attention_registers.launch_kernel(
+                (B * K, splits), q_BHD, register_members(k) + register_members(v), block_table_BN,
+                context_B, out_BHD, (part_m, part_l, part_o), num_kv_heads=K,
+                split_tokens=split_tokens, page=page, block_n=tile.block_n,
+            )  # fmt: skip
+        else:
+            _paged_decode_kernel[(B * K, splits)](
+                q_BHD, *members, block_table_BN, context_B, out_BHD, part_m, part_l, part_o,
+                1.0 / math.sqrt(D), K, N, split_tokens,
+                G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, PAGE=page,
+                BLOCK_N=tile.block_n, NVFP4=nvfp4, SPLIT=splits > 1, NUM_STAGES=tile.num_stages,
+                KEYS_FIRST=tile.keys_first, num_warps=tile.num_warps,
+                # The decode's two products must not merge into an FMA with anything.
+                enable_fp_fusion=False,
+            )  # fmt: skip
         if splits > 1:
             _combine_splits_kernel[(B * Hq,)](
                 part_m, part_l, part_o, out_BHD, splits, D=D,

@@ -1,0 +1,332 @@
+"""`paged_attention`'s decode over NVFP4 pages with K and V decoded straight into the tensor cores'
+registers.
+
+The same function as `paged_attention.launch` for BF16 queries over NVFP4 pages (one program
+per sequence, KV head and stretch of the context, an online softmax over steps of ``BLOCK_N``
+tokens, the stretches combined by `paged_attention`'s second kernel), written in Triton's Gluon
+dialect so that the layouts are chosen here. Both products are chains of
+``mma.sync.m16n8k16`` whose operands live in registers (`fragments`): each thread decodes
+exactly the K and V values its fragments hold, the probabilities go from the scores' fragments
+to the next product's without moving between threads, and nothing passes through shared memory
+in the loop. (`paged_attention`'s Triton program, compiled for sm_90, stores each decoded tile
+to shared memory and loads it back in the operand's layout.)
+
+The layouts, for one warp and the 16 rows of the MMA (the G <= 8 query heads twice, as
+`paged_attention`'s twin rows):
+
+- **Scores** ``S = q . K^T`` ``[16, BLOCK_N]``: q is operand A, K^T operand B with the head dim
+  as the reduction, put in `fragments`' order. A thread (g, c) holds key ``g + 8 j`` of each
+  8-token column tile j and, per 32 values of D, one packed word of that key's codes: the words
+  ``c * D/32 ... c * D/32 + D/32 - 1`` of the row, 16 contiguous bytes for D = 128, and their
+  two blocks' scales.
+- **Softmax** along the rows of the scores' fragments (a thread holds rows g and g + 8, columns
+  ``2c, 2c + 1`` of each tile; a row's max and sum reduce over a quad of lanes).
+- **Probabilities as operand A of P . V**: two adjacent 8-token column tiles of the scores are,
+  register for register, one 16-token reduction step of operand A.
+- **V as operand B** ``[BLOCK_N, D]``, the head dim as the output's columns, permuted: output
+  column ``8 j + g`` (column tile j, lane group g) is real ``d = (D/8) g + j``, so a thread holds
+  ``D/8`` consecutive values of each of its keys (``2c, 2c + 1, 2c + 8, 2c + 9`` per 16 tokens):
+  one block of 16 codes for D = 128, two words and one scale. The output is permuted back when
+  stored.
+
+Decode: byte tables per block and PRMT lookups (`fragments.byte_tables`, `fragments.look_up`);
+K's and V's blocks each have their tables built once, by the one thread that holds them.
+
+Numerics: `paged_attention`'s contract, op for op. K and V enter the products as
+``round_bf16((e2m1 * sf) * s)``, the values ``KVCache.read`` returns; BF16 products are exact
+and sum in FP32; scores ``(q . k) * (1 / sqrt(D))``, the online softmax (the same `exp`) and the
+running sums are FP32; each probability enters P . V as three BF16 parts whose sum is exactly
+p (rows 0-7 take the first part and rows 8-15 the second, then rows 0-7 the third: two
+products; the caller's sum of the twin rows adds them); the output is ``acc / l`` (IEEE
+division), cast once. Only the order of FP32 sums differs from `paged_attention`'s program.
+
+Compiled only (sm_80 and newer): Triton's interpreter runs no Gluon, so the CPU runs
+`paged_attention`'s program, the reference for this one's tests on the GPU.
+
+Legend: B sequences, Hq query heads, K KV heads, G = Hq / K, D head dim, N tokens of a step, W
+= D / 8 words of codes per row, T = D / 8 output column tiles, P page size.
+"""
+
+from __future__ import annotations
+
+import math
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from fp4rl.kernels import fragments
+from fp4rl.kernels.numerics import BLOCK_SCALE_BIAS, GLOBAL_SCALE_BIAS
+
+ROWS = gl.constexpr(16)  # the MMA's M: query heads, twice
+
+
+@gluon.constexpr_function
+def _bits(n):
+    """The bit positions of a power of two's index range: ``range(log2(n))``."""
+    return range(int(math.log2(n)))
+
+
+@gluon.constexpr_function
+def _key_words_layout(block_n, d):
+    """K codes ``[BLOCK_N, W]``: lane (g, c) holds keys ``g + 8 j`` and, of each, the words
+    ``c * D/32 ...`` its operand-B fragments hold (`fragments`' order)."""
+    ch = d // 32
+    regs = [[0, 1 << i] for i in _bits(ch)] + [[8 << i, 0] for i in _bits(block_n // 8)]
+    lanes = [[0, ch], [0, 2 * ch], [1, 0], [2, 0], [4, 0]]
+    return gl.DistributedLinearLayout(regs, lanes, [], [], [block_n, d // 8])
+
+
+@gluon.constexpr_function
+def _key_blocks_layout(block_n, d):
+    """K block scales ``[BLOCK_N, D/16]``, each held by the thread that holds its two words."""
+    ch = d // 32
+    regs = [[0, 1 << i] for i in _bits(ch // 2)] + [[8 << i, 0] for i in _bits(block_n // 8)]
+    lanes = [[0, ch // 2], [0, ch], [1, 0], [2, 0], [4, 0]]
+    return gl.DistributedLinearLayout(regs, lanes, [], [], [block_n, d // 16])
+
+
+@gluon.constexpr_function
+def _value_words_layout(block_n, d):
+    """V codes ``[BLOCK_N, W]``: lane (g, c) holds keys ``2c, 2c + 1, 2c + 8, 2c + 9`` of each 16
+    and, of each, the ``D/64`` words of values ``(D/8) g ... (D/8) g + D/8 - 1``."""
+    per = d // 64  # words a thread holds of a key
+    regs = [[0, 1 << i] for i in _bits(per)] + [[1, 0], [8, 0]]
+    regs += [[16 << i, 0] for i in _bits(block_n // 16)]
+    lanes = [[2, 0], [4, 0], [0, per], [0, 2 * per], [0, 4 * per]]
+    return gl.DistributedLinearLayout(regs, lanes, [], [], [block_n, d // 8])
+
+
+@gluon.constexpr_function
+def _value_blocks_layout(block_n, d):
+    """V block scales ``[BLOCK_N, D/16]``, each held by the thread that holds its two words."""
+    per = d // 128  # blocks a thread holds of a key
+    regs = [[0, 1 << i] for i in _bits(per)] + [[1, 0], [8, 0]]
+    regs += [[16 << i, 0] for i in _bits(block_n // 16)]
+    lanes = [[2, 0], [4, 0], [0, per], [0, 2 * per], [0, 4 * per]]
+    return gl.DistributedLinearLayout(regs, lanes, [], [], [block_n, d // 16])
+
+
+@gluon.jit
+def _pages_step(pages, block_scale, global_scale, table_row, n0, end, num_kv_heads, kv_head,
+                words_l: gl.constexpr, blocks_l: gl.constexpr, BLOCK_N: gl.constexpr,
+                PAGE: gl.constexpr, D: gl.constexpr):  # fmt: skip
+    """The codes ``[BLOCK_N, W]``, block-scale bytes ``[BLOCK_N, D/16]`` and global scales of
+    tokens ``n0 .. n0 + BLOCK_N`` in the layouts given; zeros past ``end`` (cache row = slot *
+    K + kv head, the slot found through the sequence's block table)."""
+    i_N = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, blocks_l))
+    ok_N = n0 + i_N < end
+    if PAGE % BLOCK_N == 0:  # steps start at multiples of BLOCK_N: a step lies in one page
+        page = gl.load(table_row + n0 // PAGE, mask=n0 < end, other=0).to(gl.int64)
+        rows_N = (page * PAGE + n0 % PAGE + i_N) * num_kv_heads + kv_head
+    else:
+        t_N = n0 + i_N
+        page_N = gl.load(table_row + t_N // PAGE, mask=ok_N, other=0)
+        rows_N = (page_N.to(gl.int64) * PAGE + t_N % PAGE) * num_kv_heads + kv_head
+    block_B = gl.arange(0, D // 16, layout=gl.SliceLayout(0, blocks_l))
+    scales = gl.load(
+        block_scale + rows_N[:, None] * (D // 16) + block_B[None, :], mask=ok_N[:, None], other=0
+    )
+    s_N = gl.load(global_scale + rows_N, mask=ok_N, other=0.0)
+    rows_W = gl.convert_layout(rows_N, gl.SliceLayout(1, words_l), assert_trivial=True)
+    ok_W = gl.convert_layout(ok_N, gl.SliceLayout(1, words_l), assert_trivial=True)
+    word_W = gl.arange(0, D // 8, layout=gl.SliceLayout(0, words_l))
+    words = gl.load(pages + rows_W[:, None] * (D // 8) + word_W[None, :], mask=ok_W[:, None],
+                    other=0)  # fmt: skip
+    return words, scales, s_N
+
+
+@gluon.jit
+def _decoded(words, scales, s_N, words_l: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr):
+    """``[BLOCK_N, D]`` BF16 values of a step's codes, real order, in the threads that hold the
+    codes: ``round((e2m1 * sf) * s)`` by byte-table lookup."""
+    sf = scales.to(gl.float8e4nv, bitcast=True).to(gl.float32) * BLOCK_SCALE_BIAS
+    lo0, lo1, hi0, hi1 = fragments.byte_tables(sf, (s_N * GLOBAL_SCALE_BIAS)[:, None])
+    v0, v1, v2, v3, v4, v5, v6, v7 = fragments.look_up(
+        words,
+        fragments.per_word(lo0, BLOCK_N, D, words_l),
+        fragments.per_word(lo1, BLOCK_N, D, words_l),
+        fragments.per_word(hi0, BLOCK_N, D, words_l),
+        fragments.per_word(hi1, BLOCK_N, D, words_l),
+    )
+    return fragments.joined(v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_N, D)
+
+
+@gluon.jit
+def _output_order(t, ROWS_: gl.constexpr, D: gl.constexpr):
+    """``[ROWS_, D]``: real head-dim order -> the output's column order (module docstring),
+    real ``d = (D/8) g + j`` to column ``8 j + g``."""
+    t = gl.reshape(t, [ROWS_, 8, D // 8])
+    return gl.reshape(gl.permute(t, [0, 2, 1]), [ROWS_, D])
+
+
+@gluon.jit
+def _real_order(t, ROWS_: gl.constexpr, D: gl.constexpr):
+    """The inverse of `_output_order`."""
+    t = gl.reshape(t, [ROWS_, D // 8, 8])
+    return gl.reshape(gl.permute(t, [0, 2, 1]), [ROWS_, D])
+
+
+@gluon.jit
+def _twins_folded(t, SUM: gl.constexpr):
+    """Per-row values ``[16, C]`` of the twin rows folded: the sum of rows h and h + 8 (SUM: the
+    split products of V) or either (they are equal). Rows h and h + 8 share a thread."""
+    halves = gl.reshape(t, [2, ROWS // 2, t.shape[1]])
+    return gl.sum(halves, 0) if SUM else gl.max(halves, 0)
+
+
+# Batch, table width and split length change with every step: no recompiling for each.
+@gluon.jit(do_not_specialize=["num_kv_heads", "table_cols", "split_tokens"])
+def _paged_decode_registers_kernel(
+    q_BHD,
+    k_pages,
+    k_block_scale,
+    k_global_scale,
+    v_pages,
+    v_block_scale,
+    v_global_scale,
+    table_BN,
+    context_B,
+    out_BHD,
+    part_m,
+    part_l,
+    part_o,
+    softmax_scale,
+    num_kv_heads,
+    table_cols,
+    split_tokens,
+    G: gl.constexpr,
+    D: gl.constexpr,
+    PAGE: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    SPLIT: gl.constexpr,
+):
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]
+    )
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    kw_l: gl.constexpr = _key_words_layout(BLOCK_N, D)
+    kb_l: gl.constexpr = _key_blocks_layout(BLOCK_N, D)
+    vw_l: gl.constexpr = _value_words_layout(BLOCK_N, D)
+    vb_l: gl.constexpr = _value_blocks_layout(BLOCK_N, D)
+    io_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
+
+    b = gl.program_id(0) // num_kv_heads
+    kv_head = gl.program_id(0) % num_kv_heads
+    split = gl.program_id(1)
+
+    # q rows: heads 0..G-1, then the same heads again from row 8 (twins); other rows zero.
+    r_R = gl.arange(0, ROWS, layout=gl.SliceLayout(1, io_l))
+    head_R = r_R % (ROWS // 2)
+    q_rows = b.to(gl.int64) * (num_kv_heads * G) + kv_head * G + head_R
+    d_D = gl.arange(0, D, layout=gl.SliceLayout(0, io_l))
+    q_RD = gl.load(q_BHD + q_rows[:, None] * D + d_D[None, :], mask=(head_R < G)[:, None],
+                   other=0.0)  # fmt: skip
+    q_a = gl.convert_layout(fragments.hardware_order(q_RD, ROWS, D), a_l)
+
+    start = split * split_tokens
+    end = gl.minimum(gl.minimum(start + split_tokens, gl.load(context_B + b)), table_cols * PAGE)
+    table_row = table_BN + b.to(gl.int64) * table_cols
+    upper_R = (gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma)) < ROWS // 2)[:, None]
+    key_N = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+
+    m_R = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, mma))
+    l_R = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, mma))
+    acc = gl.zeros([ROWS, D], gl.float32, layout=mma)
+    k_words, k_scales, k_s = _pages_step(
+        k_pages, k_block_scale, k_global_scale, table_row, start, end, num_kv_heads, kv_head,
+        kw_l, kb_l, BLOCK_N, PAGE, D,
+    )  # fmt: skip
+    v_words, v_scales, v_s = _pages_step(
+        v_pages, v_block_scale, v_global_scale, table_row, start, end, num_kv_heads, kv_head,
+        vw_l, vb_l, BLOCK_N, PAGE, D,
+    )  # fmt: skip
+    for n0 in range(start, end, BLOCK_N):
+        # The next step's pages in flight while this one computes (zeros past the end).
+        next_k = _pages_step(
+            k_pages, k_block_scale, k_global_scale, table_row, n0 + BLOCK_N, end, num_kv_heads,
+            kv_head, kw_l, kb_l, BLOCK_N, PAGE, D,
+        )  # fmt: skip
+        next_v = _pages_step(
+            v_pages, v_block_scale, v_global_scale, table_row, n0 + BLOCK_N, end, num_kv_heads,
+            kv_head, vw_l, vb_l, BLOCK_N, PAGE, D,
+        )  # fmt: skip
+
+        k_ND = _decoded(k_words, k_scales, k_s, kw_l, BLOCK_N, D)
+        k_DN = gl.permute(fragments.hardware_order(k_ND, BLOCK_N, D), [1, 0])
+        scores = mma_v2(q_a, gl.convert_layout(k_DN, b_l, assert_trivial=True),
+                        gl.zeros([ROWS, BLOCK_N], gl.float32, layout=mma))  # fmt: skip
+        scores = gl.where(((n0 + key_N) < end)[None, :], scores * softmax_scale, float("-inf"))
+        # Every step holds at least one token of the context (n0 < end): m_new is finite
+        # unless the scores are not, and exp(-inf - m_new) = 0 on the first step.
+        m_new = gl.maximum(m_R, gl.max(scores, 1))
+        alpha = gl.exp(m_R - m_new)
+        p = gl.exp(scores - m_new[:, None])
+        l_R = l_R * alpha + gl.sum(p, 1)
+        m_R = m_new
+
+        # p = p1 + p2 + p3 exactly in BF16 parts: [p1; p2] then [p3; 0] over the twin rows.
+        p1 = p.to(gl.bfloat16)
+        rest = p - p1.to(gl.float32)
+        p2 = rest.to(gl.bfloat16)
+        p3 = (rest - p2.to(gl.float32)).to(gl.bfloat16)
+        v_ND = _decoded(v_words, v_scales, v_s, vw_l, BLOCK_N, D)
+        v_b = gl.convert_layout(_output_order(v_ND, BLOCK_N, D), b_l, assert_trivial=True)
+        # Once the running maxima stop moving (alpha == 1 in every row, the usual case after a
+        # few steps) the rescale is skipped: multiplying by 1 changes no bit.
+        if gl.sum((alpha != 1.0).to(gl.int32), 0) > 0:
+            acc = acc * alpha[:, None]
+        acc = mma_v2(gl.convert_layout(gl.where(upper_R, p1, p2), a_l, assert_trivial=True), v_b,
+                     acc)  # fmt: skip
+        acc = mma_v2(
+            gl.convert_layout(gl.where(upper_R, p3, gl.zeros_like(p3)), a_l, assert_trivial=True),
+            v_b,
+            acc,
+        )
+        k_words, k_scales, k_s = next_k
+        v_words, v_scales, v_s = next_v
+
+    # Rows are heads from here on: the twins folded, the head dim back in real order.
+    H: gl.constexpr = ROWS // 2
+    acc_HD = gl.convert_layout(_real_order(_twins_folded(acc, True), H, D), io_l)
+    m_H = gl.convert_layout(gl.reshape(_twins_folded(m_R[:, None], False), [H]),
+                            gl.SliceLayout(1, io_l))  # fmt: skip
+    l_H = gl.convert_layout(gl.reshape(_twins_folded(l_R[:, None], False), [H]),
+                            gl.SliceLayout(1, io_l))  # fmt: skip
+    h_H = gl.arange(0, H, layout=gl.SliceLayout(1, io_l))
+    out_rows = b.to(gl.int64) * (num_kv_heads * G) + kv_head * G + h_H
+    head_ok = h_H < G
+    if SPLIT:
+        # An empty stretch writes (-inf, 0, 0): the combine gives it weight 0.
+        part = out_rows * gl.num_programs(1) + split
+        gl.store(part_m + part, m_H, mask=head_ok)
+        gl.store(part_l + part, l_H, mask=head_ok)
+        gl.store(part_o + part[:, None] * D + d_D[None, :], acc_HD, mask=head_ok[:, None])
+    else:
+        out = gl.div_rn(acc_HD, l_H[:, None])
+        gl.store(out_BHD + out_rows[:, None] * D + d_D[None, :], out.to(gl.bfloat16),
+                 mask=head_ok[:, None])  # fmt: skip
+
+
+def supported(q_dtype, head_dim: int, group: int) -> bool:
+    """Whether this kernel computes a launch: BF16 queries, head dim 128, at most 8 query heads
+    per KV head (NVFP4 pages; the caller checks the device). Head dim 256 compiles, but its
+    accumulator alone takes half of a thread's registers and the rest spill (offline SASS for
+    sm_90): `paged_attention`'s program serves it."""
+    return str(q_dtype) == "torch.bfloat16" and head_dim == 128 and 1 <= group <= ROWS // 2
+
+
+def launch_kernel(grid, q_BHD, members, block_table_BN, context_B, out_BHD, parts, *,
+                  num_kv_heads, split_tokens, page, block_n) -> None:  # fmt: skip
+    """Launch over ``grid`` with `paged_attention.launch`'s checked arguments (``members``: K's
+    and V's codes as int32 words, block scales as bytes and global scales; ``parts``: the
+    stretches' (m, l, o), or ``out_BHD`` thrice without splits)."""
+    B, Hq, D = q_BHD.shape
+    _paged_decode_registers_kernel[grid](
+        q_BHD, *members, block_table_BN, context_B, out_BHD, *parts, 1.0 / math.sqrt(D),
+        num_kv_heads, block_table_BN.shape[1], split_tokens,
+        G=Hq // num_kv_heads, D=D, PAGE=page, BLOCK_N=block_n, SPLIT=grid[1] > 1, num_warps=1,
+        # The decode's two products must not merge into an FMA with anything.
+        enable_fp_fusion=False,
+    )  # fmt: skip

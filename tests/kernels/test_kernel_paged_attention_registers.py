@@ -1,0 +1,204 @@
+"""The register decode attention (`paged_attention_registers`, through a registers `DecodeTile`)
+against the same checks as `paged_attention`'s program (test_kernel_paged_attention.py): outputs
+within the float64 bound, V rows bitwise through contexts of one token (every code and scale
+byte), NaN confined to its sequence's KV-head group, padding never read, CUDA-graph replays
+that follow new tables. The kernel is Gluon, compiled only: its tests run on the GPU; on the
+CPU only the checks and tile rules run.
+"""
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the kernels need triton (pip install 'fp4rl[kernels]')")
+
+from kernel_checks import assert_bitwise  # noqa: E402
+from test_kernel_paged_attention import (  # noqa: E402
+    QWEN3_D,
+    QWEN3_HEADS,
+    QWEN3_PAGE,
+    Scene,
+    assert_within,
+    every_byte_pages,
+    ragged,
+)
+
+from fp4rl.kernels import paged_attention  # noqa: E402
+from fp4rl.kernels.paged_attention import DecodeTile  # noqa: E402
+
+REGISTER_TILES = {
+    "16": DecodeTile(block_n=16, num_warps=1, num_stages=2, registers=True),
+    "32": DecodeTile(block_n=32, num_warps=1, num_stages=2, registers=True),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", list(REGISTER_TILES))
+@pytest.mark.parametrize("batch", [1, 7, 64])
+def test_registers_at_qwen3_shapes_on_gpu(tile, batch):
+    """Ragged contexts from 1 to 4,096 tokens in shuffled pages, one stretch, the launcher's
+    split and an odd one."""
+    scene = Scene("nvfp4", ragged(batch, batch), heads=QWEN3_HEADS, dim=QWEN3_D,
+                  page=QWEN3_PAGE, seed=batch, device="cuda", q_dtype=torch.bfloat16,
+                  scale=2.0)  # fmt: skip
+    config = REGISTER_TILES[tile]
+    for splits in (None, 1, 3):
+        out = scene.launch(config=config, num_splits=splits)
+        assert out.dtype == torch.bfloat16 and out.shape == scene.q_BHD.shape
+        assert_within(out, scene, f"registers {tile}, batch {batch}, splits {splits}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "heads, dim, page",
+    [((8, 4), 128, 16), ((16, 2), 128, 8), ((6, 3), 128, 32), ((8, 1), 128, 64), ((5, 5), 128, 4)],
+    ids=str,
+)
+def test_registers_other_groups_dims_and_pages_on_gpu(heads, dim, page):
+    """Groups of 1 to 8 query heads, pages shorter and longer than a step."""
+    scene = Scene("nvfp4", [1, 31, 32, 33, 300, 17], heads=heads, dim=dim, page=page, seed=dim,
+                  device="cuda", q_dtype=torch.bfloat16)  # fmt: skip
+    for tile in REGISTER_TILES.values():
+        for splits in (1, 3):
+            out = scene.launch(config=tile, num_splits=splits)
+            assert_within(out, scene, f"{heads} heads of {dim}, page {page}, {tile}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", list(REGISTER_TILES))
+def test_registers_context_of_one_returns_the_v_rows_bitwise_on_gpu(tile):
+    """Pages of one token, 16 sequences of context 1: every V row comes back bitwise through the
+    register decode, every block-scale byte (NaN ones included) and every code."""
+    B, Hq, K, D = 16, 4, 2, 128
+    scene = Scene("nvfp4", [1] * B, heads=(Hq, K), dim=D, page=1, seed=7, device="cuda",
+                  q_dtype=torch.bfloat16)  # fmt: skip
+    pages = scene.cache.layers[0].v
+    rows = every_byte_pages(pages.codes.numel() * 2 // D, D, seed=8)
+    for page, value in zip(pages.tensors(), rows.tensors(), strict=True):
+        page.copy_(value.view(page.shape))
+    _, v_BCKD, _ = scene.read()
+    want = v_BCKD[:, 0].repeat_interleave(Hq // K, dim=1)  # [B, Hq, D]: head h reads h // G
+    got = scene.launch(config=REGISTER_TILES[tile])
+    assert torch.equal(got.isnan(), want.isnan()), "NaN positions"
+    same = (got == want) | want.isnan()
+    assert same.all(), f"{int((~same).sum())} of {same.numel()} V values differ"
+
+
+@pytest.mark.gpu
+def test_registers_every_key_byte_within_the_bound_on_gpu():
+    """K pages of every code byte, every block-scale byte but NaN ones and global scales from
+    2**-110 up: the scores take each through the register decode (checked against float64 over
+    the values ``KVCache.read`` returns). Queries are scaled down to keep the scores within
+    +-16: no probability reaches the subnormals, where float64 and FP32 exp part ways."""
+    scene = Scene("nvfp4", [40, 1, 77, 16], heads=(8, 1), dim=128, page=16, seed=9,
+                  device="cuda", q_dtype=torch.bfloat16)  # fmt: skip
+    scene.q_BHD.mul_(2.0**-14)
+    pages = scene.cache.layers[0].k
+    rows = every_byte_pages(pages.codes.numel() * 2 // 128, 128, seed=10)
+    scale = rows.block_scale.view(torch.uint8)
+    scale[(scale & 0x7F) == 0x7F] = 0x38  # E4M3 NaN -> 1.0: NaN scores would hide the rest
+    rows.global_scale.clamp_(max=2.0)  # keep the scores in exp's range
+    rows.global_scale[0] = 2.0**-110
+    for page, value in zip(pages.tensors(), rows.tensors(), strict=True):
+        page.copy_(value.view(page.shape))
+    for tile in REGISTER_TILES.values():
+        assert_within(scene.launch(config=tile, num_splits=1), scene, f"every K byte, {tile}")
+
+
+@pytest.mark.gpu
+def test_registers_nan_stays_in_its_sequence_and_padding_is_never_read_on_gpu():
+    heads, page, contexts = (8, 2), 4, [1, 5, 12, 40, 3, 4]
+    scene = Scene("nvfp4", contexts, heads=heads, dim=128, page=page, seed=11, device="cuda",
+                  q_dtype=torch.bfloat16)  # fmt: skip
+    tile = REGISTER_TILES["16"]
+    clean = {n: scene.launch(config=tile, num_splits=n) for n in (1, 3)}
+    covered = torch.zeros(scene.cache.num_blocks * page, dtype=torch.bool)
+    for table, c in zip(scene.tables, contexts, strict=True):
+        covered[[table[t // page] * page + t % page for t in range(c)]] = True
+
+    def poison(where_T, head):
+        for t in scene.pages():
+            t.global_scale.flatten(0, 1)[where_T.cuda(), head] = math.nan
+
+    for head in range(heads[1]):
+        poison(~covered, head)
+    assert_bitwise(scene.launch(config=tile, num_splits=3), clean[3].cpu(), "NaN padding")
+    # One row inside sequence 3's context, KV head 1: its group (query heads 4-7) turns NaN.
+    row = torch.zeros_like(covered)
+    row[scene.tables[3][5] * page + 2] = True
+    poison(row, 1)
+    nan = torch.zeros(scene.q_BHD.shape, dtype=torch.bool)
+    nan[3, 4:8] = True
+    for n in (1, 3):
+        got = scene.launch(config=tile, num_splits=n).cpu()
+        assert torch.equal(got.isnan(), nan), f"NaN positions, {n} stretches"
+        assert_bitwise(got[~nan], clean[n].cpu()[~nan], "outside the poisoned group")
+
+
+@pytest.mark.gpu
+def test_registers_graph_replay_follows_tables_and_contexts_on_gpu():
+    scene = Scene("nvfp4", ragged(64, 2), heads=QWEN3_HEADS, dim=QWEN3_D, page=QWEN3_PAGE,
+                  seed=2, device="cuda", q_dtype=torch.bfloat16)  # fmt: skip
+    tile = REGISTER_TILES["32"]
+    scene.launch(config=tile)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = scene.launch(config=tile)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        perm = torch.randperm(64, generator=g).cuda()
+        scene.block_table_BN.copy_(scene.block_table_BN[perm])
+        scene.context_B.copy_(scene.context_B[perm])
+        scene.tables = [scene.tables[i] for i in perm.tolist()]
+        scene.q_BHD.copy_(torch.randn(scene.q_BHD.shape, generator=g).to(torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, scene.launch(config=tile))
+        assert_within(out, scene, "registers, replayed")
+
+
+def test_registers_checks_name_the_values(device):
+    scene = Scene("nvfp4", [1, 40], heads=(8, 2), dim=128, page=16, seed=5, device=device,
+                  q_dtype=torch.bfloat16)  # fmt: skip
+    q, (k, v), table, ctx = scene.q_BHD, scene.pages(), scene.block_table_BN, scene.context_B
+    tile = REGISTER_TILES["16"]
+    launch = paged_attention.launch
+    with pytest.raises(ValueError, match=r"runs one warp with the next step in flight"):
+        DecodeTile(block_n=32, num_warps=4, num_stages=2, registers=True)
+    if device == "cpu":
+        with pytest.raises(ValueError, match=r"runs on a CUDA GPU only; q_BHD is on cpu"):
+            launch(q, k, v, table, ctx, config=tile)
+    with pytest.raises(ValueError, match=r"takes bfloat16 queries.*got torch.float32, D=128, G=4"):
+        launch(q.float(), k, v, table, ctx, config=tile)
+    with pytest.raises(ValueError, match=r"got torch.bfloat16, D=128, G=16"):
+        launch(torch.cat([q] * 4, 1), k, v, table, ctx, config=tile)
+    wide = Scene("nvfp4", [1, 40], heads=(8, 2), dim=256, page=16, seed=5, device=device,
+                 q_dtype=torch.bfloat16)  # fmt: skip
+    with pytest.raises(ValueError, match=r"got torch.bfloat16, D=256, G=4"):
+        wide.launch(config=tile)
+    bf16 = Scene("bf16 pages", [1, 40], heads=(8, 2), dim=128, page=16, seed=5, device=device,
+                 q_dtype=torch.bfloat16)  # fmt: skip
+    with pytest.raises(ValueError, match=r"is for NVFP4 pages"):
+        bf16.launch(config=tile)
+
+
+def test_launcher_takes_the_register_kernel_above_small_launches(device, monkeypatch):
+    """`page_format` names the register kernel for NVFP4 pages under BF16 queries at head dim
+    128 on a GPU; its plan keeps the Triton program's tiles up to SMALL_LAUNCH sequence-heads."""
+    monkeypatch.setattr(paged_attention, "multiprocessors", lambda device: 132)
+    q = torch.zeros(2, 8, 128, dtype=torch.bfloat16, device=device)
+    fmt = paged_attention.page_format(q, True, 128, 8)
+    assert fmt == ("registers" if device == "cuda" else "nvfp4")
+    assert paged_attention.page_format(q, False, 128, 8) == "bf16"
+    assert paged_attention.page_format(q.float(), True, 128, 8) == "nvfp4"
+    assert paged_attention.page_format(q, True, 128, 16) == "nvfp4"
+    cuda = torch.device("cuda")
+    small = paged_attention.plan_for("registers", 16, 4096, cuda)
+    assert small == paged_attention.plan_for("nvfp4", 16, 4096, cuda)
+    assert not small[0].registers
+    assert paged_attention.plan_for("registers", 20, 4096, cuda) == (
+        paged_attention.REGISTERS_TILE,
+        None,
+    )
