@@ -10,7 +10,10 @@ as the dots' rows (scores ``q @ k.T``, output ``p @ v``) or, `DecodeTile.keys_fi
 tokens (``k @ q.T`` and ``v.T @ p``): the same products, transposed. Keys first, the decoded K
 tile is the first operand of a Hopper tensor-core instruction, which takes that operand from
 registers; Triton 3.6 still moves the decoded tile into the operand's register layout through
-shared memory (a store, then a load in the operand layout: its TTGIR for sm_90).
+shared memory (a store, then a load in the operand layout: its TTGIR for sm_90). Where it can run
+(NVFP4 pages, BF16 queries, head dim 128, sm_80 or newer, more than SMALL_LAUNCH
+sequence-heads), the launcher takes `paged_attention_registers` instead: the same attention in
+Gluon with both products' operands in registers (`DecodeTile.registers`, `page_format`).
 
 Numerics, the contract of `reference_decode` (the twin below: ``attend_fp32`` over
 ``KVCache.read`` in `fp4rl.rollout`, restricted to one query token):
