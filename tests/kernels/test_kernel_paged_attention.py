@@ -194,38 +194,46 @@ def test_context_of_one_returns_the_v_rows_bitwise(device, fmt, q_dtype):
     assert same.all(), f"{int((~same).sum())} of {same.numel()} V values differ"
 
 
-@pytest.mark.parametrize("fmt", list(PAGE_FORMATS))
-def test_nan_stays_in_its_sequence_and_padding_is_never_read(device, fmt):
-    heads, dim, page, contexts = SHAPES["G=3 D=16 P=4"]
-    scene = Scene(fmt, contexts, heads=heads, dim=dim, page=page, seed=11, device=device,
-                  q_dtype=torch.float32)  # fmt: skip
-    clean = {n: scene.launch(config=TINY, num_splits=n) for n in (1, 3)}
-    # NaN in every slot no context covers (the padding block, the tails of last blocks).
+def assert_nan_confined(scene: Scene, config: DecodeTile, sequence: int, block: int) -> None:
+    """NaN in every slot no context covers changes no bit of the output (split or not); NaN in
+    one row inside ``sequence``'s context (its table's ``block``-th page, KV head 1) turns that
+    sequence's KV-head-1 group NaN and nothing else."""
+    page, device, K = scene.page, scene.device, scene.pages()[0].shape[2]
+    contexts = scene.context_B.tolist()
+    clean = {n: scene.launch(config=config, num_splits=n).cpu() for n in (1, 3)}
     covered = torch.zeros(scene.cache.num_blocks * page, dtype=torch.bool)
     for table, c in zip(scene.tables, contexts, strict=True):
         covered[[table[t // page] * page + t % page for t in range(c)]] = True
-    pages = scene.pages()
 
     def poison(where_T, head):
-        for t in pages:
+        for t in scene.pages():
             if isinstance(t, NVFP4Tensor):
                 t.global_scale.flatten(0, 1)[where_T.to(device), head] = math.nan
             else:
                 t.flatten(0, 1)[where_T.to(device), head] = math.nan
 
-    for head in range(heads[1]):
+    for head in range(K):
         poison(~covered, head)
-    assert_bitwise(scene.launch(config=TINY, num_splits=3), clean[3].cpu(), "NaN padding")
-    # One row inside sequence 3's context, KV head 1: its group (query heads 3-5) turns NaN.
+    assert_bitwise(scene.launch(config=config, num_splits=3), clean[3], "NaN padding")
     row = torch.zeros_like(covered)
-    row[scene.tables[3][1] * page + 2] = True
+    row[scene.tables[sequence][block] * page + 2] = True
     poison(row, 1)
+    G = scene.q_BHD.shape[1] // K
     nan = torch.zeros(scene.q_BHD.shape, dtype=torch.bool)
-    nan[3, 3:6] = True
+    nan[sequence, G : 2 * G] = True
     for n in (1, 3):
-        got = scene.launch(config=TINY, num_splits=n).cpu()
+        got = scene.launch(config=config, num_splits=n).cpu()
         assert torch.equal(got.isnan(), nan), f"NaN positions, {n} stretches"
-        assert_bitwise(got[~nan], clean[n].cpu()[~nan], "outside the poisoned group")
+        assert_bitwise(got[~nan], clean[n][~nan], "outside the poisoned group")
+
+
+@pytest.mark.parametrize("fmt", list(PAGE_FORMATS))
+def test_nan_stays_in_its_sequence_and_padding_is_never_read(device, fmt):
+    heads, dim, page, contexts = SHAPES["G=3 D=16 P=4"]
+    scene = Scene(fmt, contexts, heads=heads, dim=dim, page=page, seed=11, device=device,
+                  q_dtype=torch.float32)  # fmt: skip
+    # Sequence 3's row at offset 2 of its second page: query heads 3-5 turn NaN.
+    assert_nan_confined(scene, TINY, sequence=3, block=1)
 
 
 def test_checks_name_the_values(device):

@@ -6,19 +6,17 @@ that follow new tables. The kernel is Gluon, compiled only: its tests run on the
 CPU only the checks and tile rules run.
 """
 
-import math
-
 import pytest
 import torch
 
 pytest.importorskip("triton", reason="the kernels need triton (pip install 'fp4rl[kernels]')")
 
-from kernel_checks import assert_bitwise  # noqa: E402
 from test_kernel_paged_attention import (  # noqa: E402
     QWEN3_D,
     QWEN3_HEADS,
     QWEN3_PAGE,
     Scene,
+    assert_nan_confined,
     assert_within,
     every_byte_pages,
     ragged,
@@ -108,32 +106,10 @@ def test_registers_every_key_byte_within_the_bound_on_gpu():
 
 @pytest.mark.gpu
 def test_registers_nan_stays_in_its_sequence_and_padding_is_never_read_on_gpu():
-    heads, page, contexts = (8, 2), 4, [1, 5, 12, 40, 3, 4]
-    scene = Scene("nvfp4", contexts, heads=heads, dim=128, page=page, seed=11, device="cuda",
-                  q_dtype=torch.bfloat16)  # fmt: skip
-    tile = REGISTER_TILES["16"]
-    clean = {n: scene.launch(config=tile, num_splits=n) for n in (1, 3)}
-    covered = torch.zeros(scene.cache.num_blocks * page, dtype=torch.bool)
-    for table, c in zip(scene.tables, contexts, strict=True):
-        covered[[table[t // page] * page + t % page for t in range(c)]] = True
-
-    def poison(where_T, head):
-        for t in scene.pages():
-            t.global_scale.flatten(0, 1)[where_T.cuda(), head] = math.nan
-
-    for head in range(heads[1]):
-        poison(~covered, head)
-    assert_bitwise(scene.launch(config=tile, num_splits=3), clean[3].cpu(), "NaN padding")
-    # One row inside sequence 3's context, KV head 1: its group (query heads 4-7) turns NaN.
-    row = torch.zeros_like(covered)
-    row[scene.tables[3][5] * page + 2] = True
-    poison(row, 1)
-    nan = torch.zeros(scene.q_BHD.shape, dtype=torch.bool)
-    nan[3, 4:8] = True
-    for n in (1, 3):
-        got = scene.launch(config=tile, num_splits=n).cpu()
-        assert torch.equal(got.isnan(), nan), f"NaN positions, {n} stretches"
-        assert_bitwise(got[~nan], clean[n].cpu()[~nan], "outside the poisoned group")
+    scene = Scene("nvfp4", [1, 5, 12, 40, 3, 4], heads=(8, 2), dim=128, page=4, seed=11,
+                  device="cuda", q_dtype=torch.bfloat16)  # fmt: skip
+    # Sequence 3's row at offset 2 of its sixth page: query heads 4-7 turn NaN.
+    assert_nan_confined(scene, REGISTER_TILES["16"], sequence=3, block=5)
 
 
 @pytest.mark.gpu
