@@ -1,0 +1,226 @@
+"""What the register kernels compile to for a GPU, read without one: registers, spilled bytes,
+shared memory and the main loop's instructions by opcode.
+
+No GPU needed (Triton compiles for the target and disassembles with the tools its wheel ships):
+``python benchmarks/sass.py`` for sm_90, ``--arch 80`` for an A100. ``--cases`` picks some of
+`CASES` (e.g. ``attention:16,gemm:w13:narrow``). Prints a markdown table, written to
+``$OUT/sass.md`` when OUT is set.
+
+The kernels: `paged_attention_registers` (decode attention, NVFP4 pages, 32 query / 4 KV heads of
+128, pages of 16 tokens) at 16- and 32-token steps, and `moe_gemm_registers` (the expert GEMM,
+Qwen3-30B-A3B's w13 ``[1536, 2048]`` and w2 ``[2048, 768]``) at the launcher's two tiles, by
+byte-table lookup and by arithmetic per code. The loop is the longest stretch of SASS between a
+label and a branch back to it; "per value" divides its instructions by the NVFP4 values a
+thread decodes in one pass (K and V for the attention, weights for the GEMM). Shared-memory
+instructions in the loop are counted apart: the register kernels are meant to have none.
+A figure holds for the Triton printed in the header; the GPU machine's may allocate registers
+differently.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+# Compiled, never interpreted (Gluon has no interpreter), whatever the caller's environment says:
+# before anything imports triton.
+os.environ.pop("TRITON_INTERPRET", None)
+
+from _timing import report, run_header  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Case:
+    """One compilation: a kernel, its constexprs and launch options, and how many NVFP4 values
+    a thread decodes per pass of the loop."""
+
+    kernel: str  # "attention" or "gemm"
+    constexprs: dict
+    num_warps: int
+    values_per_thread: int
+    mma: int  # m16n8k16 products one warp must issue per pass
+    label: str
+
+
+def attention_case(block_n: int) -> Case:
+    d = 128
+    # Scores: D/16 reduction steps x BLOCK_N/8 key tiles; P.V: two products (the twin rows'
+    # split) x BLOCK_N/16 reduction steps x D/8 column tiles.
+    mma = (d // 16) * (block_n // 8) + 2 * (block_n // 16) * (d // 8)
+    return Case(
+        "attention", dict(G=8, D=d, PAGE=16, BLOCK_N=block_n, SPLIT=True), 1,
+        2 * block_n * d // 32, mma, f"{block_n}-token steps",
+    )  # fmt: skip
+
+
+def gemm_case(weight: str, tile_name: str, lookup: bool) -> Case:
+    from fp4rl.kernels import moe_gemm
+
+    n, k = {"w13": (1536, 2048), "w2": (2048, 768)}[weight]
+    tile = {"narrow": moe_gemm.REGISTERS_TILE, "wide": moe_gemm.REGISTERS_WIDE_TILE}[tile_name]
+    tile = tile.fitted(n, k)
+    warps = min(tile.num_warps, tile.block_n // 16)
+    return Case(
+        "gemm",
+        dict(
+            N=n,
+            K=k,
+            GATHER=False,
+            BLOCK_M=tile.block_m,
+            BLOCK_N=tile.block_n,
+            BLOCK_K=tile.block_k,
+            BLOCK_E=128,
+            PREFETCH=tile.num_stages >= 2,
+            LOOKUP=lookup and tile.block_k >= 64,
+            NUM_WARPS=warps,
+        ),  # fmt: skip
+        warps,
+        tile.block_n * tile.block_k // (32 * warps),
+        # K steps x row tiles of 8 x the warp's m16 tiles of weight rows
+        (tile.block_k // 16) * (tile.block_m // 8) * (tile.block_n // (16 * warps)),
+        f"{weight} {tile.block_m}:{tile.block_n}:{tile.block_k}:{warps} "
+        f"{'lookup' if lookup else 'arithmetic'}",
+    )
+
+
+CASES = {
+    "attention:16": lambda: attention_case(16),
+    "attention:32": lambda: attention_case(32),
+    **{
+        f"gemm:{w}:{t}{'' if lut else ':arith'}": (lambda w=w, t=t, lut=lut: gemm_case(w, t, lut))
+        for w in ("w13", "w2")
+        for t in ("narrow", "wide")
+        for lut in (True, False)
+    },
+}
+
+# Pointer arguments (all 16-byte aligned, as the launchers' tensors are) and scalars, by kernel.
+SIGNATURES = {
+    "attention": {
+        "q_BHD": "*bf16", "k_pages": "*i32", "k_block_scale": "*u8", "k_global_scale": "*fp32",
+        "v_pages": "*i32", "v_block_scale": "*u8", "v_global_scale": "*fp32",
+        "table_BN": "*i32", "context_B": "*i32", "out_BHD": "*bf16", "part_m": "*fp32",
+        "part_l": "*fp32", "part_o": "*fp32", "softmax_scale": "fp32", "num_kv_heads": "i32",
+        "table_cols": "i32", "split_tokens": "i32",
+    },
+    "gemm": {
+        "x_AK": "*bf16", "codes_ENW": "*i32", "block_scale_ENB": "*u8", "scale_G": "*fp32",
+        "counts_E": "*i64", "y_AN": "*bf16", "order_A": "*i64", "A": "i32", "E": "i32",
+        "rows_per_group": "i32", "top_k": "i32",
+    },
+}  # fmt: skip
+
+
+def compile_case(case: Case, arch: int):
+    """The compiled kernel for ``sm_<arch>`` (no device needed)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from fp4rl.kernels import moe_gemm_registers, paged_attention_registers
+
+    fn = {
+        "attention": paged_attention_registers._paged_decode_registers_kernel,
+        "gemm": moe_gemm_registers._moe_gemm_registers_kernel,
+    }[case.kernel]
+    signature = dict(SIGNATURES[case.kernel])
+    signature.update({name: "constexpr" for name in case.constexprs})
+    names = list(signature)
+    source = GluonASTSource(
+        fn=fn,
+        signature=signature,
+        constexprs={(names.index(k),): v for k, v in case.constexprs.items()},
+        attrs={
+            (i,): [["tt.divisibility", 16]]
+            for i, t in enumerate(signature.values())
+            if t.startswith("*")
+        },  # fmt: skip
+    )
+    options = dict(num_warps=case.num_warps, enable_fp_fusion=False)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def resources(cubin: bytes) -> dict[str, int]:
+    """REG, STACK (spilled and local bytes) and SHARED of the one kernel in ``cubin``."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True,
+                             text=True, check=True).stdout  # fmt: skip
+    return {k: int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED):(\d+)", out)}
+
+
+def loop_opcodes(sass: str) -> collections.Counter:
+    """Opcodes of the longest stretch between a label and a branch back to it."""
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, l in enumerate(lines) if (m := re.match(r"^(\.?L\w+):", l))}
+    best = None
+    for i, line in enumerate(lines):
+        m = re.search(r"\bBRA\s+`?\(?(\.?L\w+)", line)
+        if m and m.group(1) in labels and labels[m.group(1)] < i:
+            span = (labels[m.group(1)], i)
+            if best is None or span[1] - span[0] > best[1] - best[0]:
+                best = span
+    ops = collections.Counter()
+    if best is not None:
+        for line in lines[best[0] : best[1] + 1]:
+            m = re.match(r"^\s*(?:\S+\s+)?(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)\s", line)
+            if m and not m.group(1).endswith(":"):
+                ops[m.group(1)] += 1
+    return ops
+
+
+def table_row(name: str, case: Case, arch: int) -> str:
+    compiled = compile_case(case, arch)
+    res = resources(compiled.asm["cubin"])
+    ops = loop_opcodes(compiled.asm["sass"])
+    total = sum(ops.values())
+    shared = sum(n for op, n in ops.items() if op.startswith(("LDS", "STS", "LDSM", "STSM")))
+    mma = sum(n for op, n in ops.items() if op.startswith("HMMA"))
+    top = ", ".join(f"{op} {n}" for op, n in ops.most_common(6))
+    return (
+        f"| {name} | {case.label} | {res.get('REG', 0)} | {res.get('STACK', 0)} | "
+        f"{compiled.metadata.shared} | {total} | {total / case.values_per_thread:.2f} | {mma} "
+        f"({case.mma}) | {shared} | {top} |"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90, help="compute capability x 10")
+    parser.add_argument("--cases", default=",".join(CASES), help=f"some of {', '.join(CASES)}")
+    args = parser.parse_args()
+    names = [c for c in args.cases.split(",") if c]
+    unknown = [c for c in names if c not in CASES]
+    if unknown:
+        sys.exit(f"unknown cases {unknown}; known: {', '.join(CASES)}")
+    lines = [
+        run_header(" ".join(["python", *sys.argv])),
+        "",
+        f"Compiled for sm_{args.arch} without a GPU. Registers and stack bytes (spills) per "
+        "thread, shared memory per program; the loop's SASS instructions, per NVFP4 value a "
+        "thread decodes in a pass, its mma.sync against the products a pass needs, and how many of "
+        "its instructions touch shared memory.",
+        "",
+        "| case | kernel | registers | stack B | shared B | loop instructions | per value | "
+        "mma.sync in loop (products needed) | shared-memory ops in loop | most frequent |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for name in names:
+        lines.append(table_row(name, CASES[name](), args.arch))
+        print(lines[-1], flush=True)
+    report("sass.md", lines)
+
+
+if __name__ == "__main__":
+    main()

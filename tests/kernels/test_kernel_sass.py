@@ -1,0 +1,35 @@
+"""The Gluon register kernels compiled for sm_90 on any machine (`benchmarks/sass.py`, through
+``fp4rl bench sass``): what the GPU tests cannot show off the GPU. Compiling checks every
+layout change the kernels assert to be a register renaming; the SASS shows their loops free of
+shared memory, as designed, issuing exactly the mma.sync products a pass needs, and the
+launchers' default tiles free of spills."""
+
+import re
+
+import pytest
+
+pytest.importorskip("triton.experimental.gluon", reason="needs Triton's Gluon (Triton >= 3.4)")
+
+from fp4rl.cli import main  # noqa: E402
+
+CASES = ["attention:16", "gemm:w13:narrow", "gemm:w2:wide", "gemm:w13:narrow:arith"]
+NO_SPILLS = {"attention:16", "gemm:w13:narrow"}  # the launchers' tiles at decode batches
+
+
+def test_register_kernels_compile_for_sm90_without_shared_memory_in_their_loops(capfd):
+    assert main(["bench", "sass", "--arch", "90", "--cases", ",".join(CASES)]) == 0
+    out, _ = capfd.readouterr()
+    rows = {}
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells[0] in CASES and len(cells) == 10:
+            rows[cells[0]] = cells
+    assert set(rows) == set(CASES), out
+    for case, (_, _, regs, stack, _, loop, per_value, mma, shared_ops, _) in rows.items():
+        assert 0 < int(regs) <= 255, (case, regs)
+        assert int(shared_ops) == 0, f"{case}: {shared_ops} shared-memory instructions in the loop"
+        assert int(loop) > 0 and float(per_value) > 0, (case, loop)
+        issued, needed = re.fullmatch(r"(\d+) \((\d+)\)", mma).groups()
+        assert issued == needed, f"{case}: {issued} mma.sync in the loop, {needed} products"
+        if case in NO_SPILLS:
+            assert int(stack) == 0, f"{case} spills {stack} bytes"
