@@ -240,11 +240,11 @@ def _moe_gemm_registers_kernel(
 
 
 # Decode by byte-table lookup (`fragments`; tiles with BLOCK_K >= 64) rather than by arithmetic
-# per code (`_decode`): 315 against 464 instructions in the K loop for 64 weights a
-# thread (offline SASS for sm_90, 16:64:128:4 tile) and 1.04-1.18x faster from 1 to 256 tokens
-# (one H200, `python benchmarks/moe.py`, BENCHMARKS.md "Routed-expert GEMM: the register
-# kernel"). Both are the contract's bits; the arithmetic decode stays for 32-wide K steps,
-# whose blocks span two threads, and as the lookup's reference in the GPU tests.
+# per code (`_decode`): 315 against 464 instructions in the K loop for 64 weights a thread (SASS
+# for sm_90, 16:64:128:4 tile; `benchmarks/sass.py` reads the launcher's tiles) and 1.04-1.18x
+# faster from 1 to 256 tokens (one H200, `python benchmarks/moe.py`, BENCHMARKS.md "Routed-expert
+# GEMM: the register kernel"). Both are the contract's bits; the arithmetic decode stays for
+# 32-wide K steps, whose blocks span two threads, and as the lookup's reference in the GPU tests.
 LOOKUP = True
 
 
