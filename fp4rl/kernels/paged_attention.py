@@ -256,9 +256,9 @@ class DecodeTile:
 # 141 us).
 # The register kernel (`paged_attention_registers`, "registers": NVFP4 pages under BF16 queries
 # at head dim 128 on sm_80 and newer; "nvfp4" is the Triton program for the other launches):
-# 16-token steps ("Decode attention: K and V decoded into registers" in BENCHMARKS.md): batch
-# 64, 4k: 132.9 us against 204.8 for the "nvfp4" tile and 141.5 for BF16 pages; 32-token steps
-# 153.3 (their registers spill).
+# 16-token steps ("Decode attention: K and V decoded into registers (the register kernel)" in
+# BENCHMARKS.md): batch 64, 4k: 121.7 us against 199.6 for the "nvfp4" tile and 157.6 for BF16
+# pages; batch 256, 2k: 225.2 against 380.9 and 287.6. 32-token steps spill and lose.
 REGISTERS_TILE = DecodeTile(block_n=16, num_warps=1, num_stages=2, registers=True)
 CONFIGS = {
     "bf16": (
