@@ -37,8 +37,10 @@ Numerics: `paged_attention`'s contract, op for op. K and V enter the products as
 and sum in FP32; scores ``(q . k) * (1 / sqrt(D))``, the online softmax (the same `exp`) and the
 running sums are FP32; each probability enters P . V as three BF16 parts whose sum is exactly
 p (rows 0-7 take the first part and rows 8-15 the second, then rows 0-7 the third: two
-products; the caller's sum of the twin rows adds them); the output is ``acc / l`` (IEEE
-division), cast once. Only the order of FP32 sums differs from `paged_attention`'s program.
+products; the twin rows are added when they are folded into heads at the end); a step in which
+no running maximum moved skips the accumulator's rescale, a multiplication by 1; the output is
+``acc / l`` (IEEE division), cast once. Only the order of FP32 sums differs from
+`paged_attention`'s program.
 
 Compiled only (sm_80 and newer): Triton's interpreter runs no Gluon, so the CPU runs
 `paged_attention`'s program, the reference for this one's tests on the GPU.
