@@ -332,22 +332,30 @@ def test_graph_replay_follows_tables_and_contexts_on_gpu(fmt):
     the captured buffers (no host copy of either is taken)."""
     scene = Scene(fmt, ragged(64, 2), heads=QWEN3_HEADS, dim=QWEN3_D, page=QWEN3_PAGE, seed=2,
                   device="cuda", q_dtype=torch.bfloat16)  # fmt: skip
-    scene.launch()  # compile outside the capture
+    assert_graph_replay_follows(scene, f"{fmt}, replayed")
+
+
+def assert_graph_replay_follows(scene: Scene, what: str, **launch_kw) -> None:
+    """Capture ``scene.launch(**launch_kw)`` once, then twice permute the sequences' tables and
+    contexts and draw new queries in place: each replay equals a fresh launch, within the
+    bound."""
+    scene.launch(**launch_kw)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = scene.launch()
+        out = scene.launch(**launch_kw)
     g = torch.Generator().manual_seed(3)
+    batch = scene.q_BHD.shape[0]
     for _ in range(2):
-        perm = torch.randperm(64, generator=g).cuda()
+        perm = torch.randperm(batch, generator=g).cuda()
         scene.block_table_BN.copy_(scene.block_table_BN[perm])
         scene.context_B.copy_(scene.context_B[perm])
         scene.tables = [scene.tables[i] for i in perm.tolist()]
         scene.q_BHD.copy_(torch.randn(scene.q_BHD.shape, generator=g).to(torch.bfloat16))
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, scene.launch())
-        assert_within(out, scene, f"{fmt}, replayed")
+        assert torch.equal(out, scene.launch(**launch_kw))
+        assert_within(out, scene, what)
 
 
 def test_small_launches_cover_the_gpu_once_with_one_step_each(monkeypatch):

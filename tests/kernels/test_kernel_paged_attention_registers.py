@@ -16,6 +16,7 @@ from test_kernel_paged_attention import (  # noqa: E402
     QWEN3_HEADS,
     QWEN3_PAGE,
     Scene,
+    assert_graph_replay_follows,
     assert_nan_confined,
     assert_within,
     every_byte_pages,
@@ -116,23 +117,7 @@ def test_registers_nan_stays_in_its_sequence_and_padding_is_never_read_on_gpu():
 def test_registers_graph_replay_follows_tables_and_contexts_on_gpu():
     scene = Scene("nvfp4", ragged(64, 2), heads=QWEN3_HEADS, dim=QWEN3_D, page=QWEN3_PAGE,
                   seed=2, device="cuda", q_dtype=torch.bfloat16)  # fmt: skip
-    tile = REGISTER_TILES["32"]
-    scene.launch(config=tile)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = scene.launch(config=tile)
-    g = torch.Generator().manual_seed(3)
-    for _ in range(2):
-        perm = torch.randperm(64, generator=g).cuda()
-        scene.block_table_BN.copy_(scene.block_table_BN[perm])
-        scene.context_B.copy_(scene.context_B[perm])
-        scene.tables = [scene.tables[i] for i in perm.tolist()]
-        scene.q_BHD.copy_(torch.randn(scene.q_BHD.shape, generator=g).to(torch.bfloat16))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, scene.launch(config=tile))
-        assert_within(out, scene, "registers, replayed")
+    assert_graph_replay_follows(scene, "registers, replayed", config=REGISTER_TILES["32"])
 
 
 def test_registers_checks_name_the_values(device):
