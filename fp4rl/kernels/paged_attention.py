@@ -362,32 +362,6 @@ def page_format(q_BHD: torch.Tensor, nvfp4: bool, head_dim: int, group: int) -> 
     return "registers" if registers else "nvfp4"
 
 
-def check_registers(q_BHD: torch.Tensor, nvfp4: bool, head_dim: int, group: int) -> None:
-    """Raise ValueError naming the value unless a registers tile can run this launch: NVFP4
-    pages, BF16 queries, a head dim and group `paged_attention_registers` takes, sm_80 or newer."""
-    from fp4rl.kernels import paged_attention_registers
-
-    if not nvfp4:
-        raise ValueError("a registers DecodeTile is for NVFP4 pages; k and v are not NVFP4Tensors")
-    if not paged_attention_registers.supported(q_BHD.dtype, head_dim, group):
-        raise ValueError(
-            f"a registers DecodeTile takes bfloat16 queries, head dim 128 and at most 8 "
-            f"query heads per KV head; got {q_BHD.dtype}, D={head_dim}, G={group}"
-        )
-    if q_BHD.device.type != "cuda" or interpreting():
-        raise ValueError(f"a registers DecodeTile runs on a CUDA GPU only; q_BHD is on "
-                         f"{q_BHD.device}{' (interpreted)' if interpreting() else ''}")  # fmt: skip
-    if (capability := torch.cuda.get_device_capability(q_BHD.device)) < (8, 0):
-        raise ValueError(f"a registers DecodeTile needs sm_80 or newer (mma.sync); got "
-                         f"{capability}")  # fmt: skip
-
-
-def register_members(pages: NVFP4Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(codes as int32 words, block-scale bytes, global scales) of NVFP4 pages for the register
-    kernel (checked by `page_members`)."""
-    return pages.codes.view(torch.int32), pages.block_scale.view(torch.uint8), pages.global_scale
-
-
 def launch(
     q_BHD: torch.Tensor,
     k: KVPages,
@@ -458,7 +432,9 @@ def launch(
         num_splits = planned if num_splits is None else num_splits
     tile = config
     if tile.registers:
-        check_registers(q_BHD, nvfp4, D, G)
+        from fp4rl.kernels import paged_attention_registers
+
+        paged_attention_registers.check_launch(q_BHD, nvfp4, D, G)
     elif nvfp4 and q_BHD.dtype == torch.bfloat16 and not bf16_nvfp4_supported(D, tile.block_n):
         raise ValueError(
             f"BF16 queries over NVFP4 pages need head dim and block_n >= "
@@ -474,12 +450,9 @@ def launch(
         part_o = torch.empty((B * Hq, splits, D), dtype=torch.float32, device=q_BHD.device)
     with device_of(q_BHD):
         if tile.registers:
-            from fp4rl.kernels import paged_attention_registers
-
             paged_attention_registers.launch_kernel(
-                (B * K, splits), q_BHD, register_members(k) + register_members(v), block_table_BN,
-                context_B, out_BHD, (part_m, part_l, part_o), num_kv_heads=K,
-                split_tokens=split_tokens, page=page, block_n=tile.block_n,
+                (B * K, splits), q_BHD, k, v, block_table_BN, context_B, out_BHD,
+                (part_m, part_l, part_o), split_tokens=split_tokens, block_n=tile.block_n,
             )  # fmt: skip
         else:
             _paged_decode_kernel[(B * K, splits)](

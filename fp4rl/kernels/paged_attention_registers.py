@@ -53,11 +53,13 @@ from __future__ import annotations
 
 import math
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from fp4rl.kernels import fragments
+from fp4rl.kernels.launch import interpreting
 from fp4rl.kernels.numerics import BLOCK_SCALE_BIAS, GLOBAL_SCALE_BIAS
 
 ROWS = gl.constexpr(16)  # the MMA's M: query heads, twice
@@ -311,24 +313,49 @@ def _paged_decode_registers_kernel(
                  mask=head_ok[:, None])  # fmt: skip
 
 
-def supported(q_dtype, head_dim: int, group: int) -> bool:
+def supported(q_dtype: torch.dtype, head_dim: int, group: int) -> bool:
     """Whether this kernel computes a launch: BF16 queries, head dim 128, at most 8 query heads
     per KV head (NVFP4 pages; the caller checks the device). Head dim 256 compiles, but its
     accumulator alone takes half of a thread's registers and the rest spill (compiled for sm_90
     by Triton 3.6: 255 registers and 288 to 1,352 bytes of stack): `paged_attention`'s program
     serves it."""
-    return str(q_dtype) == "torch.bfloat16" and head_dim == 128 and 1 <= group <= ROWS // 2
+    return q_dtype == torch.bfloat16 and head_dim == 128 and 1 <= group <= ROWS // 2
 
 
-def launch_kernel(grid, q_BHD, members, block_table_BN, context_B, out_BHD, parts, *,
-                  num_kv_heads, split_tokens, page, block_n) -> None:  # fmt: skip
-    """Launch over ``grid`` with `paged_attention.launch`'s checked arguments (``members``: K's
-    and V's codes as int32 words, block scales as bytes and global scales; ``parts``: the
-    stretches' (m, l, o), or ``out_BHD`` thrice without splits)."""
-    B, Hq, D = q_BHD.shape
+def check_launch(q_BHD: torch.Tensor, nvfp4: bool, head_dim: int, group: int) -> None:
+    """Raise ValueError naming the value unless this kernel can run the launch: NVFP4 pages,
+    `supported` queries, head dim and group, a CUDA GPU of sm_80 or newer."""
+    if not nvfp4:
+        raise ValueError("a registers DecodeTile is for NVFP4 pages; k and v are not NVFP4Tensors")
+    if not supported(q_BHD.dtype, head_dim, group):
+        raise ValueError(
+            f"a registers DecodeTile takes bfloat16 queries, head dim 128 and at most 8 "
+            f"query heads per KV head; got {q_BHD.dtype}, D={head_dim}, G={group}"
+        )
+    if q_BHD.device.type != "cuda" or interpreting():
+        raise ValueError(f"a registers DecodeTile runs on a CUDA GPU only; q_BHD is on "
+                         f"{q_BHD.device}{' (interpreted)' if interpreting() else ''}")  # fmt: skip
+    if (capability := torch.cuda.get_device_capability(q_BHD.device)) < (8, 0):
+        raise ValueError(f"a registers DecodeTile needs sm_80 or newer (mma.sync); got "
+                         f"{capability}")  # fmt: skip
+
+
+def members(pages) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes as int32 words, block-scale bytes, global scales) of an `NVFP4Tensor`'s pages, as
+    this kernel reads them (the launcher has checked them with `paged_kv.page_members`)."""
+    return pages.codes.view(torch.int32), pages.block_scale.view(torch.uint8), pages.global_scale
+
+
+def launch_kernel(grid, q_BHD, k, v, block_table_BN, context_B, out_BHD, parts, *, split_tokens,
+                  block_n) -> None:  # fmt: skip
+    """Launch over ``grid`` with `paged_attention.launch`'s checked arguments (``k``, ``v``: one
+    layer's NVFP4 pages; ``parts``: the stretches' (m, l, o), or ``out_BHD`` thrice without
+    splits)."""
+    _, Hq, D = q_BHD.shape
+    _, page, num_kv_heads, _ = k.shape
     _paged_decode_registers_kernel[grid](
-        q_BHD, *members, block_table_BN, context_B, out_BHD, *parts, 1.0 / math.sqrt(D),
-        num_kv_heads, block_table_BN.shape[1], split_tokens,
+        q_BHD, *members(k), *members(v), block_table_BN, context_B, out_BHD, *parts,
+        1.0 / math.sqrt(D), num_kv_heads, block_table_BN.shape[1], split_tokens,
         G=Hq // num_kv_heads, D=D, PAGE=page, BLOCK_N=block_n, SPLIT=grid[1] > 1, num_warps=1,
         # The decode's two products must not merge into an FMA with anything.
         enable_fp_fusion=False,

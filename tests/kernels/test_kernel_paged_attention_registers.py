@@ -6,6 +6,8 @@ that follow new tables. The kernel is Gluon, compiled only: its tests run on the
 CPU only the checks and tile rules run.
 """
 
+import math
+
 import pytest
 import torch
 
@@ -163,3 +165,45 @@ def test_launcher_takes_the_register_kernel_above_small_launches(device, monkeyp
         paged_attention.REGISTERS_TILE,
         None,
     )
+
+
+def test_launcher_passes_the_register_kernel_its_arguments_by_name(monkeypatch):
+    """Off the GPU, with the kernel replaced by a recorder: each of the launcher's tensors and
+    sizes reaches the kernel parameter of its name (the GPU tests cannot tell a swapped pair of
+    same-shaped arguments, e.g. K's and V's scales, from a numerics bug)."""
+    from fp4rl.kernels import paged_attention_registers as registers
+
+    class Recorder:
+        def __getitem__(self, grid):
+            self.grid = grid
+            return self
+
+        def __call__(self, *args, **kwargs):
+            self.args, self.kwargs = args, kwargs
+
+    recorder = Recorder()
+    # The parameters the launcher's positional arguments bind to, as Triton binds them.
+    arg_names = [n for n in registers._paged_decode_registers_kernel.arg_names if not n.isupper()]
+    monkeypatch.setattr(registers, "_paged_decode_registers_kernel", recorder)
+    monkeypatch.setattr(registers, "check_launch", lambda *args: None)
+    scene = Scene("nvfp4", [1, 40, 17], heads=(8, 2), dim=128, page=16, seed=5, device="cpu",
+                  q_dtype=torch.bfloat16)  # fmt: skip
+    k, v = scene.pages()
+    out = scene.launch(config=paged_attention.REGISTERS_TILE, num_splits=1)
+    bound = dict(zip(arg_names, recorder.args, strict=True)) | recorder.kwargs
+    assert recorder.grid == (3 * 2, 1)
+    assert bound["q_BHD"] is scene.q_BHD and bound["out_BHD"] is out
+    for name, pages in (("k", k), ("v", v)):
+        codes, scales, global_scale = (bound[f"{name}_{m}"] for m in
+                                       ("pages", "block_scale", "global_scale"))  # fmt: skip
+        assert codes.dtype == torch.int32 and codes.data_ptr() == pages.codes.data_ptr(), name
+        assert scales.dtype == torch.uint8 and scales.data_ptr() == pages.block_scale.data_ptr()
+        assert global_scale is pages.global_scale, name
+    assert bound["table_BN"] is scene.block_table_BN and bound["context_B"] is scene.context_B
+    assert all(bound[p] is out for p in ("part_m", "part_l", "part_o"))  # unsplit: not written
+    assert bound["softmax_scale"] == 1 / math.sqrt(128) and bound["num_kv_heads"] == 2
+    assert bound["table_cols"] == scene.block_table_BN.shape[1]
+    assert bound["split_tokens"] == scene.block_table_BN.shape[1] * 16
+    assert (bound["G"], bound["D"], bound["PAGE"], bound["BLOCK_N"]) == (4, 128, 16, 16)
+    assert bound["SPLIT"] is False and bound["num_warps"] == 1
+    assert bound["enable_fp_fusion"] is False
