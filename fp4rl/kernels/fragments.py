@@ -126,3 +126,20 @@ def joined(v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_N: gl.constexpr, BLOCK_K: gl.co
     )
     # [N, W, j0, j1, j2] for J = 4 j2 + 2 j1 + j0
     return gl.reshape(gl.permute(d, [0, 1, 4, 3, 2]), [BLOCK_N, BLOCK_K])
+
+
+@gluon.jit
+def looked_up(words, scale, s, ROWS: gl.constexpr, BLOCK_K: gl.constexpr, words_l: gl.constexpr):
+    """``[ROWS, BLOCK_K]`` BF16 values of ``[ROWS, BLOCK_K // 8]`` words in ``words_l``, real K
+    order, in the threads that hold the words: each block's byte tables from its biased scale
+    (``scale [ROWS, BLOCK_K // 16]``, held by the thread that holds the block's two words) and
+    the global scale ``s`` (broadcast over the blocks), then the lookups."""
+    lo0, lo1, hi0, hi1 = byte_tables(scale, s)
+    v0, v1, v2, v3, v4, v5, v6, v7 = look_up(
+        words,
+        per_word(lo0, ROWS, BLOCK_K, words_l),
+        per_word(lo1, ROWS, BLOCK_K, words_l),
+        per_word(hi0, ROWS, BLOCK_K, words_l),
+        per_word(hi1, ROWS, BLOCK_K, words_l),
+    )
+    return joined(v0, v1, v2, v3, v4, v5, v6, v7, ROWS, BLOCK_K)

@@ -205,15 +205,7 @@ def _moe_gemm_registers_kernel(
             next_scales = gl.load(scale_ptrs + BLOCK_K // 16, mask=more, other=0)
         scale = scales.to(gl.float8e4nv, bitcast=True).to(gl.float32) * BLOCK_SCALE_BIAS
         if LOOKUP:
-            lo0, lo1, hi0, hi1 = fragments.byte_tables(scale, s_B[:, None])
-            v0, v1, v2, v3, v4, v5, v6, v7 = fragments.look_up(
-                words,
-                fragments.per_word(lo0, BLOCK_N, BLOCK_K, words_l),
-                fragments.per_word(lo1, BLOCK_N, BLOCK_K, words_l),
-                fragments.per_word(hi0, BLOCK_N, BLOCK_K, words_l),
-                fragments.per_word(hi1, BLOCK_N, BLOCK_K, words_l),
-            )
-            w_NK = fragments.joined(v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_N, BLOCK_K)
+            w_NK = fragments.looked_up(words, scale, s_B[:, None], BLOCK_N, BLOCK_K, words_l)
         else:
             w_NK = _decode(words, scale, s_N[:, None], BLOCK_N, BLOCK_K)
         w_NK = gl.convert_layout(

@@ -145,15 +145,7 @@ def _decoded(words, scales, s_N, words_l: gl.constexpr, BLOCK_N: gl.constexpr, D
     """``[BLOCK_N, D]`` BF16 values of a step's codes, real order, in the threads that hold the
     codes: ``round((e2m1 * sf) * s)`` by byte-table lookup."""
     sf = scales.to(gl.float8e4nv, bitcast=True).to(gl.float32) * BLOCK_SCALE_BIAS
-    lo0, lo1, hi0, hi1 = fragments.byte_tables(sf, (s_N * GLOBAL_SCALE_BIAS)[:, None])
-    v0, v1, v2, v3, v4, v5, v6, v7 = fragments.look_up(
-        words,
-        fragments.per_word(lo0, BLOCK_N, D, words_l),
-        fragments.per_word(lo1, BLOCK_N, D, words_l),
-        fragments.per_word(hi0, BLOCK_N, D, words_l),
-        fragments.per_word(hi1, BLOCK_N, D, words_l),
-    )
-    return fragments.joined(v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_N, D)
+    return fragments.looked_up(words, sf, (s_N * GLOBAL_SCALE_BIAS)[:, None], BLOCK_N, D, words_l)
 
 
 @gluon.jit
