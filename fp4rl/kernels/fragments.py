@@ -21,7 +21,7 @@ block, those 8 BF16 values with the contract's products and splits them into byt
 instructions for 8 values (`look_up`). Each value is ``round_bf16((e2m1 * sf) * s)``, the bits
 `numerics` defines (a negative code flips the sign bit, as the symmetric rounding does).
 
-Compiled only (sm_80 and newer): Triton's interpreter runs no Gluon.
+Compiled only (sm_89 and newer): Triton's interpreter runs no Gluon.
 """
 
 from __future__ import annotations

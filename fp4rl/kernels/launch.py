@@ -72,6 +72,21 @@ def interpreting() -> bool:
     return bool(triton.knobs.runtime.interpret)
 
 
+# The register kernels (Gluon over mma.sync) turn E4M3 block-scale bytes into FP32 with the
+# GPU's own conversion, which Triton emits from sm_89 (Ada, Hopper) on; sm_80 has bf16 mma.sync
+# but not that conversion.
+REGISTER_KERNELS_CAPABILITY = (8, 9)
+
+
+def register_kernels_refusal(device: torch.device) -> str | None:
+    """Why the register kernels cannot run on ``device`` (a sentence naming it), or None."""
+    if device.type != "cuda" or interpreting():
+        return f"runs on a CUDA GPU only; got {device}{' (interpreted)' if interpreting() else ''}"
+    if (capability := torch.cuda.get_device_capability(device)) < REGISTER_KERNELS_CAPABILITY:
+        return f"needs sm_89 or newer (E4M3 conversion, bf16 mma.sync); got {capability}"
+    return None
+
+
 @functools.cache
 def multiprocessors(device: torch.device) -> int:
     """The device's SM count; 1 off CUDA (the interpreter: as few programs as possible)."""

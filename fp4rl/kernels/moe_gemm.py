@@ -40,8 +40,8 @@ from fp4rl.kernels.launch import (
     check_device,
     check_kernel_device,
     device_of,
-    interpreting,
     multiprocessors,
+    register_kernels_refusal,
     scale_per_group,
 )
 from fp4rl.kernels.numerics import (
@@ -446,9 +446,7 @@ def launch(
             packed
             and config is None
             and not global_scale_on_accumulator
-            and x_AK.is_cuda
-            and not interpreting()
-            and torch.cuda.get_device_capability(x_AK.device) >= (8, 0)
+            and register_kernels_refusal(x_AK.device) is None
             and A <= REGISTERS_MAX_ROWS_PER_EXPERT * E
         )
     sms = multiprocessors(x_AK.device)
@@ -469,10 +467,8 @@ def launch(
     if tile.block_m < 16 and not registers:
         raise ValueError(f"block_m={tile.block_m}: 8 rows are for the register kernel only")
     if registers:
-        if x_AK.device.type != "cuda":
-            raise ValueError(f"registers runs on a CUDA GPU only; x_AK is on {x_AK.device}")
-        if (capability := torch.cuda.get_device_capability(x_AK.device)) < (8, 0):
-            raise ValueError(f"registers needs sm_80 or newer (bf16 mma.sync); got {capability}")
+        if (refusal := register_kernels_refusal(x_AK.device)) is not None:
+            raise ValueError(f"registers (x_AK's device) {refusal}")
         from fp4rl.kernels import moe_gemm_registers
 
         # Each warp takes 16 of the tile's columns at least (the MMA's m16).

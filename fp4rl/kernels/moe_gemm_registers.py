@@ -27,7 +27,7 @@ k16 step, then step by step along K), rounded to BF16 once at the end. Only the 
 FP32 sum differs from `moe_gemm` and from `reference_gemm`. The global scale stays inside the
 weight (the contract), not on the accumulator.
 
-Compiled only (sm_80 and newer): Triton's interpreter runs no Gluon, so the CPU runs
+Compiled only (sm_89 and newer): Triton's interpreter runs no Gluon, so the CPU runs
 `moe_gemm`'s program, the reference for this one's tests on the GPU.
 
 Legend: A rows (token-expert assignments), K reduction, N output columns, E experts, W words of

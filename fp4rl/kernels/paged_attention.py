@@ -11,7 +11,7 @@ tokens (``k @ q.T`` and ``v.T @ p``): the same products, transposed. Keys first,
 tile is the first operand of a Hopper tensor-core instruction, which takes that operand from
 registers; Triton 3.6 still moves the decoded tile into the operand's register layout through
 shared memory (a store, then a load in the operand layout: its TTGIR for sm_90). Where it can run
-(NVFP4 pages, BF16 queries, head dim 128, sm_80 or newer, more than SMALL_LAUNCH
+(NVFP4 pages, BF16 queries, head dim 128, sm_89 or newer, more than SMALL_LAUNCH
 sequence-heads), the launcher takes `paged_attention_registers` instead: the same attention in
 Gluon with both products' operands in registers (`DecodeTile.registers`, `page_format`).
 
@@ -59,8 +59,8 @@ from fp4rl.kernels.launch import (
     check_contiguous,
     check_device,
     device_of,
-    interpreting,
     multiprocessors,
+    register_kernels_refusal,
 )
 from fp4rl.kernels.numerics import dot, round_to
 from fp4rl.kernels.paged_kv import (
@@ -255,7 +255,7 @@ class DecodeTile:
 # 64:2:3; batch 256, 2k: 367 against 392); BF16 pages stay rows first (keys first 159 against
 # 141 us).
 # The register kernel (`paged_attention_registers`, "registers": NVFP4 pages under BF16 queries
-# at head dim 128 on sm_80 and newer; "nvfp4" is the Triton program for the other launches):
+# at head dim 128 on sm_89 and newer; "nvfp4" is the Triton program for the other launches):
 # 16-token steps ("Decode attention: K and V decoded into registers (the register kernel)" in
 # BENCHMARKS.md): batch 64, 4k: 121.7 us against 199.6 for the "nvfp4" tile and 157.6 for BF16
 # pages; batch 256, 2k: 225.2 against 380.9 and 287.6. 32-token steps spill and lose.
@@ -355,9 +355,7 @@ def page_format(q_BHD: torch.Tensor, nvfp4: bool, head_dim: int, group: int) -> 
         return "bf16"
     registers = (
         paged_attention_registers.supported(q_BHD.dtype, head_dim, group)
-        and q_BHD.is_cuda
-        and not interpreting()
-        and torch.cuda.get_device_capability(q_BHD.device) >= (8, 0)
+        and register_kernels_refusal(q_BHD.device) is None
     )
     return "registers" if registers else "nvfp4"
 

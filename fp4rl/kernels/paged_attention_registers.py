@@ -42,7 +42,7 @@ no running maximum moved skips the accumulator's rescale, a multiplication by 1;
 ``acc / l`` (IEEE division), cast once. Only the order of FP32 sums differs from
 `paged_attention`'s program.
 
-Compiled only (sm_80 and newer): Triton's interpreter runs no Gluon, so the CPU runs
+Compiled only (sm_89 and newer): Triton's interpreter runs no Gluon, so the CPU runs
 `paged_attention`'s program, the reference for this one's tests on the GPU.
 
 Legend: B sequences, Hq query heads, K KV heads, G = Hq / K, D head dim, N tokens of a step, W
@@ -59,7 +59,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from fp4rl.kernels import fragments
-from fp4rl.kernels.launch import interpreting
+from fp4rl.kernels.launch import register_kernels_refusal
 from fp4rl.kernels.numerics import BLOCK_SCALE_BIAS, GLOBAL_SCALE_BIAS
 
 ROWS = gl.constexpr(16)  # the MMA's M: query heads, twice
@@ -316,7 +316,7 @@ def supported(q_dtype: torch.dtype, head_dim: int, group: int) -> bool:
 
 def check_launch(q_BHD: torch.Tensor, nvfp4: bool, head_dim: int, group: int) -> None:
     """Raise ValueError naming the value unless this kernel can run the launch: NVFP4 pages,
-    `supported` queries, head dim and group, a CUDA GPU of sm_80 or newer."""
+    `supported` queries, head dim and group, a CUDA GPU of sm_89 or newer."""
     if not nvfp4:
         raise ValueError("a registers DecodeTile is for NVFP4 pages; k and v are not NVFP4Tensors")
     if not supported(q_BHD.dtype, head_dim, group):
@@ -324,12 +324,8 @@ def check_launch(q_BHD: torch.Tensor, nvfp4: bool, head_dim: int, group: int) ->
             f"a registers DecodeTile takes bfloat16 queries, head dim 128 and at most 8 "
             f"query heads per KV head; got {q_BHD.dtype}, D={head_dim}, G={group}"
         )
-    if q_BHD.device.type != "cuda" or interpreting():
-        raise ValueError(f"a registers DecodeTile runs on a CUDA GPU only; q_BHD is on "
-                         f"{q_BHD.device}{' (interpreted)' if interpreting() else ''}")  # fmt: skip
-    if (capability := torch.cuda.get_device_capability(q_BHD.device)) < (8, 0):
-        raise ValueError(f"a registers DecodeTile needs sm_80 or newer (mma.sync); got "
-                         f"{capability}")  # fmt: skip
+    if (refusal := register_kernels_refusal(q_BHD.device)) is not None:
+        raise ValueError(f"a registers DecodeTile (q_BHD's device) {refusal}")
 
 
 def members(pages) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

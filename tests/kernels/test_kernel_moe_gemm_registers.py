@@ -176,7 +176,9 @@ def test_registers_checks_name_the_values(device):
     counts = torch.tensor([1, 0, 0, 0], device=device)
     x = torch.randn(1, 64, device=device).to(torch.bfloat16)
     if device == "cpu":
-        with pytest.raises(ValueError, match="registers runs on a CUDA GPU only; x_AK is on cpu"):
+        with pytest.raises(
+            ValueError, match=r"registers \(x_AK.s device\) runs on a CUDA GPU only; got cpu"
+        ):
             moe_gemm.launch(x, w, counts, registers=True)
     with pytest.raises(ValueError, match="registers is for NVFP4 weights; w is bfloat16"):
         moe_gemm.launch(x, bf16_weights(4, 32, 64, device, 3), counts, registers=True)

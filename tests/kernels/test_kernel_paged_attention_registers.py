@@ -131,7 +131,9 @@ def test_registers_checks_name_the_values(device):
     with pytest.raises(ValueError, match=r"runs one warp with the next step in flight"):
         DecodeTile(block_n=32, num_warps=4, num_stages=2, registers=True)
     if device == "cpu":
-        with pytest.raises(ValueError, match=r"runs on a CUDA GPU only; q_BHD is on cpu"):
+        with pytest.raises(
+            ValueError, match=r"\(q_BHD.s device\) runs on a CUDA GPU only; got cpu"
+        ):
             launch(q, k, v, table, ctx, config=tile)
     with pytest.raises(ValueError, match=r"takes bfloat16 queries.*got torch.float32, D=128, G=4"):
         launch(q.float(), k, v, table, ctx, config=tile)
