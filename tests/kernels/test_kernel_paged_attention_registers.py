@@ -169,8 +169,8 @@ def test_launcher_takes_the_register_kernel_above_small_launches(device, monkeyp
     )
 
 
-def test_launcher_passes_the_register_kernel_its_arguments_by_name(monkeypatch):
-    """Off the GPU, with the kernel replaced by a recorder: each of the launcher's tensors and
+def test_launcher_passes_the_register_kernel_its_arguments_by_name(device, monkeypatch):
+    """On any machine, with the kernel replaced by a recorder: each of the launcher's tensors and
     sizes reaches the kernel parameter of its name (the GPU tests cannot tell a swapped pair of
     same-shaped arguments, e.g. K's and V's scales, from a numerics bug)."""
     from fp4rl.kernels import paged_attention_registers as registers
@@ -188,7 +188,7 @@ def test_launcher_passes_the_register_kernel_its_arguments_by_name(monkeypatch):
     arg_names = [n for n in registers._paged_decode_registers_kernel.arg_names if not n.isupper()]
     monkeypatch.setattr(registers, "_paged_decode_registers_kernel", recorder)
     monkeypatch.setattr(registers, "check_launch", lambda *args: None)
-    scene = Scene("nvfp4", [1, 40, 17], heads=(8, 2), dim=128, page=16, seed=5, device="cpu",
+    scene = Scene("nvfp4", [1, 40, 17], heads=(8, 2), dim=128, page=16, seed=5, device=device,
                   q_dtype=torch.bfloat16)  # fmt: skip
     k, v = scene.pages()
     out = scene.launch(config=paged_attention.REGISTERS_TILE, num_splits=1)
