@@ -16,10 +16,11 @@ real order and put in the same order; both reorderings are register renamings, w
 kernels check at compile time (``convert_layout(..., assert_trivial=True)``).
 
 The decode. A block's 16 codes can take only 8 magnitudes, so a kernel first computes, per
-block, those 8 BF16 values with the contract's products and splits them into byte tables
-(`byte_tables`); a word's 8 values are then table lookups, sign flips and pairings by PRMT, 15
-instructions for 8 values (`look_up`). Each value is ``round_bf16((e2m1 * sf) * s)``, the bits
-`numerics` defines (a negative code flips the sign bit, as the symmetric rounding does).
+block, those 8 BF16 values and splits them into byte tables (`byte_tables`: four of the
+contract's products, and the other four as exact doublings of two of them); a word's 8 values
+are then table lookups, sign flips and pairings by PRMT, 15 instructions for 8 values
+(`look_up`). Each value is ``round_bf16((e2m1 * sf) * s)``, the bits `numerics` defines (a
+negative code flips the sign bit, as the symmetric rounding does).
 
 Compiled only (sm_89 and newer): Triton's interpreter runs no Gluon.
 """
@@ -41,32 +42,40 @@ def hardware_order(t, ROWS: gl.constexpr, BLOCK_K: gl.constexpr):
 
 
 @gluon.jit
-def byte_tables(scale, s):
+def byte_tables(sf, s):
     """The 8 BF16 magnitudes a block's codes can take, ``round((e2m1 * sf) * s)`` for the E2M1
-    indices 0..7, biased scales as `numerics` keeps them (the products of the arithmetic decode
-    per code), as byte tables for PRMT: (low bytes of indices 0-3, of 4-7, high bytes of 0-3, of
-    4-7), int32 each."""
-    half = (2.0**-127 * scale) * s
+    indices 0..7 (``sf`` the block scale's FP32 value, ``s`` the global scale times
+    ``GLOBAL_SCALE_BIAS``), as byte tables for PRMT: (low bytes of indices 0-3, of 4-7, high
+    bytes of 0-3, of 4-7), int32 each.
+
+    Four entries are the contract's products, as the arithmetic decode computes them per code:
+    0 (``0.5`` times 0: NaN where the scales make one), 0.5, 1 and 1.5. The other four are those
+    of 1 and 1.5 doubled and quadrupled in BF16 (one ``fma.rn.bf16x2`` each): the same bits,
+    because scaling by a power of two commutes with both roundings while the values stay normal,
+    and every nonzero product of 1 or 1.5 is at least ``2**-9 * 2**-117``, the smallest E4M3
+    scale times the smallest global scale the recipe keeps (`fp4rl.fp4.format.MIN_GLOBAL_SCALE`;
+    below it the recipe writes 0). Overflow is inf either way. 15 instructions a block, against
+    23 for eight products."""
+    half = (2.0**-9 * sf) * s  # 0.5 * sf * 2**-8, as the biased code's product
     return gl.inline_asm_elementwise(
-        """{ .reg .b32 p0, p1, p2, p3;
+        """{ .reg .b32 p0, p1, p2, p3, two, four, nz;
         cvt.rn.bf16x2.f32 p0, $5, $4;
         cvt.rn.bf16x2.f32 p1, $7, $6;
-        cvt.rn.bf16x2.f32 p2, $9, $8;
-        cvt.rn.bf16x2.f32 p3, $11, $10;
+        mov.b32 two, 0x40004000;
+        mov.b32 four, 0x40804080;
+        mov.b32 nz, 0x80008000;
+        fma.rn.bf16x2 p2, p1, two, nz;
+        fma.rn.bf16x2 p3, p1, four, nz;
         prmt.b32 $0, p0, p1, 0x6420;
         prmt.b32 $1, p2, p3, 0x6420;
         prmt.b32 $2, p0, p1, 0x7531;
         prmt.b32 $3, p2, p3, 0x7531; }""",
-        "=r,=r,=r,=r,f,f,f,f,f,f,f,f",
+        "=r,=r,=r,=r,f,f,f,f",
         [
-            half * 0.0,  # (0 * sf) * s: 0, or NaN where sf or s is NaN (or s inf), as `half`
+            half * 0.0,  # 0, or NaN where sf or s is NaN (or s inf), as `half`
             half,
-            (2.0**-126 * scale) * s,
-            (1.5 * 2.0**-126 * scale) * s,
-            (2.0**-125 * scale) * s,
-            (3.0 * 2.0**-126 * scale) * s,
-            (2.0**-124 * scale) * s,
-            (6.0 * 2.0**-126 * scale) * s,
+            (2.0**-8 * sf) * s,
+            (1.5 * 2.0**-8 * sf) * s,
         ],
         dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
         is_pure=True,
@@ -129,12 +138,12 @@ def joined(v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_N: gl.constexpr, BLOCK_K: gl.co
 
 
 @gluon.jit
-def looked_up(words, scale, s, ROWS: gl.constexpr, BLOCK_K: gl.constexpr, words_l: gl.constexpr):
+def looked_up(words, sf, s, ROWS: gl.constexpr, BLOCK_K: gl.constexpr, words_l: gl.constexpr):
     """``[ROWS, BLOCK_K]`` BF16 values of ``[ROWS, BLOCK_K // 8]`` words in ``words_l``, real K
-    order, in the threads that hold the words: each block's byte tables from its biased scale
-    (``scale [ROWS, BLOCK_K // 16]``, held by the thread that holds the block's two words) and
-    the global scale ``s`` (broadcast over the blocks), then the lookups."""
-    lo0, lo1, hi0, hi1 = byte_tables(scale, s)
+    order, in the threads that hold the words: each block's byte tables from its block scale
+    (``sf [ROWS, BLOCK_K // 16]`` as FP32, held by the thread that holds the block's two words)
+    and the biased global scale ``s`` (broadcast over the blocks), then the lookups."""
+    lo0, lo1, hi0, hi1 = byte_tables(sf, s)
     v0, v1, v2, v3, v4, v5, v6, v7 = look_up(
         words,
         per_word(lo0, ROWS, BLOCK_K, words_l),

@@ -203,11 +203,11 @@ def _moe_gemm_registers_kernel(
             more = k + BLOCK_K < K
             next_words = gl.load(word_ptrs + BLOCK_K // 8, mask=more, other=0)
             next_scales = gl.load(scale_ptrs + BLOCK_K // 16, mask=more, other=0)
-        scale = scales.to(gl.float8e4nv, bitcast=True).to(gl.float32) * BLOCK_SCALE_BIAS
+        sf = scales.to(gl.float8e4nv, bitcast=True).to(gl.float32)
         if LOOKUP:
-            w_NK = fragments.looked_up(words, scale, s_B[:, None], BLOCK_N, BLOCK_K, words_l)
+            w_NK = fragments.looked_up(words, sf, s_B[:, None], BLOCK_N, BLOCK_K, words_l)
         else:
-            w_NK = _decode(words, scale, s_N[:, None], BLOCK_N, BLOCK_K)
+            w_NK = _decode(words, sf * BLOCK_SCALE_BIAS, s_N[:, None], BLOCK_N, BLOCK_K)
         w_NK = gl.convert_layout(
             fragments.hardware_order(w_NK, BLOCK_N, BLOCK_K), weights_l, assert_trivial=True
         )
@@ -232,11 +232,12 @@ def _moe_gemm_registers_kernel(
 
 
 # Decode by byte-table lookup (`fragments`; tiles with BLOCK_K >= 64) rather than by arithmetic
-# per code (`_decode`): 315 against 464 instructions in the K loop for 64 weights a thread (SASS
-# for sm_90, 16:64:128:4 tile; `benchmarks/sass.py` reads the launcher's tiles) and 1.04-1.18x
-# faster from 1 to 256 tokens (one H200, `python benchmarks/moe.py`, BENCHMARKS.md "Routed-expert
-# GEMM: the register kernel"). Both are the contract's bits; the arithmetic decode stays for
-# 32-wide K steps, whose blocks span two threads, and as the lookup's reference in the GPU tests.
+# per code (`_decode`): 4.5 against 7.0 loop instructions per weight at the launcher's narrow
+# tile (SASS for sm_90, `python benchmarks/sass.py`); 1.04-1.18x faster from 1 to 256 tokens
+# even before its tables were built by doubling (one H200, `python benchmarks/moe.py`,
+# BENCHMARKS.md "Routed-expert GEMM: the register kernel"). Both are the contract's bits; the
+# arithmetic decode stays for 32-wide K steps, whose blocks span two threads, and as the
+# lookup's reference in the GPU tests.
 LOOKUP = True
 
 

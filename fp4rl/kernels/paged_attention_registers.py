@@ -60,7 +60,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from fp4rl.kernels import fragments
 from fp4rl.kernels.launch import register_kernels_refusal
-from fp4rl.kernels.numerics import BLOCK_SCALE_BIAS, GLOBAL_SCALE_BIAS
+from fp4rl.kernels.numerics import GLOBAL_SCALE_BIAS
 
 ROWS = gl.constexpr(16)  # the MMA's M: query heads, twice
 
@@ -144,7 +144,7 @@ def _pages_step(pages, block_scale, global_scale, table_row, n0, end, num_kv_hea
 def _decoded(words, scales, s_N, words_l: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr):
     """``[BLOCK_N, D]`` BF16 values of a step's codes, real order, in the threads that hold the
     codes: ``round((e2m1 * sf) * s)`` by byte-table lookup."""
-    sf = scales.to(gl.float8e4nv, bitcast=True).to(gl.float32) * BLOCK_SCALE_BIAS
+    sf = scales.to(gl.float8e4nv, bitcast=True).to(gl.float32)
     return fragments.looked_up(words, sf, (s_N * GLOBAL_SCALE_BIAS)[:, None], BLOCK_N, D, words_l)
 
 

@@ -105,15 +105,18 @@ def assert_weights_bitwise(y, w: NVFP4Tensor, experts: list[int], what: str):
     assert not bad.any(), f"{what}: {int(bad.sum())} of {bad.numel()} weights differ"
 
 
-def every_byte_weights(e: int, n: int, k: int, seed: int) -> NVFP4Tensor:
+def every_byte_weights(
+    e: int, n: int, k: int, seed: int, global_scales=(2.0**-110, 0.0, 1.7e-3, 2.0**100)
+) -> NVFP4Tensor:
     """Every code byte, every finite block-scale byte (0x7F and 0xFF are NaN, tested apart) and
-    global scales from 0 and 2**-110 (products down to 2**-120) to 2**100."""
+    ``global_scales`` cycled over the experts: by default from 0 and 2**-110 (products down to
+    2**-120) to 2**100."""
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 256, (e, n, k // 2), generator=g, dtype=torch.uint8)
     finite = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
     blocks = e * n * k // 16
     scale_bytes = finite[torch.arange(blocks) % len(finite)].view(e, n, k // 16)
-    global_scale = torch.tensor([2.0**-110, 0.0, 1.7e-3, 2.0**100])[torch.arange(e) % 4]
+    global_scale = torch.tensor(global_scales)[torch.arange(e) % len(global_scales)]
     return NVFP4Tensor(codes, scale_bytes.view(torch.float8_e4m3fn), global_scale.view(e, 1, 1))
 
 

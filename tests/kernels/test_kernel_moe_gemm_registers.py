@@ -23,6 +23,7 @@ from test_kernel_moe_gemm import (  # noqa: E402
     routed,
 )
 
+from fp4rl.fp4.format import MIN_GLOBAL_SCALE  # noqa: E402
 from fp4rl.fp4.tensor import NVFP4Tensor  # noqa: E402
 from fp4rl.kernels import moe_gemm  # noqa: E402
 from fp4rl.kernels.moe_gemm import GemmTile  # noqa: E402
@@ -64,18 +65,28 @@ def test_registers_weights_bitwise_on_gpu(shape, decode):
         assert_weights_bitwise(y, w, experts, f"{shape}, register tile {tile}")
 
 
+# The recipe's smallest global scale and one just above it (the lookup's doubled table entries
+# are exact from there up, test_kernel_fragments.py), and the largest from finite input.
+EDGE_GLOBAL_SCALES = (MIN_GLOBAL_SCALE, 2.0**116, 0.0, 1.5 * MIN_GLOBAL_SCALE)
+
+
 @pytest.mark.gpu
 @DECODES
-def test_registers_every_byte_bitwise_on_gpu(decode):
+@pytest.mark.parametrize("scales", ["usual", "edges"])
+def test_registers_every_byte_bitwise_on_gpu(decode, scales):
     """Every code byte, every finite block-scale byte and global scales from 2**-110 to 2**100
-    (and 0): the register kernel's weights are bitwise the reference's."""
+    (and 0), then at the recipe's edges: the register kernel's weights are bitwise the
+    reference's."""
     e, n, k = 4, 64, 256
-    w = every_byte_weights(e, n, k, seed=3)
+    if scales == "edges":
+        w = every_byte_weights(e, n, k, seed=4, global_scales=EDGE_GLOBAL_SCALES)
+    else:
+        w = every_byte_weights(e, n, k, seed=3)
     experts = [0, 1, 3]
     x, counts = onehot_rows(k, experts, e, "cuda")
     for tile in REGISTER_TILES:  # narrowed to N = 64, with as many warps as fit
         y = moe_gemm.launch(x, w.map(lambda t: t.cuda()), counts, config=tile, registers=True)
-        assert_weights_bitwise(y, w, experts, f"register tile {tile}")
+        assert_weights_bitwise(y, w, experts, f"register tile {tile}, {scales} global scales")
 
 
 @pytest.mark.gpu

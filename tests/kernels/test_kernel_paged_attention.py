@@ -161,12 +161,15 @@ def test_reference_decode_is_attend_fp32_over_cache_read(fmt, q_dtype):
 
 def every_byte_pages(rows: int, dim: int, seed: int) -> NVFP4Tensor:
     """``rows`` token-heads of random code bytes, block-scale bytes cycling through all 256
-    patterns (NaN ones included) and global scales from 0 and 2**-110 to 2**100."""
+    patterns (NaN ones included) and global scales from 0 and 2**-110 to 2**100, the recipe's
+    smallest (2**-117) and one just above it among them."""
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 256, (rows, dim // 2), generator=g, dtype=torch.uint8)
     block_bytes = (torch.arange(rows * dim // 16) % 256).to(torch.uint8).view(rows, dim // 16)
     global_scale = torch.rand(rows, 1, generator=g) * 3
-    global_scale[:4, 0] = torch.tensor([0.0, 2.0**-110, 2.0**100, 1.7e-3])
+    global_scale[:6, 0] = torch.tensor(
+        [0.0, 2.0**-110, 2.0**100, 1.7e-3, 2.0**-117, 1.5 * 2.0**-117]
+    )
     return NVFP4Tensor(codes, block_bytes.view(torch.float8_e4m3fn), global_scale)
 
 
