@@ -8,7 +8,7 @@ No GPU needed (Triton compiles for the target and disassembles with the tools it
 
 The kernels: `paged_attention_registers` (decode attention, NVFP4 pages, 32 query / 4 KV heads of
 128, pages of 16 tokens) at 16- and 32-token steps, and `moe_gemm_registers` (the expert GEMM,
-Qwen3-30B-A3B's w13 ``[1536, 2048]`` and w2 ``[2048, 768]``) at the launcher's two tiles, by
+Qwen3-30B-A3B's w13 ``[1536, 2048]`` and w2 ``[2048, 768]``) at the launcher's three tiles, by
 byte-table lookup and by arithmetic per code. The loop is the longest stretch of SASS between a
 label and a branch back to it; "per value" divides its instructions by the NVFP4 values a
 thread decodes in one pass (K and V for the attention, weights for the GEMM). Shared-memory
@@ -64,7 +64,11 @@ def gemm_case(weight: str, tile_name: str, lookup: bool) -> Case:
     from fp4rl.kernels import moe_gemm
 
     n, k = {"w13": (1536, 2048), "w2": (2048, 768)}[weight]
-    tile = {"narrow": moe_gemm.REGISTERS_TILE, "wide": moe_gemm.REGISTERS_WIDE_TILE}[tile_name]
+    tile = {
+        "narrow": moe_gemm.REGISTERS_TILE,
+        "short": moe_gemm.REGISTERS_SHORT_TILE,
+        "wide": moe_gemm.REGISTERS_WIDE_TILE,
+    }[tile_name]
     tile = tile.fitted(n, k)
     warps = min(tile.num_warps, tile.block_n // 16)
     return Case(
@@ -96,7 +100,7 @@ CASES = {
     **{
         f"gemm:{w}:{t}{'' if lut else ':arith'}": (lambda w=w, t=t, lut=lut: gemm_case(w, t, lut))
         for w in ("w13", "w2")
-        for t in ("narrow", "wide")
+        for t in ("narrow", "short", "wide")
         for lut in (True, False)
     },
 }

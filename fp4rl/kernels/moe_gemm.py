@@ -305,6 +305,11 @@ REGISTERS_MAX_ROWS_PER_EXPERT = 16.0
 # Up to 8 rows per expert: 16 rows, 64 columns, 256-wide K steps (w13 at 8 / 64 tokens 53.3 /
 # 117.5 us against 57.5 / 123.8 for the bucket's tile, w2 30.7 / 67.8 against 33.0 / 69.1).
 REGISTERS_TILE = GemmTile(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=2)
+# From half a row per expert on average (8 tokens at top-8 over 128 experts) to 8: the same
+# tile with 8 rows, half the rows of x loaded and multiplied (w13 at 8 / 64 tokens 48.5 / 101.7
+# us against 50.2 / 110.2 for 16 rows, w2 26.3 / 57.8 against 29.2 / 64.8). Below half a row
+# (one token) 16 rows measured faster: 14.0 against 17.0 us (w13), 7.5 against 7.9 (w2).
+REGISTERS_SHORT_TILE = GemmTile(block_m=8, block_n=64, block_k=256, num_warps=4, num_stages=2)
 # Past 8 rows per expert: 32 rows and 128 columns of 4 warps (each warp's 32 columns share its
 # copy of the rows); at 256 tokens 171 against 280 us (w13) and 82 against 149 (w2).
 REGISTERS_WIDE_TILE = GemmTile(block_m=32, block_n=128, block_k=128, num_warps=4, num_stages=2)
@@ -338,11 +343,14 @@ def config_for(
 
 
 def register_config_for(num_rows: int, num_experts: int) -> GemmTile:
-    """The register kernel's tile: `REGISTERS_TILE` up to 8 rows per expert on average,
-    `REGISTERS_WIDE_TILE` above (narrowed to the weight's shape by the launcher, its warps cut
-    to one per 16 columns)."""
-    if num_rows > 8.0 * max(num_experts, 1):
+    """The register kernel's tile by rows per expert on average: `REGISTERS_TILE` below half a
+    row, `REGISTERS_SHORT_TILE` up to 8 rows, `REGISTERS_WIDE_TILE` above (narrowed to the
+    weight's shape by the launcher, its warps cut to one per 16 columns)."""
+    experts = max(num_experts, 1)
+    if num_rows > 8.0 * experts:
         return REGISTERS_WIDE_TILE
+    if num_rows >= 0.5 * experts:
+        return REGISTERS_SHORT_TILE
     return REGISTERS_TILE
 
 

@@ -172,11 +172,15 @@ def test_decode_batches_take_the_register_kernel_on_gpu():
 
 
 def test_register_tiles_by_rows_per_expert():
-    """The register kernel's tile: REGISTERS_TILE up to 8 rows per expert, then the wide tile;
-    the launcher's own choice reaches as far as REGISTERS_MAX_ROWS_PER_EXPERT."""
-    for rows in (1, 8, 512, 1024):
+    """The register kernel's tile: 16 rows below half a row per expert (one token at top-8 of
+    128), 8 rows up to 8 rows per expert, then the wide tile; the launcher's own choice reaches
+    as far as REGISTERS_MAX_ROWS_PER_EXPERT."""
+    for rows in (1, 8, 63):
         assert moe_gemm.register_config_for(rows, 128) == moe_gemm.REGISTERS_TILE
+    for rows in (64, 512, 1024):
+        assert moe_gemm.register_config_for(rows, 128) == moe_gemm.REGISTERS_SHORT_TILE
     assert moe_gemm.register_config_for(1025, 128) == moe_gemm.REGISTERS_WIDE_TILE
+    assert moe_gemm.REGISTERS_SHORT_TILE.block_m == 8
     assert moe_gemm.REGISTERS_MAX_ROWS_PER_EXPERT * 128 >= 2048  # 256 tokens at top-8
 
 

@@ -12,8 +12,18 @@ pytest.importorskip("triton.experimental.gluon", reason="needs Triton's Gluon (T
 
 from fp4rl.cli import main  # noqa: E402
 
-CASES = ["attention:16", "gemm:w13:narrow", "gemm:w2:wide", "gemm:w13:narrow:arith"]
-NO_SPILLS = {"attention:16", "gemm:w13:narrow"}  # the launchers' tiles at decode batches
+CASES = [
+    "attention:16",
+    "gemm:w13:narrow",
+    "gemm:w13:short",
+    "gemm:w2:wide",
+    "gemm:w13:narrow:arith",
+]
+NO_SPILLS = {
+    "attention:16",
+    "gemm:w13:narrow",
+    "gemm:w13:short",
+}  # the launchers' tiles at decode batches
 
 
 def test_register_kernels_compile_for_sm90_without_shared_memory_in_their_loops(capfd):
