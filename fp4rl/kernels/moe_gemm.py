@@ -302,8 +302,9 @@ BF16_CONFIGS: tuple[tuple[float, GemmTile], ...] = (
 # the BF16 kernel, and this one is used (one H200, `python benchmarks/moe.py`, BENCHMARKS.md
 # "Routed-expert GEMM: the register kernel").
 REGISTERS_MAX_ROWS_PER_EXPERT = 16.0
-# Up to 8 rows per expert: 16 rows, 64 columns, 256-wide K steps (w13 at 8 / 64 tokens 53.3 /
-# 117.5 us against 57.5 / 123.8 for the bucket's tile, w2 30.7 / 67.8 against 33.0 / 69.1).
+# Below half a row per expert (one token): 16 rows, 64 columns, 256-wide K steps, the tile once
+# taken up to 8 rows (there w13 at 8 / 64 tokens 53.3 / 117.5 us against 57.5 / 123.8 for the
+# bucket's tile, w2 30.7 / 67.8 against 33.0 / 69.1).
 REGISTERS_TILE = GemmTile(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=2)
 # From half a row per expert on average (8 tokens at top-8 over 128 experts) to 8: the same
 # tile with 8 rows, half the rows of x loaded and multiplied (w13 at 8 / 64 tokens 48.5 / 101.7
