@@ -72,43 +72,27 @@ def _bits(n):
 
 
 @gluon.constexpr_function
-def _key_words_layout(block_n, d):
-    """K codes ``[BLOCK_N, W]``: lane (g, c) holds keys ``g + 8 j`` and, of each, the words
-    ``c * D/32 ...`` its operand-B fragments hold (`fragments`' order)."""
-    ch = d // 32
-    regs = [[0, 1 << i] for i in _bits(ch)] + [[8 << i, 0] for i in _bits(block_n // 8)]
-    lanes = [[0, ch], [0, 2 * ch], [1, 0], [2, 0], [4, 0]]
-    return gl.DistributedLinearLayout(regs, lanes, [], [], [block_n, d // 8])
+def _key_layout(block_n, cols):
+    """K's ``[BLOCK_N, cols]`` words (``cols = D/8``) or block scales (``D/16``): lane (g, c)
+    holds keys ``g + 8 j`` and, of each, the columns its operand-B fragments need (`fragments`'
+    order); a block scale sits with the thread that holds its two words."""
+    per = cols // 4  # columns a lane holds of a key
+    regs = [[0, 1 << i] for i in _bits(per)] + [[8 << i, 0] for i in _bits(block_n // 8)]
+    lanes = [[0, per], [0, 2 * per], [1, 0], [2, 0], [4, 0]]
+    return gl.DistributedLinearLayout(regs, lanes, [], [], [block_n, cols])
 
 
 @gluon.constexpr_function
-def _key_blocks_layout(block_n, d):
-    """K block scales ``[BLOCK_N, D/16]``, each held by the thread that holds its two words."""
-    ch = d // 32
-    regs = [[0, 1 << i] for i in _bits(ch // 2)] + [[8 << i, 0] for i in _bits(block_n // 8)]
-    lanes = [[0, ch // 2], [0, ch], [1, 0], [2, 0], [4, 0]]
-    return gl.DistributedLinearLayout(regs, lanes, [], [], [block_n, d // 16])
-
-
-@gluon.constexpr_function
-def _value_words_layout(block_n, d):
-    """V codes ``[BLOCK_N, W]``: lane (g, c) holds keys ``2c, 2c + 1, 2c + 8, 2c + 9`` of each 16
-    and, of each, the ``D/64`` words of values ``(D/8) g ... (D/8) g + D/8 - 1``."""
-    per = d // 64  # words a thread holds of a key
+def _value_layout(block_n, cols):
+    """V's ``[BLOCK_N, cols]`` words (``cols = D/8``) or block scales (``D/16``): lane (g, c)
+    holds keys ``2c, 2c + 1, 2c + 8, 2c + 9`` of each 16 and, of each, the columns of values
+    ``(D/8) g ... (D/8) g + D/8 - 1``; a block scale sits with the thread that holds its two
+    words."""
+    per = cols // 8  # columns a lane holds of a key
     regs = [[0, 1 << i] for i in _bits(per)] + [[1, 0], [8, 0]]
     regs += [[16 << i, 0] for i in _bits(block_n // 16)]
     lanes = [[2, 0], [4, 0], [0, per], [0, 2 * per], [0, 4 * per]]
-    return gl.DistributedLinearLayout(regs, lanes, [], [], [block_n, d // 8])
-
-
-@gluon.constexpr_function
-def _value_blocks_layout(block_n, d):
-    """V block scales ``[BLOCK_N, D/16]``, each held by the thread that holds its two words."""
-    per = d // 128  # blocks a thread holds of a key
-    regs = [[0, 1 << i] for i in _bits(per)] + [[1, 0], [8, 0]]
-    regs += [[16 << i, 0] for i in _bits(block_n // 16)]
-    lanes = [[2, 0], [4, 0], [0, per], [0, 2 * per], [0, 4 * per]]
-    return gl.DistributedLinearLayout(regs, lanes, [], [], [block_n, d // 16])
+    return gl.DistributedLinearLayout(regs, lanes, [], [], [block_n, cols])
 
 
 @gluon.jit
@@ -202,10 +186,10 @@ def _paged_decode_registers_kernel(
     )
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    kw_l: gl.constexpr = _key_words_layout(BLOCK_N, D)
-    kb_l: gl.constexpr = _key_blocks_layout(BLOCK_N, D)
-    vw_l: gl.constexpr = _value_words_layout(BLOCK_N, D)
-    vb_l: gl.constexpr = _value_blocks_layout(BLOCK_N, D)
+    kw_l: gl.constexpr = _key_layout(BLOCK_N, D // 8)
+    kb_l: gl.constexpr = _key_layout(BLOCK_N, D // 16)
+    vw_l: gl.constexpr = _value_layout(BLOCK_N, D // 8)
+    vb_l: gl.constexpr = _value_layout(BLOCK_N, D // 16)
     io_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
 
     b = gl.program_id(0) // num_kv_heads
