@@ -51,9 +51,9 @@ class Case:
 
 def attention_case(block_n: int) -> Case:
     d = 128
-    # Scores: D/16 reduction steps x BLOCK_N/8 key tiles; P.V: two products (the twin rows'
-    # split) x BLOCK_N/16 reduction steps x D/8 column tiles.
-    mma = (d // 16) * (block_n // 8) + 2 * (block_n // 16) * (d // 8)
+    # Scores S^T: BLOCK_N/16 key tiles x D/16 reduction steps (the 8 heads are one n8 tile);
+    # O^T: three products (the probability's BF16 parts) x D/16 row tiles x BLOCK_N/16 steps.
+    mma = (block_n // 16) * (d // 16) + 3 * (d // 16) * (block_n // 16)
     return Case(
         "attention", dict(G=8, D=d, PAGE=16, BLOCK_N=block_n, SPLIT=True), 1,
         2 * block_n * d // 32, mma, f"{block_n}-token steps",

@@ -6,28 +6,32 @@ per sequence, KV head and stretch of the context, an online softmax over steps o
 tokens, the stretches combined by `paged_attention`'s second kernel), written in Triton's Gluon
 dialect so that the layouts are chosen here. Both products are chains of
 ``mma.sync.m16n8k16`` whose operands live in registers (`fragments`): each thread decodes
-exactly the K and V values its fragments hold, the probabilities go from the scores' fragments
-to the next product's without moving between threads, and nothing passes through shared memory
-in the loop. (`paged_attention`'s Triton program, compiled for sm_90, stores each decoded tile
-to shared memory and loads it back in the operand's layout.)
+exactly the K and V values its fragments hold, the probabilities cross lanes only by
+``movmatrix`` (an 8 x 8 transpose in registers), and nothing passes through shared memory in
+the loop. (`paged_attention`'s Triton program, compiled for sm_90, stores each decoded tile to
+shared memory and loads it back in the operand's layout.)
 
-The layouts, for one warp and the 16 rows of the MMA (the G <= 8 query heads twice, as
-`paged_attention`'s twin rows):
+The products are transposed, the keys and the head dim as the MMA's rows (M) and the G <= 8
+query heads as its 8 columns (N), so no row of the MMA is padding: ``S^T = K . q^T`` and
+``O^T += V^T . P^T``. The layouts, for one warp:
 
-- **Scores** ``S = q . K^T`` ``[16, BLOCK_N]``: q is operand A, K^T operand B with the head dim
-  as the reduction, put in `fragments`' order. A thread (g, c) holds key ``g + 8 j`` of each
-  8-token column tile j and, per 32 values of D, one packed word of that key's codes: the words
+- **Scores** ``S^T`` ``[BLOCK_N, 8]``: K is operand A with the head dim as the reduction, put in
+  `fragments`' order, q^T operand B (16 registers a thread for D = 128). A thread (g, c) holds
+  keys ``g + 8 j`` and, per 32 values of D, one packed word of each key's codes: the words
   ``c * D/32 ... c * D/32 + D/32 - 1`` of the row, 16 contiguous bytes for D = 128, and their
   two blocks' scales.
-- **Softmax** along the rows of the scores' fragments (a thread holds rows g and g + 8, columns
-  ``2c, 2c + 1`` of each tile; a row's max and sum reduce over a quad of lanes).
-- **Probabilities as operand A of P . V**: two adjacent 8-token column tiles of the scores are,
-  register for register, one 16-token reduction step of operand A.
-- **V as operand B** ``[BLOCK_N, D]``, the head dim as the output's columns, permuted: output
-  column ``8 j + g`` (column tile j, lane group g) is real ``d = (D/8) g + j``, so a thread holds
-  ``D/8`` consecutive values of each of its keys (``2c, 2c + 1, 2c + 8, 2c + 9`` per 16 tokens):
-  one block of 16 codes for D = 128, two words and one scale. The output is permuted back when
-  stored.
+- **Softmax** down the columns of the scores' fragments (a thread holds keys g and g + 8 of
+  heads ``2c, 2c + 1``; a head's max and sum reduce over the 8 lane groups).
+- **Probabilities as operand B of O^T**: a thread needs keys ``2c, 2c + 1 (+ 8)`` of head g,
+  the transpose of what it holds; one ``movmatrix`` per 8 keys moves them (`_as_operand_b`).
+- **V^T as operand A** ``[D, BLOCK_N]``, the head dim as the output's rows, permuted: output row
+  ``8 j + g`` (lane group g) is real ``d = (D/8) g + j``, so a thread holds ``D/8`` consecutive
+  values of each of its keys (``2c, 2c + 1, 2c + 8, 2c + 9`` per 16 tokens): one block of 16
+  codes for D = 128, two words and one scale. The output is permuted back when stored.
+
+Against the first layout of this kernel (q as operand A, its 8 heads twice over the MMA's 16
+rows, K^T and V as operand B): a third fewer products, half the softmax, and 160 registers a
+thread instead of 228 (SASS for sm_90, `python benchmarks/sass.py`).
 
 Decode: byte tables per block and PRMT lookups (`fragments.byte_tables`, `fragments.look_up`);
 K's and V's blocks each have their tables built once, by the one thread that holds them.
@@ -36,8 +40,7 @@ Numerics: `paged_attention`'s contract, op for op. K and V enter the products as
 ``round_bf16((e2m1 * sf) * s)``, the values ``KVCache.read`` returns; BF16 products are exact
 and sum in FP32; scores ``(q . k) * (1 / sqrt(D))``, the online softmax (the same `exp`) and the
 running sums are FP32; each probability enters P . V as three BF16 parts whose sum is exactly
-p (rows 0-7 take the first part and rows 8-15 the second, then rows 0-7 the third: two
-products; the twin rows are added when they are folded into heads at the end); a step in which
+p, one product each; a step in which
 no running maximum moved skips the accumulator's rescale, a multiplication by 1; the output is
 ``acc / l`` (IEEE division), cast once. Only the order of FP32 sums differs from
 `paged_attention`'s program.
@@ -45,8 +48,8 @@ no running maximum moved skips the accumulator's rescale, a multiplication by 1;
 Compiled only (sm_89 and newer): Triton's interpreter runs no Gluon, so the CPU runs
 `paged_attention`'s program, the reference for this one's tests on the GPU.
 
-Legend: B sequences, Hq query heads, K KV heads, G = Hq / K, D head dim, N tokens of a step, W
-= D / 8 words of codes per row, T = D / 8 output column tiles, P page size.
+Legend: B sequences, Hq query heads, K KV heads, G = Hq / K, D head dim, N tokens of a step, H
+the MMA's 8 head columns, W = D / 8 words of codes per row, P page size.
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ from fp4rl.kernels import fragments
 from fp4rl.kernels.launch import register_kernels_refusal
 from fp4rl.kernels.numerics import GLOBAL_SCALE_BIAS
 
-ROWS = gl.constexpr(16)  # the MMA's M: query heads, twice
+HEADS = gl.constexpr(8)  # the MMA's N: the query heads of one KV head, padded
 
 
 @gluon.constexpr_function
@@ -134,8 +137,8 @@ def _decoded(words, scales, s_N, words_l: gl.constexpr, BLOCK_N: gl.constexpr, D
 
 @gluon.jit
 def _output_order(t, ROWS_: gl.constexpr, D: gl.constexpr):
-    """``[ROWS_, D]``: real head-dim order -> the output's column order (module docstring),
-    real ``d = (D/8) g + j`` to column ``8 j + g``."""
+    """``[ROWS_, D]``: real head-dim order -> the output's row order (module docstring), real
+    ``d = (D/8) g + j`` to row ``8 j + g`` of ``O^T``."""
     t = gl.reshape(t, [ROWS_, 8, D // 8])
     return gl.reshape(gl.permute(t, [0, 2, 1]), [ROWS_, D])
 
@@ -148,11 +151,23 @@ def _real_order(t, ROWS_: gl.constexpr, D: gl.constexpr):
 
 
 @gluon.jit
-def _twins_folded(t, SUM: gl.constexpr):
-    """Per-row values ``[16, C]`` of the twin rows folded: the sum of rows h and h + 8 (SUM: the
-    split products of V) or either (they are equal). Rows h and h + 8 share a thread."""
-    halves = gl.reshape(t, [2, ROWS // 2, t.shape[1]])
-    return gl.sum(halves, 0) if SUM else gl.max(halves, 0)
+def _as_operand_b(p, b_l: gl.constexpr, BLOCK_N: gl.constexpr):
+    """``[BLOCK_N, HEADS]`` BF16 probabilities in the scores' accumulator layout -> the same
+    values as operand B of ``O^T += V^T . P^T`` (reduction over the tokens). A thread holds
+    tokens ``g + 8 h`` of heads ``2c, 2c + 1`` and needs tokens ``2c, 2c + 1 (+ 8 h)`` of head
+    g: each 8 x 8 tile transposed by ``movmatrix`` (the values move between lanes, no shared
+    memory), then the tensor relabelled to match."""
+    t = gl.inline_asm_elementwise(
+        "movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;",
+        "=r,r",
+        [p],
+        dtype=gl.bfloat16,
+        is_pure=True,
+        pack=2,
+    )
+    # t[8 h + g, 2 c + e] now holds p[8 h + 2 c + e, g]: relabel (h, g, c, e) -> (h, c, e, g).
+    t = gl.permute(gl.reshape(t, [BLOCK_N // 8, 8, HEADS // 2, 2]), [0, 2, 3, 1])
+    return gl.convert_layout(gl.reshape(t, [BLOCK_N, HEADS]), b_l, assert_trivial=True)
 
 
 # Batch, table width and split length change with every step: no recompiling for each.
@@ -196,24 +211,22 @@ def _paged_decode_registers_kernel(
     kv_head = gl.program_id(0) % num_kv_heads
     split = gl.program_id(1)
 
-    # q rows: heads 0..G-1, then the same heads again from row 8 (twins); other rows zero.
-    r_R = gl.arange(0, ROWS, layout=gl.SliceLayout(1, io_l))
-    head_R = r_R % (ROWS // 2)
-    q_rows = b.to(gl.int64) * (num_kv_heads * G) + kv_head * G + head_R
+    # q^T as operand B [D, HEADS]: head h is column h, heads G.. zero.
+    h_H = gl.arange(0, HEADS, layout=gl.SliceLayout(1, io_l))
+    q_rows = b.to(gl.int64) * (num_kv_heads * G) + kv_head * G + h_H
+    head_ok = h_H < G
     d_D = gl.arange(0, D, layout=gl.SliceLayout(0, io_l))
-    q_RD = gl.load(q_BHD + q_rows[:, None] * D + d_D[None, :], mask=(head_R < G)[:, None],
-                   other=0.0)  # fmt: skip
-    q_a = gl.convert_layout(fragments.hardware_order(q_RD, ROWS, D), a_l)
+    q_HD = gl.load(q_BHD + q_rows[:, None] * D + d_D[None, :], mask=head_ok[:, None], other=0.0)
+    q_b = gl.convert_layout(gl.permute(fragments.hardware_order(q_HD, HEADS, D), [1, 0]), b_l)
 
     start = split * split_tokens
     end = gl.minimum(gl.minimum(start + split_tokens, gl.load(context_B + b)), table_cols * PAGE)
     table_row = table_BN + b.to(gl.int64) * table_cols
-    upper_R = (gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma)) < ROWS // 2)[:, None]
-    key_N = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+    key_N = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
 
-    m_R = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, mma))
-    l_R = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, mma))
-    acc = gl.zeros([ROWS, D], gl.float32, layout=mma)
+    m_H = gl.full([HEADS], float("-inf"), gl.float32, layout=gl.SliceLayout(0, mma))
+    l_H = gl.zeros([HEADS], gl.float32, layout=gl.SliceLayout(0, mma))
+    acc = gl.zeros([D, HEADS], gl.float32, layout=mma)  # O^T, rows in the output order
     k_words, k_scales, k_s = _pages_step(
         k_pages, k_block_scale, k_global_scale, table_row, start, end, num_kv_heads, kv_head,
         kw_l, kb_l, BLOCK_N, PAGE, D,
@@ -233,59 +246,51 @@ def _paged_decode_registers_kernel(
             kv_head, vw_l, vb_l, BLOCK_N, PAGE, D,
         )  # fmt: skip
 
+        # Scores S^T = K . q^T [BLOCK_N, HEADS]: the keys are the MMA's rows.
         k_ND = _decoded(k_words, k_scales, k_s, kw_l, BLOCK_N, D)
-        k_DN = gl.permute(fragments.hardware_order(k_ND, BLOCK_N, D), [1, 0])
-        scores = mma_v2(q_a, gl.convert_layout(k_DN, b_l, assert_trivial=True),
-                        gl.zeros([ROWS, BLOCK_N], gl.float32, layout=mma))  # fmt: skip
-        scores = gl.where(((n0 + key_N) < end)[None, :], scores * softmax_scale, float("-inf"))
+        k_a = gl.convert_layout(fragments.hardware_order(k_ND, BLOCK_N, D), a_l,
+                                assert_trivial=True)  # fmt: skip
+        scores = mma_v2(k_a, q_b, gl.zeros([BLOCK_N, HEADS], gl.float32, layout=mma))
+        scores = gl.where(((n0 + key_N) < end)[:, None], scores * softmax_scale, float("-inf"))
         # Every step holds at least one token of the context (n0 < end): m_new is finite
         # unless the scores are not, and exp(-inf - m_new) = 0 on the first step.
-        m_new = gl.maximum(m_R, gl.max(scores, 1))
-        alpha = gl.exp(m_R - m_new)
-        p = gl.exp(scores - m_new[:, None])
-        l_R = l_R * alpha + gl.sum(p, 1)
-        m_R = m_new
+        m_new = gl.maximum(m_H, gl.max(scores, 0))
+        alpha = gl.exp(m_H - m_new)
+        p = gl.exp(scores - m_new[None, :])
+        l_H = l_H * alpha + gl.sum(p, 0)
+        m_H = m_new
 
-        # p = p1 + p2 + p3 exactly in BF16 parts: [p1; p2] then [p3; 0] over the twin rows.
+        # p = p1 + p2 + p3 exactly in BF16 parts, each a product of its own.
         p1 = p.to(gl.bfloat16)
         rest = p - p1.to(gl.float32)
         p2 = rest.to(gl.bfloat16)
         p3 = (rest - p2.to(gl.float32)).to(gl.bfloat16)
         v_ND = _decoded(v_words, v_scales, v_s, vw_l, BLOCK_N, D)
-        v_b = gl.convert_layout(_output_order(v_ND, BLOCK_N, D), b_l, assert_trivial=True)
-        # Once the running maxima stop moving (alpha == 1 in every row, the usual case after a
+        v_a = gl.convert_layout(gl.permute(_output_order(v_ND, BLOCK_N, D), [1, 0]), a_l,
+                                assert_trivial=True)  # fmt: skip
+        # Once the running maxima stop moving (alpha == 1 in every head, the usual case after a
         # few steps) the rescale is skipped: multiplying by 1 changes no bit.
         if gl.sum((alpha != 1.0).to(gl.int32), 0) > 0:
-            acc = acc * alpha[:, None]
-        acc = mma_v2(gl.convert_layout(gl.where(upper_R, p1, p2), a_l, assert_trivial=True), v_b,
-                     acc)  # fmt: skip
-        acc = mma_v2(
-            gl.convert_layout(gl.where(upper_R, p3, gl.zeros_like(p3)), a_l, assert_trivial=True),
-            v_b,
-            acc,
-        )
+            acc = acc * alpha[None, :]
+        acc = mma_v2(v_a, _as_operand_b(p1, b_l, BLOCK_N), acc)
+        acc = mma_v2(v_a, _as_operand_b(p2, b_l, BLOCK_N), acc)
+        acc = mma_v2(v_a, _as_operand_b(p3, b_l, BLOCK_N), acc)
         k_words, k_scales, k_s = next_k
         v_words, v_scales, v_s = next_v
 
-    # Rows are heads from here on: the twins folded, the head dim back in real order.
-    H: gl.constexpr = ROWS // 2
-    acc_HD = gl.convert_layout(_real_order(_twins_folded(acc, True), H, D), io_l)
-    m_H = gl.convert_layout(gl.reshape(_twins_folded(m_R[:, None], False), [H]),
-                            gl.SliceLayout(1, io_l))  # fmt: skip
-    l_H = gl.convert_layout(gl.reshape(_twins_folded(l_R[:, None], False), [H]),
-                            gl.SliceLayout(1, io_l))  # fmt: skip
-    h_H = gl.arange(0, H, layout=gl.SliceLayout(1, io_l))
-    out_rows = b.to(gl.int64) * (num_kv_heads * G) + kv_head * G + h_H
-    head_ok = h_H < G
+    # Heads as rows from here on, the head dim back in real order.
+    acc_HD = gl.convert_layout(_real_order(gl.permute(acc, [1, 0]), HEADS, D), io_l)
+    m_io = gl.convert_layout(m_H, gl.SliceLayout(1, io_l))
+    l_io = gl.convert_layout(l_H, gl.SliceLayout(1, io_l))
     if SPLIT:
         # An empty stretch writes (-inf, 0, 0): the combine gives it weight 0.
-        part = out_rows * gl.num_programs(1) + split
-        gl.store(part_m + part, m_H, mask=head_ok)
-        gl.store(part_l + part, l_H, mask=head_ok)
+        part = q_rows * gl.num_programs(1) + split
+        gl.store(part_m + part, m_io, mask=head_ok)
+        gl.store(part_l + part, l_io, mask=head_ok)
         gl.store(part_o + part[:, None] * D + d_D[None, :], acc_HD, mask=head_ok[:, None])
     else:
-        out = gl.div_rn(acc_HD, l_H[:, None])
-        gl.store(out_BHD + out_rows[:, None] * D + d_D[None, :], out.to(gl.bfloat16),
+        out = gl.div_rn(acc_HD, l_io[:, None])
+        gl.store(out_BHD + q_rows[:, None] * D + d_D[None, :], out.to(gl.bfloat16),
                  mask=head_ok[:, None])  # fmt: skip
 
 
@@ -295,7 +300,7 @@ def supported(q_dtype: torch.dtype, head_dim: int, group: int) -> bool:
     accumulator alone takes half of a thread's registers and the rest spill (compiled for sm_90
     by Triton 3.6: 255 registers and 288 to 1,352 bytes of stack): `paged_attention`'s program
     serves it."""
-    return q_dtype == torch.bfloat16 and head_dim == 128 and 1 <= group <= ROWS // 2
+    return q_dtype == torch.bfloat16 and head_dim == 128 and 1 <= group <= HEADS
 
 
 def check_launch(q_BHD: torch.Tensor, nvfp4: bool, head_dim: int, group: int) -> None:
