@@ -11,11 +11,57 @@ free list when its last owner frees it.
 
 This module only counts; it never touches KV data. The caller copies the partial block's
 contents (`KVCache.copy_blocks`) for the ``(src, dst)`` pairs that `fork` returns.
+
+A table is a `BlockTable`: a list that only grows or empties, with an int64 array of the same
+blocks kept beside it, so that a graphed decode step copies each table into its input rows
+instead of converting its Python ints every step.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
+
+import numpy as np
+
+
+class BlockTable(list):
+    """A sequence's block ids in position order: a list that only grows (`extend`, `append`) or
+    empties (`clear`), whose blocks are also held as int64 (`array`), written once each.
+
+    Restaging every table's Python ints took about 1 ms a step for 256 sequences of 128 blocks
+    (2k tokens); the arrays are copied instead. Mutations that would rewrite blocks in place
+    raise TypeError: no caller makes them, and the array would no longer match."""
+
+    __slots__ = ("_array",)
+
+    def __init__(self, blocks: Iterable[int] = ()) -> None:
+        super().__init__()
+        self._array = np.empty(16, dtype=np.int64)
+        self.extend(blocks)
+
+    def extend(self, blocks: Iterable[int]) -> None:
+        blocks = list(blocks)
+        n = len(self)
+        super().extend(blocks)
+        if len(self) > len(self._array):
+            grown = np.empty(2 * len(self), dtype=np.int64)
+            grown[:n] = self._array[:n]
+            self._array = grown
+        self._array[n : len(self)] = blocks
+
+    def append(self, block: int) -> None:
+        self.extend((block,))
+
+    def array(self) -> np.ndarray:
+        """The blocks as int64, a view valid until the table next changes."""
+        return self._array[: len(self)]
+
+    def _rewrites(self, *args, **kwargs):
+        raise TypeError("a BlockTable only grows (extend, append) or empties (clear)")
+
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _rewrites
+    insert = pop = remove = sort = reverse = _rewrites
 
 
 class BlockManager:
@@ -40,13 +86,13 @@ class BlockManager:
         """Blocks that hold ``num_tokens`` positions."""
         return -(-num_tokens // self.block_size)
 
-    def allocate(self, num_blocks: int) -> list[int]:
+    def allocate(self, num_blocks: int) -> BlockTable:
         if num_blocks > len(self._free):
             raise RuntimeError(
                 f"KV cache exhausted: {num_blocks} blocks asked, {len(self._free)} free of "
                 f"{self.num_blocks}"
             )
-        blocks = [self._free.popleft() for _ in range(num_blocks)]
+        blocks = BlockTable(self._free.popleft() for _ in range(num_blocks))
         for b in blocks:
             self._refcount[b] = 1
         return blocks
@@ -61,7 +107,7 @@ class BlockManager:
         """Free blocks one `fork` of a ``num_tokens`` sequence takes (its partial last block)."""
         return 1 if num_tokens % self.block_size else 0
 
-    def fork(self, table: list[int], num_tokens: int) -> tuple[list[int], tuple[int, int] | None]:
+    def fork(self, table: list[int], num_tokens: int) -> tuple[BlockTable, tuple[int, int] | None]:
         """A new table sharing ``table``'s complete blocks for a ``num_tokens`` prefix.
 
         Returns the new table and, when the prefix ends inside a block, the ``(src, dst)``
@@ -74,9 +120,9 @@ class BlockManager:
         for b in shared:
             self._refcount[b] += 1
         if num_tokens % self.block_size == 0:
-            return list(shared), None
+            return BlockTable(shared), None
         (own,) = self.allocate(1)
-        return [*shared, own], (table[num_full], own)
+        return BlockTable([*shared, own]), (table[num_full], own)
 
     def free(self, table: list[int]) -> None:
         """Drop one reference to each block of ``table`` (then clear it)."""

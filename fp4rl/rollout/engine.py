@@ -195,7 +195,8 @@ class Engine:
         segments, tokens, ranges = [], [], []
         for seq, _, num_new, _ in fed:
             new = seq.tokens_from(seq.num_cached)[:num_new]
-            segments.append(Segment(list(seq.block_table), seq.num_cached, len(new)))
+            # The table itself: nothing changes it until the next schedule.
+            segments.append(Segment(seq.block_table, seq.num_cached, len(new)))
             ranges.append((len(tokens), len(tokens) + len(new)))
             tokens += new
         device = self.layout.device

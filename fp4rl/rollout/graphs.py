@@ -44,6 +44,7 @@ import torch
 
 from fp4rl import ops
 from fp4rl.rollout.attention import AttentionMetadata, PagedAttention, Segment
+from fp4rl.rollout.block_manager import BlockTable
 from fp4rl.rollout.capture import PackedRows, StepCapture
 from fp4rl.rollout.kv_cache import KVCache
 
@@ -78,6 +79,27 @@ def graphs_unsupported(layout, config) -> str | None:
         if not ops.paged_decode_kernel_runs(q, fmt == "nvfp4"):
             return f"layers.{layer} ({fmt} pages) gathers its context instead of the paged kernel"
     return None
+
+
+def fill_rows(
+    rows: np.ndarray, segments: list[Segment], tokens: list[int], block_size: int
+) -> None:
+    """Write one decode step's input rows ``0..len(segments)`` into ``rows`` (int64 ``[b, TABLE +
+    width]``, padding already in place): token, position, slot and context length, then the
+    block table (a `BlockTable`'s int64 copy where it has one)."""
+    heads = []
+    for i, (seg, token) in enumerate(zip(segments, tokens, strict=True)):
+        if seg.num_new != 1:
+            raise ValueError(f"a graphed step decodes one token per segment; got {seg}")
+        table = seg.block_table
+        rows[i, TABLE : TABLE + len(table)] = (
+            table.array() if isinstance(table, BlockTable) else table
+        )
+        heads.append((token, seg.start,
+                      table[seg.start // block_size] * block_size + seg.start % block_size,
+                      seg.start + 1))  # fmt: skip
+    if heads:
+        rows[: len(heads), :TABLE] = heads
 
 
 @dataclass(slots=True)
@@ -137,14 +159,7 @@ class DecodeGraphs:
         self.staged.synchronize()
         rows = self.staging.numpy()
         rows[:b] = self._padding
-        size = self.cache.block_size
-        for i, (seg, token) in enumerate(zip(segments, tokens, strict=True)):
-            if seg.num_new != 1:
-                raise ValueError(f"a graphed step decodes one token per segment; got {seg}")
-            table = seg.block_table
-            rows[i, TABLE : TABLE + len(table)] = table
-            rows[i, :TABLE] = (token, seg.start, table[seg.start // size] * size + seg.start % size,
-                               seg.start + 1)  # fmt: skip
+        fill_rows(rows, segments, tokens, self.cache.block_size)
         self.inputs[:b].copy_(self.staging[:b], non_blocking=True)
         self.staged.record(torch.cuda.current_stream(self.device))
 

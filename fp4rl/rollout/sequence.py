@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fp4rl.rollout.block_manager import BlockTable
 from fp4rl.rollout.capture import SequenceCapture
 from fp4rl.rollout.config import SamplingParams
 
@@ -29,7 +30,7 @@ class Sequence:
     completion_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     raw_logprobs: list[float] = field(default_factory=list)
-    block_table: list[int] = field(default_factory=list)
+    block_table: BlockTable = field(default_factory=BlockTable)
     num_cached: int = 0  # leading tokens whose K/V are in the cache
     finish_reason: str | None = None  # "stop" | "length" once finished
 

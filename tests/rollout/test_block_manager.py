@@ -1,8 +1,9 @@
 """Block allocation: refcounted sharing of complete prompt blocks, frees, exhaustion."""
 
+import numpy as np
 import pytest
 
-from fp4rl.rollout.block_manager import BlockManager
+from fp4rl.rollout.block_manager import BlockManager, BlockTable
 
 
 def test_allocate_grow_free_roundtrip():
@@ -53,3 +54,38 @@ def test_exhaustion_raises_and_double_free_is_caught():
     bm.free(table)
     with pytest.raises(RuntimeError, match="freed more often"):
         bm.free(alias)
+
+
+def test_block_tables_keep_their_int64_copy_through_growth_forks_and_frees():
+    bm = BlockManager(num_blocks=64, block_size=4)
+    table = bm.allocate(3)
+    assert isinstance(table, BlockTable) and table.array().dtype == np.int64
+    for tokens in range(13, 200, 7):  # past the copy's first capacity (16 blocks), twice
+        bm.grow(table, tokens)
+        assert table.array().tolist() == list(table), tokens
+    forked, _ = bm.fork(table, 30)
+    assert isinstance(forked, BlockTable) and forked.array().tolist() == list(forked)
+    bm.free(table)
+    assert table == [] and table.array().tolist() == []
+    table.extend(bm.allocate(2))
+    assert table.array().tolist() == list(table) and len(table) == 2
+
+
+@pytest.mark.parametrize(
+    "rewrite",
+    [
+        lambda t: t.__setitem__(0, 5),
+        lambda t: t.__delitem__(0),
+        lambda t: t.insert(0, 5),
+        lambda t: t.pop(),
+        lambda t: t.remove(t[0]),
+        lambda t: t.sort(),
+        lambda t: t.reverse(),
+        lambda t: t.__iadd__([5]),
+    ],
+)
+def test_block_tables_refuse_rewrites_their_copy_would_miss(rewrite):
+    table = BlockTable([3, 1, 2])
+    with pytest.raises(TypeError, match="only grows"):
+        rewrite(table)
+    assert table == [3, 1, 2] and table.array().tolist() == [3, 1, 2]
