@@ -49,6 +49,7 @@ from fp4rl.model.transformer import build_model
 from fp4rl.model.weights import load_weights
 from fp4rl.rollout import Engine, EngineConfig, SamplingParams
 from fp4rl.rollout.attention import AttentionMetadata, PagedAttention, Segment
+from fp4rl.rollout.block_manager import BlockTable  # noqa: E402
 from fp4rl.rollout.capture import StepCapture
 from fp4rl.rollout.model_layout import ModelLayout
 from fp4rl.rollout.sampler import make_generator, sample
@@ -169,7 +170,8 @@ def time_case(engine: Engine, batch: int, context: int, steps: int, repeats: int
     layer in the first step)."""
     device = engine.layout.device
     per_seq = math.ceil((context + steps) / BLOCK)
-    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+    # The engine's own tables: staging copies their int64 arrays.
+    tables = [BlockTable(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
     generator = torch.Generator(device=device).manual_seed(batch * 7919 + context)
     fill_cache(engine, batch * per_seq * BLOCK, generator)
     vocab = engine.layout.vocab_size
@@ -207,7 +209,7 @@ def profile_case(engine: Engine, batch: int, context: int, top: int, title: str)
 
     per_seq = math.ceil((context + 4) / BLOCK)
     segments = [
-        Segment(list(range(i * per_seq, (i + 1) * per_seq)), context, 1) for i in range(batch)
+        Segment(BlockTable(range(i * per_seq, (i + 1) * per_seq)), context, 1) for i in range(batch)
     ]
     tokens = [1] * batch
     activities = [ProfilerActivity.CPU]
@@ -263,7 +265,7 @@ def count_ops(engine: Engine, batch: int, context: int, title: str) -> None:
     one kernel), per decoder layer (their mean) and outside the layers, by op."""
     per_seq = math.ceil((context + 4) / BLOCK)
     segments = [
-        Segment(list(range(i * per_seq, (i + 1) * per_seq)), context, 1) for i in range(batch)
+        Segment(BlockTable(range(i * per_seq, (i + 1) * per_seq)), context, 1) for i in range(batch)
     ]
     counter = _OpCounter(engine.model.layers)
     # no_grad, not inference_mode: under inference_mode composite ops (to, linear) reach the
