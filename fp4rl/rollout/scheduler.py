@@ -71,11 +71,14 @@ class Scheduler:
 
     def schedule(self) -> Step:
         step = Step()
-        for seq in list(self.running):
-            if seq not in self.running:  # preempted as a victim of an older sequence
-                continue
+        # Victims come off the end of `running`, so the list shrinks behind the walk: by index,
+        # no membership test per sequence (a quadratic walk at hundreds of sequences).
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
             if self._reserve_decode(seq, step):
                 step.decodes.append(seq)
+            i += 1
         if step.num_preempted == 0:
             budget = self.config.max_num_batched_tokens - len(step.decodes)
             budget = self._continue_prefills(step, budget)
@@ -118,6 +121,8 @@ class Scheduler:
     def _reserve_decode(self, seq: Sequence, step: Step) -> bool:
         """Make room for ``seq``'s next token, preempting newer sequences if needed."""
         need = self.blocks.blocks_for(seq.num_tokens) - len(seq.block_table)
+        if need <= 0:  # the next token fits its last block
+            return True
         while need > self.blocks.num_free_blocks:
             victim = self.running[-1]
             self.preempt(victim)

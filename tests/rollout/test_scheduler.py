@@ -119,6 +119,23 @@ def test_a_sequence_can_preempt_itself_when_it_is_the_newest():
     assert step.decodes == [old] and sched.waiting[0].seqs == [new]
 
 
+def test_preempted_sequences_behind_the_walk_are_not_decoded():
+    # Blocks of 4, 6 in all. Prompts of 8 tokens take 2 blocks (a, b), of 1 token 1 (c, d).
+    # Each sampled a token in its prefill: a and b now decode position 8 and each need a third
+    # block; a takes d's, b takes c's. c and d are not decoded and wait, the later victim
+    # first.
+    sched = scheduler(num_blocks=6, max_model_len=16, max_num_batched_tokens=32)
+    a, b, c, d = (seqs(n, first_id=i)[0] for i, n in enumerate((8, 8, 1, 1)))
+    for s in (a, b, c, d):
+        sched.add(Group([s]))
+    run_step(sched)
+    assert sched.running == [a, b, c, d] and sched.blocks.num_free_blocks == 0
+    step = run_step(sched)
+    assert step.num_preempted == 2 and step.decodes == [a, b] and sched.running == [a, b]
+    assert [g.seqs for g in sched.waiting] == [[c], [d]]
+    assert c.block_table == [] and d.block_table == [] and len(a.block_table) == 3
+
+
 def test_free_blocks_limit_how_many_samples_of_a_group_fork():
     # 10-token prompt: the leader takes 3 blocks, each fork 1 (its partial block); with 5 free
     # blocks, 3 samples fit and the fourth waits.

@@ -1,0 +1,104 @@
+"""The host's part of a graphed decode step between reading one step's tokens and launching the
+next: the scheduler's step (`Scheduler.schedule` over every running sequence) and the staging
+of the input rows, each sequence's block table copied from its `BlockTable`'s int64 array,
+against the same rows from Python lists (a copy of each table converted int by int, what every
+step did before `BlockTable`).
+
+No GPU needed (host work only): ``python benchmarks/host_step.py``. Prints a markdown table
+and writes it to ``$OUT/host_step.md`` when OUT is set; exits 1 if the two ways' rows differ.
+Batches and contexts are the decode benchmark's (`benchmarks/decode.py`), pages of 16 tokens;
+wall-clock milliseconds per step, median of 50 after 5 warm-ups.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+from _timing import report, run_header
+
+from fp4rl.rollout.attention import Segment
+from fp4rl.rollout.block_manager import BlockManager
+from fp4rl.rollout.config import EngineConfig, SamplingParams
+from fp4rl.rollout.graphs import TABLE, fill_rows
+from fp4rl.rollout.scheduler import Group, Scheduler
+from fp4rl.rollout.sequence import Sequence
+
+CASES = ((1, 1024), (64, 4096), (256, 2048))
+PAGE = 16
+
+
+def median_ms(fn, repeats: int = 50, warmup: int = 5) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def schedule_ms(batch: int, context: int) -> float:
+    """One step of `Scheduler.schedule` with ``batch`` sequences of ``context`` tokens running
+    (each then takes a token, as a step's sampling does)."""
+    steps = 55
+    config = EngineConfig(block_size=PAGE, max_model_len=context + steps + PAGE,
+                          max_num_seqs=batch, max_num_batched_tokens=batch * context)  # fmt: skip
+    scheduler = Scheduler(config, BlockManager(batch * (context // PAGE + 5), PAGE))
+    params = SamplingParams(max_tokens=context)
+    for i in range(batch):
+        prompt = list(range(context))
+        scheduler.add(Group([Sequence(i, i, 0, prompt, params, torch.Generator(), frozenset())]))
+    scheduler.commit(scheduler.schedule())
+
+    def step():
+        for seq in scheduler.running:
+            seq.completion_ids.append(1)
+        scheduler.commit(scheduler.schedule())
+
+    return median_ms(step, repeats=steps - 5)
+
+
+def main() -> None:
+    lines = [
+        run_header(" ".join(["python", *sys.argv])),
+        "",
+        "| batch × context | schedule ms | blocks a row | staging from lists (copy + ints) ms "
+        "| from BlockTable arrays ms | lists / arrays |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    failed = False
+    for batch, context in CASES:
+        blocks = context // PAGE
+        manager = BlockManager(num_blocks=batch * blocks, block_size=PAGE)
+        tables = [manager.allocate(blocks) for _ in range(batch)]
+        tokens = list(range(batch))
+        rows = {name: np.zeros((batch, TABLE + blocks), dtype=np.int64) for name in "la"}
+
+        def stage(out, copy, tables=tables, tokens=tokens, start=context - 1):
+            segments = [Segment(list(t) if copy else t, start, 1) for t in tables]
+            fill_rows(out, segments, tokens, PAGE)
+
+        with_lists = functools.partial(stage, rows["l"], True)
+        with_arrays = functools.partial(stage, rows["a"], False)
+        lists, arrays = median_ms(with_lists), median_ms(with_arrays)
+        same = np.array_equal(rows["l"], rows["a"])
+        failed |= not same
+        lines.append(
+            f"| {batch} × {context} | {schedule_ms(batch, context):.3f} | {blocks} | {lists:.3f} | "
+            f"{arrays:.3f} | "
+            f"{lists / arrays:.1f}x{'' if same else ' (rows differ)'} |"
+        )
+        print(lines[-1], flush=True)
+    report("host_step.md", lines)
+    if failed:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
