@@ -57,6 +57,9 @@ class BlockTable(list):
         """The blocks as int64, a view valid until the table next changes."""
         return self._array[: len(self)]
 
+    def __reduce__(self):  # copies and pickles rebuild the array through __init__
+        return (BlockTable, (list(self),))
+
     def _rewrites(self, *args, **kwargs):
         raise TypeError("a BlockTable only grows (extend, append) or empties (clear)")
 

@@ -1,5 +1,8 @@
 """Block allocation: refcounted sharing of complete prompt blocks, frees, exhaustion."""
 
+import copy as copying
+import pickle
+
 import numpy as np
 import pytest
 
@@ -69,6 +72,14 @@ def test_block_tables_keep_their_int64_copy_through_growth_forks_and_frees():
     assert table == [] and table.array().tolist() == []
     table.extend(bm.allocate(2))
     assert table.array().tolist() == list(table) and len(table) == 2
+
+
+def test_block_tables_copy_and_pickle_with_their_array():
+    table = BlockTable(range(40))
+    for twin in (copying.copy(table), copying.deepcopy(table), pickle.loads(pickle.dumps(table))):
+        assert isinstance(twin, BlockTable) and twin == table
+        twin.append(99)
+        assert twin.array().tolist() == [*range(40), 99] and len(table) == 40
 
 
 @pytest.mark.parametrize(
