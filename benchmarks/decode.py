@@ -49,7 +49,7 @@ from fp4rl.model.transformer import build_model
 from fp4rl.model.weights import load_weights
 from fp4rl.rollout import Engine, EngineConfig, SamplingParams
 from fp4rl.rollout.attention import AttentionMetadata, PagedAttention, Segment
-from fp4rl.rollout.block_manager import BlockTable  # noqa: E402
+from fp4rl.rollout.block_manager import BlockTable
 from fp4rl.rollout.capture import StepCapture
 from fp4rl.rollout.model_layout import ModelLayout
 from fp4rl.rollout.sampler import make_generator, sample
