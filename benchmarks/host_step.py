@@ -32,7 +32,9 @@ CASES = ((1, 1024), (64, 4096), (256, 2048))
 PAGE = 16
 
 
-def median_ms(fn, repeats: int = 50, warmup: int = 5) -> float:
+def host_ms(fn, repeats: int = 50, warmup: int = 5) -> float:
+    """Median wall-clock ms of ``fn()``: host time, which `_timing.median_ms` would measure with
+    CUDA events on a GPU machine (the device's time, not the host's)."""
     for _ in range(warmup):
         fn()
     times = []
@@ -61,7 +63,7 @@ def schedule_ms(batch: int, context: int) -> float:
             seq.completion_ids.append(1)
         scheduler.commit(scheduler.schedule())
 
-    return median_ms(step, repeats=steps - 5)
+    return host_ms(step, repeats=steps - 5)
 
 
 def main() -> None:
@@ -86,7 +88,7 @@ def main() -> None:
 
         with_lists = functools.partial(stage, rows["l"], True)
         with_arrays = functools.partial(stage, rows["a"], False)
-        lists, arrays = median_ms(with_lists), median_ms(with_arrays)
+        lists, arrays = host_ms(with_lists), host_ms(with_arrays)
         same = np.array_equal(rows["l"], rows["a"])
         failed |= not same
         lines.append(
