@@ -69,8 +69,9 @@ def main() -> None:
         "--register-configs",
         default="auto,16:64:128:4:2,16:64:128:4:1,16:128:128:4:2,8:64:256:4:2,16:64:64:4:2,"
         "32:64:128:4:2,16:128:64:8:2",
-        help="tiles for (e), BLOCK_M:BLOCK_N:BLOCK_K:WARPS:STAGES or auto (STAGES >= 2: the "
-        "next step's words loaded ahead), comma-separated; suffix '+lut' decodes by byte-table "
+        help="tiles for (e), BLOCK_M:BLOCK_N:BLOCK_K:WARPS:STAGES[:SPLIT_K] or auto (STAGES >= "
+        "2: the next step's words loaded ahead; SPLIT_K of the warps share each column, each "
+        "with its own BLOCK_K of a step), comma-separated; suffix '+lut' decodes by byte-table "
         "lookup, '+arith' by arithmetic per code (moe_gemm_registers.LOOKUP; no suffix: its "
         "default); ignored without a GPU",
     )
@@ -127,7 +128,7 @@ def main() -> None:
     register_sweep = [
         "",
         "Tiles of (e), NVFP4 weights decoded into the MMA's registers (BLOCK_M:BLOCK_N:BLOCK_K:"
-        "WARPS:STAGES), us, beside (a) and (d) from the same run:",
+        "WARPS:STAGES[:SPLIT_K]), us, beside (a) and (d) from the same run:",
         "",
         "| GEMM | tokens | (a) auto | (d) auto | "
         + " | ".join(register_variants)

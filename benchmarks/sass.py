@@ -8,7 +8,7 @@ No GPU needed (Triton compiles for the target and disassembles with the tools it
 
 The kernels: `paged_attention_registers` (decode attention, NVFP4 pages, 32 query / 4 KV heads of
 128, pages of 16 tokens) at 16- and 32-token steps, and `moe_gemm_registers` (the expert GEMM,
-Qwen3-30B-A3B's w13 ``[1536, 2048]`` and w2 ``[2048, 768]``) at the launcher's three tiles, by
+Qwen3-30B-A3B's w13 ``[1536, 2048]`` and w2 ``[2048, 768]``) at the launcher's four tiles, by
 byte-table lookup and by arithmetic per code. The loop is the longest stretch of SASS between a
 label and a branch back to it; "per value" divides its instructions by the NVFP4 values a
 thread decodes in one pass (K and V for the attention, weights for the GEMM). Shared-memory
@@ -68,9 +68,11 @@ def gemm_case(weight: str, tile_name: str, lookup: bool) -> Case:
         "narrow": moe_gemm.REGISTERS_TILE,
         "short": moe_gemm.REGISTERS_SHORT_TILE,
         "wide": moe_gemm.REGISTERS_WIDE_TILE,
+        "split": moe_gemm.REGISTERS_SPLIT_TILE,
     }[tile_name]
     tile = tile.fitted(n, k)
-    warps = min(tile.num_warps, tile.block_n // 16)
+    warps_n = min(tile.num_warps // tile.split_k, tile.block_n // 16)
+    warps = warps_n * tile.split_k
     return Case(
         "gemm",
         dict(
@@ -83,13 +85,15 @@ def gemm_case(weight: str, tile_name: str, lookup: bool) -> Case:
             BLOCK_E=128,
             PREFETCH=tile.num_stages >= 2,
             LOOKUP=lookup and tile.block_k >= 64,
-            NUM_WARPS=warps,
+            WARPS_N=warps_n,
+            SPLIT=tile.split_k,
         ),  # fmt: skip
         warps,
-        tile.block_n * tile.block_k // (32 * warps),
+        tile.block_n * tile.block_k // (32 * warps_n),
         # K steps x row tiles of 8 x the warp's m16 tiles of weight rows
-        (tile.block_k // 16) * (tile.block_m // 8) * (tile.block_n // (16 * warps)),
-        f"{weight} {tile.block_m}:{tile.block_n}:{tile.block_k}:{warps} "
+        (tile.block_k // 16) * (tile.block_m // 8) * (tile.block_n // (16 * warps_n)),
+        f"{weight} {tile.block_m}:{tile.block_n}:{tile.block_k}:{warps}"
+        f"{f':split {tile.split_k}' if tile.split_k > 1 else ''} "
         f"{'lookup' if lookup else 'arithmetic'}",
     )
 
@@ -100,7 +104,7 @@ CASES = {
     **{
         f"gemm:{w}:{t}{'' if lut else ':arith'}": (lambda w=w, t=t, lut=lut: gemm_case(w, t, lut))
         for w in ("w13", "w2")
-        for t in ("narrow", "short", "wide")
+        for t in ("narrow", "short", "wide", "split")
         for lut in (True, False)
     },
 }

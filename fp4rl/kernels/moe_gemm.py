@@ -240,28 +240,43 @@ def _moe_gemm_kernel(
 class GemmTile:
     """One program: ``block_m`` rows of one expert times ``block_n`` output columns, ``block_k``
     of the reduction per step (each a power of two >= 16; ``block_m`` may be 8 for the register
-    kernel, whose MMA takes 8 rows), ``num_stages`` of loads in flight."""
+    kernel, whose MMA takes 8 rows), ``num_stages`` of loads in flight. ``split_k`` (register
+    kernel only) of the ``num_warps`` share each column, each taking its own ``block_k`` of a
+    step: a step then covers ``split_k * block_k`` of K, and the warps' sums are added at the
+    end."""
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    split_k: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
             v, least = getattr(self, name), 8 if name == "block_m" else 16
             if v < least or v & (v - 1):
                 raise ValueError(f"GemmTile.{name} must be a power of two >= {least}; got {v}")
+        if self.split_k < 1 or self.split_k & (self.split_k - 1) or self.num_warps % self.split_k:
+            raise ValueError(
+                f"GemmTile.split_k must be a power of two dividing num_warps={self.num_warps}; "
+                f"got {self.split_k}"
+            )
 
     def fitted(self, n: int, k: int) -> GemmTile:
-        """This tile narrowed where N or K is not a multiple of it (N, K multiples of 16)."""
-        block_n, block_k = self.block_n, self.block_k
+        """This tile narrowed where N or K is not a multiple of it (N, K multiples of 16): its
+        K step first, then its split."""
+        block_n, block_k, split_k = self.block_n, self.block_k, self.split_k
         while n % block_n:
             block_n //= 2
-        while k % block_k:
-            block_k //= 2
-        return GemmTile(self.block_m, block_n, block_k, self.num_warps, self.num_stages)
+        while k % (block_k * split_k):
+            if block_k > 64:
+                block_k //= 2
+            elif split_k > 1:
+                split_k //= 2
+            else:
+                block_k //= 2
+        return dataclasses.replace(self, block_n=block_n, block_k=block_k, split_k=split_k)
 
 
 # (most rows per expert on average, tile): the first bucket that holds A / E is used; the
@@ -311,6 +326,15 @@ REGISTERS_TILE = GemmTile(block_m=16, block_n=64, block_k=256, num_warps=4, num_
 # us against 50.2 / 110.2 for 16 rows, w2 26.3 / 57.8 against 29.2 / 64.8). Below half a row
 # (one token) 16 rows measured faster: 14.0 against 17.0 us (w13), 7.5 against 7.9 (w2).
 REGISTERS_SHORT_TILE = GemmTile(block_m=8, block_n=64, block_k=256, num_warps=4, num_stages=2)
+# Below half a row per expert, a long reduction (at least 8 of REGISTERS_TILE's K steps: w13's
+# K = 2048, not w2's 768) is split between two warps per column: 8 rows, 32 columns, each warp
+# its own 256 of a 512-wide step. A lone token's warps then each walk half as many steps: w13
+# at 1 / 4 tokens 11.9 / 29.5 us against 14.3 / 31.4 unsplit, while w2's three steps gain
+# nothing (8.1 against 7.7 us at one token) (one H200, `python benchmarks/moe.py`, BENCHMARKS.md
+# "Routed-expert GEMM: K split across warps").
+REGISTERS_SPLIT_TILE = GemmTile(block_m=8, block_n=32, block_k=256, num_warps=4, num_stages=2,
+                                split_k=2)  # fmt: skip
+REGISTERS_SPLIT_MIN_STEPS = 8
 # Past 8 rows per expert: 32 rows and 128 columns of 4 warps (each warp's 32 columns share its
 # copy of the rows); at 256 tokens 171 against 280 us (w13) and 82 against 149 (w2).
 REGISTERS_WIDE_TILE = GemmTile(block_m=32, block_n=128, block_k=128, num_warps=4, num_stages=2)
@@ -343,15 +367,19 @@ def config_for(
     return tile
 
 
-def register_config_for(num_rows: int, num_experts: int) -> GemmTile:
+def register_config_for(num_rows: int, num_experts: int, k: int = 0) -> GemmTile:
     """The register kernel's tile by rows per expert on average: `REGISTERS_TILE` below half a
-    row, `REGISTERS_SHORT_TILE` up to 8 rows, `REGISTERS_WIDE_TILE` above (narrowed to the
-    weight's shape by the launcher, its warps cut to one per 16 columns)."""
+    row (`REGISTERS_SPLIT_TILE` where the reduction ``k`` has at least
+    `REGISTERS_SPLIT_MIN_STEPS` of its steps), `REGISTERS_SHORT_TILE` up to 8 rows,
+    `REGISTERS_WIDE_TILE` above (narrowed to the weight's shape by the launcher, its warps cut
+    to one per 16 columns)."""
     experts = max(num_experts, 1)
     if num_rows > 8.0 * experts:
         return REGISTERS_WIDE_TILE
     if num_rows >= 0.5 * experts:
         return REGISTERS_SHORT_TILE
+    if k >= REGISTERS_SPLIT_MIN_STEPS * REGISTERS_TILE.block_k:
+        return REGISTERS_SPLIT_TILE
     return REGISTERS_TILE
 
 
@@ -460,7 +488,7 @@ def launch(
         )
     sms = multiprocessors(x_AK.device)
     if config is None:
-        config = register_config_for(A, E) if registers else config_for(
+        config = register_config_for(A, E, K) if registers else config_for(
             A, E, N, sms, bf16=not packed
         )  # fmt: skip
     tile = config.fitted(N, K)
@@ -475,13 +503,16 @@ def launch(
     grid = (N // tile.block_n, max_tiles)
     if tile.block_m < 16 and not registers:
         raise ValueError(f"block_m={tile.block_m}: 8 rows are for the register kernel only")
+    if tile.split_k > 1 and not registers:
+        raise ValueError(f"split_k={tile.split_k}: splitting K is for the register kernel only")
     if registers:
         if (refusal := register_kernels_refusal(x_AK.device)) is not None:
             raise ValueError(f"registers (x_AK's device) {refusal}")
         from fp4rl.kernels import moe_gemm_registers
 
         # Each warp takes 16 of the tile's columns at least (the MMA's m16).
-        tile = dataclasses.replace(tile, num_warps=min(tile.num_warps, tile.block_n // 16))
+        warps_n = min(tile.num_warps // tile.split_k, tile.block_n // 16)
+        tile = dataclasses.replace(tile, num_warps=warps_n * tile.split_k)
         with device_of(x_AK):
             moe_gemm_registers.launch_kernel(
                 grid, x_AK, members, counts_E, y_AN, order_A, A=A, E=E, N=N, K=K,

@@ -15,6 +15,13 @@ K are the 8 codes of one packed word. The rows of x, the other operand, are load
 order (8 consecutive values per thread, one 16-byte load) and put in the same order; both
 reorderings are register renamings, checked at compile time.
 
+A split tile (``GemmTile.split_k`` > 1) lays that many warps along K instead of N: each takes
+its own ``BLOCK_K`` of a step of ``split_k * BLOCK_K``, the weights' and x's tiles hold the
+slices stacked along their rows, the product is batched over them (a 3-D `mma_v2`), and the
+slices' FP32 sums are added once after the loop (across warps, through shared memory, in a
+fixed order). A lone token's w13 walks its 2,048 of K in half the steps per warp that way.
+Unsplit tiles keep the 2-D layouts, which compile to fewer registers.
+
 Decode: by byte-table lookup (`fragments.byte_tables`, `fragments.look_up`: 15 instructions for
 8 weights) against about 40 for the arithmetic per code (`_decode`, kept for 32-wide K steps
 and as the lookup's reference in the tests). See `LOOKUP`.
@@ -31,7 +38,8 @@ Compiled only (sm_89 and newer): Triton's interpreter runs no Gluon, so the CPU 
 `moe_gemm`'s program, the reference for this one's tests on the GPU.
 
 Legend: A rows (token-expert assignments), K reduction, N output columns, E experts, W words of
-8 codes, CH chunks of 32 values of K in a step.
+8 codes, CH chunks of 32 values of K in a step; U and V the stacked rows of x's and the weights'
+tiles (a split's slices one above the other), S the slices.
 """
 
 from __future__ import annotations
@@ -57,39 +65,100 @@ def _add(a, b):
 
 
 @gluon.constexpr_function
-def _words_layout(block_n, block_k, num_warps):
-    """``[BLOCK_N, BLOCK_K // 8]`` packed words, each held by the thread whose operand fragment
-    holds its 8 codes: lanes (c, g) of a quad layout, warps along N as the MMA's."""
+def _warps(step, rows, warps_n, split):
+    """Warp bases of ``split`` stacked K slices of ``rows`` rows each: ``warps_n`` warps along
+    the rows, ``step`` apart (16, the MMA's m16; 0 where they all hold the same values), then
+    one slice a warp, in the warp order of `NVMMADistributedLayout` on ``[split, rows, cols]``."""
+    along = [[step << i, 0] for i in range(int(math.log2(warps_n)))]
+    return along + [[rows << i, 0] for i in range(int(math.log2(split)))]
+
+
+@gluon.constexpr_function
+def _words_layout(block_n, block_k, warps_n, split):
+    """``[split * BLOCK_N, BLOCK_K // 8]`` packed words (slice s of the step's K on rows ``s *
+    BLOCK_N ..``), each held by the thread whose operand fragment holds its 8 codes: lanes (c,
+    g) of a quad layout, warps along N as the MMA's, then one K slice each."""
     ch = block_k // 32
     regs = [[0, 1 << i] for i in range(int(math.log2(ch)))] + [[8, 0]]
-    regs += [[16 * num_warps << i, 0] for i in range(int(math.log2(block_n // (16 * num_warps))))]
+    regs += [[16 * warps_n << i, 0] for i in range(int(math.log2(block_n // (16 * warps_n))))]
     lanes = [[0, ch], [0, 2 * ch], [1, 0], [2, 0], [4, 0]]
-    warps = [[16 << i, 0] for i in range(int(math.log2(num_warps)))]
-    return gl.DistributedLinearLayout(regs, lanes, warps, [], [block_n, block_k // 8])
+    warps = _warps(16, block_n, warps_n, split)
+    return gl.DistributedLinearLayout(regs, lanes, warps, [], [split * block_n, block_k // 8])
 
 
 @gluon.constexpr_function
-def _blocks_layout(block_n, block_k, num_warps):
-    """``[BLOCK_N, BLOCK_K // 16]`` blocks of 16 codes, each held by the thread that holds its
-    two words in `_words_layout` (BLOCK_K >= 64)."""
+def _blocks_layout(block_n, block_k, warps_n, split):
+    """``[split * BLOCK_N, BLOCK_K // 16]`` blocks of 16 codes, each held by the thread that
+    holds its two words in `_words_layout` (BLOCK_K >= 64)."""
     ch = block_k // 32
     regs = [[0, 1 << i] for i in range(int(math.log2(ch)) - 1)] + [[8, 0]]
-    regs += [[16 * num_warps << i, 0] for i in range(int(math.log2(block_n // (16 * num_warps))))]
+    regs += [[16 * warps_n << i, 0] for i in range(int(math.log2(block_n // (16 * warps_n))))]
     lanes = [[0, ch // 2], [0, ch], [1, 0], [2, 0], [4, 0]]
-    warps = [[16 << i, 0] for i in range(int(math.log2(num_warps)))]
-    return gl.DistributedLinearLayout(regs, lanes, warps, [], [block_n, block_k // 16])
+    warps = _warps(16, block_n, warps_n, split)
+    return gl.DistributedLinearLayout(regs, lanes, warps, [], [split * block_n, block_k // 16])
 
 
 @gluon.constexpr_function
-def _rows_layout(block_m, block_k, num_warps):
-    """``[BLOCK_M, BLOCK_K]`` rows of x in real K order: each thread holds the 8 consecutive
-    values matching each word it decodes, for its rows; every warp holds all of them."""
+def _rows_layout(block_m, block_k, warps_n, split):
+    """``[split * BLOCK_M, BLOCK_K]`` rows of x in real K order (slice s of the step's K on rows
+    ``s * BLOCK_M ..``): each thread holds the 8 consecutive values matching each word it
+    decodes, for its rows; the warps along N hold the same values, each slice's its own."""
     ch = block_k // 32
     regs = [[0, 1], [0, 2], [0, 4]] + [[0, 8 << i] for i in range(int(math.log2(ch)))]
     regs += [[8 << i, 0] for i in range(int(math.log2(block_m // 8)))]
     lanes = [[0, 8 * ch], [0, 16 * ch], [1, 0], [2, 0], [4, 0]]
-    warps = [[0, 0]] * int(math.log2(num_warps))
-    return gl.DistributedLinearLayout(regs, lanes, warps, [], [block_m, block_k])
+    warps = _warps(0, block_m, warps_n, split)
+    return gl.DistributedLinearLayout(regs, lanes, warps, [], [split * block_m, block_k])
+
+
+@gluon.constexpr_function
+def _mma_layout(warps_n, split):
+    """The MMA's accumulator layout: warps along N, and with a split one K slice a warp,
+    batched (``[split, BLOCK_N, BLOCK_M]``). Unsplit tiles keep the plain 2-D layout, which
+    compiles to fewer registers."""
+    if split == 1:
+        return gl.NVMMADistributedLayout(
+            version=[2, 0], warps_per_cta=[warps_n, 1], instr_shape=[16, 8]
+        )
+    return gl.NVMMADistributedLayout(
+        version=[2, 0], warps_per_cta=[split, warps_n, 1], instr_shape=[1, 16, 8]
+    )
+
+
+@gluon.constexpr_function
+def _stacked_shape(split, shape):
+    """The accumulator's shape: ``shape``, batched over the slices of a split."""
+    return shape if split == 1 else [split, *shape]
+
+
+@gluon.jit
+def _unstacked(v, ROWS: gl.constexpr, SPLIT: gl.constexpr):
+    """(row within its slice, slice) of stacked row numbers ``v``."""
+    if SPLIT > 1:
+        row = v % ROWS
+        piece = v // ROWS
+    else:
+        row = v
+        piece = 0
+    return row, piece
+
+
+@gluon.jit
+def _stacked(t, SPLIT: gl.constexpr):
+    """``[SPLIT * ROWS, BLOCK_K]`` stacked slices as the product's first operand's shape."""
+    if SPLIT > 1:
+        t = gl.reshape(t, [SPLIT, t.shape[0] // SPLIT, t.shape[1]])
+    return t
+
+
+@gluon.jit
+def _stacked_t(t, SPLIT: gl.constexpr):
+    """``[SPLIT * ROWS, BLOCK_K]`` stacked slices, each transposed: the second operand's shape."""
+    if SPLIT > 1:
+        t = gl.permute(gl.reshape(t, [SPLIT, t.shape[0] // SPLIT, t.shape[1]]), [0, 2, 1])
+    else:
+        t = gl.permute(t, [1, 0])
+    return t
 
 
 @gluon.jit
@@ -154,81 +223,96 @@ def _moe_gemm_registers_kernel(
     BLOCK_E: gl.constexpr,
     PREFETCH: gl.constexpr,
     LOOKUP: gl.constexpr,
-    NUM_WARPS: gl.constexpr,
+    WARPS_N: gl.constexpr,
+    SPLIT: gl.constexpr,
 ):
-    mma: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8]
-    )
+    mma: gl.constexpr = _mma_layout(WARPS_N, SPLIT)
     weights_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     rows_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    words_l: gl.constexpr = _words_layout(BLOCK_N, BLOCK_K, NUM_WARPS)
-    x_l: gl.constexpr = _rows_layout(BLOCK_M, BLOCK_K, NUM_WARPS)
+    words_l: gl.constexpr = _words_layout(BLOCK_N, BLOCK_K, WARPS_N, SPLIT)
+    x_l: gl.constexpr = _rows_layout(BLOCK_M, BLOCK_K, WARPS_N, SPLIT)
+    STEP: gl.constexpr = SPLIT * BLOCK_K  # of K, per pass of the loop
 
     num_tiles, expert, row0, rows_end = _expert_tile(
-        counts_E, gl.program_id(1), A, E, BLOCK_M, BLOCK_E, NUM_WARPS
+        counts_E, gl.program_id(1), A, E, BLOCK_M, BLOCK_E, WARPS_N * SPLIT
     )
     if gl.program_id(1) >= num_tiles:
         return
 
-    rows_M = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_l))
-    row_ok_M = rows_M < rows_end
-    x_rows_M = rows_M.to(gl.int64)
+    # Stacked slices: row u of x's tile is row u % BLOCK_M at K offset (u // BLOCK_M) * BLOCK_K.
+    u_U = gl.arange(0, SPLIT * BLOCK_M, layout=gl.SliceLayout(1, x_l))
+    m_U, slice_U = _unstacked(u_U, BLOCK_M, SPLIT)
+    rows_U = row0 + m_U
+    row_ok_U = rows_U < rows_end
+    x_rows_U = rows_U.to(gl.int64)
     if GATHER:  # x holds tokens: row a of the product is token order[a] // top_k
-        x_rows_M = gl.load(order_A + rows_M, mask=row_ok_M, other=0).to(gl.int64) // top_k
+        x_rows_U = gl.load(order_A + rows_U, mask=row_ok_U, other=0).to(gl.int64) // top_k
     k_K = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, x_l))
-    x_ptrs = x_AK + x_rows_M[:, None] * K + k_K[None, :]
+    x_ptrs = x_AK + x_rows_U[:, None] * K + k_K[None, :]
 
-    cols_N = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, words_l))
-    w_rows_N = expert.to(gl.int64) * N + cols_N
-    s_N = gl.load(scale_G + w_rows_N // rows_per_group) * GLOBAL_SCALE_BIAS
+    # Likewise row v of the weights' tile is column v % BLOCK_N at slice v // BLOCK_N.
+    v_V = gl.arange(0, SPLIT * BLOCK_N, layout=gl.SliceLayout(1, words_l))
+    n_V, slice_V = _unstacked(v_V, BLOCK_N, SPLIT)
+    w_rows_V = expert.to(gl.int64) * N + (gl.program_id(0) * BLOCK_N + n_V)
+    s_V = gl.load(scale_G + w_rows_V // rows_per_group) * GLOBAL_SCALE_BIAS
     word_W = gl.arange(0, BLOCK_K // 8, layout=gl.SliceLayout(0, words_l))
-    word_ptrs = codes_ENW + w_rows_N[:, None] * (K // 8) + word_W[None, :]
+    word_ptrs = codes_ENW + w_rows_V[:, None] * (K // 8) + word_W[None, :]
     if LOOKUP:  # block scales per block, and each block's byte tables built once
-        blocks_l: gl.constexpr = _blocks_layout(BLOCK_N, BLOCK_K, NUM_WARPS)
-        cols_B = gl.program_id(0) * BLOCK_N + gl.arange(
-            0, BLOCK_N, layout=gl.SliceLayout(1, blocks_l)
-        )
-        w_rows_B = expert.to(gl.int64) * N + cols_B
+        blocks_l: gl.constexpr = _blocks_layout(BLOCK_N, BLOCK_K, WARPS_N, SPLIT)
+        v_B = gl.arange(0, SPLIT * BLOCK_N, layout=gl.SliceLayout(1, blocks_l))
+        n_B, slice_B = _unstacked(v_B, BLOCK_N, SPLIT)
+        w_rows_B = expert.to(gl.int64) * N + (gl.program_id(0) * BLOCK_N + n_B)
         s_B = gl.load(scale_G + w_rows_B // rows_per_group) * GLOBAL_SCALE_BIAS
         block_B = gl.arange(0, BLOCK_K // 16, layout=gl.SliceLayout(0, blocks_l))
         scale_ptrs = block_scale_ENB + w_rows_B[:, None] * (K // 16) + block_B[None, :]
+        slice_S = slice_B
     else:  # a word's block scale: one byte per two words (a block is 16 codes)
-        scale_ptrs = block_scale_ENB + w_rows_N[:, None] * (K // 16) + (word_W // 2)[None, :]
+        scale_ptrs = block_scale_ENB + w_rows_V[:, None] * (K // 16) + (word_W // 2)[None, :]
+        slice_S = slice_V
+    if SPLIT > 1:  # slice s starts s * BLOCK_K into each step
+        x_ptrs += (slice_U * BLOCK_K)[:, None]
+        word_ptrs += (slice_V * (BLOCK_K // 8))[:, None]
+        scale_ptrs += (slice_S * (BLOCK_K // 16))[:, None]
 
-    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
+    acc = gl.zeros(_stacked_shape(SPLIT, [BLOCK_N, BLOCK_M]), gl.float32, layout=mma)
     words = gl.load(word_ptrs)
     scales = gl.load(scale_ptrs)
-    for k in range(0, K, BLOCK_K):
+    for k in range(0, K, STEP):
         if PREFETCH:  # the next step's words in flight while this step decodes
-            more = k + BLOCK_K < K
-            next_words = gl.load(word_ptrs + BLOCK_K // 8, mask=more, other=0)
-            next_scales = gl.load(scale_ptrs + BLOCK_K // 16, mask=more, other=0)
+            more = k + STEP < K
+            next_words = gl.load(word_ptrs + STEP // 8, mask=more, other=0)
+            next_scales = gl.load(scale_ptrs + STEP // 16, mask=more, other=0)
         sf = scales.to(gl.float8e4nv, bitcast=True).to(gl.float32)
         if LOOKUP:
-            w_NK = fragments.looked_up(words, sf, s_B[:, None], BLOCK_N, BLOCK_K, words_l)
+            w_VK = fragments.looked_up(words, sf, s_B[:, None], SPLIT * BLOCK_N, BLOCK_K, words_l)
         else:
-            w_NK = _decode(words, sf * BLOCK_SCALE_BIAS, s_N[:, None], BLOCK_N, BLOCK_K)
-        w_NK = gl.convert_layout(
-            fragments.hardware_order(w_NK, BLOCK_N, BLOCK_K), weights_l, assert_trivial=True
-        )
-        x_MK = gl.load(x_ptrs, mask=row_ok_M[:, None], other=0.0)
-        x_KM = gl.permute(fragments.hardware_order(x_MK, BLOCK_M, BLOCK_K), [1, 0])
-        acc = mma_v2(w_NK, gl.convert_layout(x_KM, rows_l, assert_trivial=True), acc)
-        word_ptrs += BLOCK_K // 8
-        scale_ptrs += BLOCK_K // 16
-        x_ptrs += BLOCK_K
+            w_VK = _decode(words, sf * BLOCK_SCALE_BIAS, s_V[:, None], SPLIT * BLOCK_N, BLOCK_K)
+        w = fragments.hardware_order(w_VK, SPLIT * BLOCK_N, BLOCK_K)
+        w = gl.convert_layout(_stacked(w, SPLIT), weights_l, assert_trivial=True)
+        x_UK = gl.load(x_ptrs, mask=row_ok_U[:, None], other=0.0)
+        x = _stacked_t(fragments.hardware_order(x_UK, SPLIT * BLOCK_M, BLOCK_K), SPLIT)
+        acc = mma_v2(w, gl.convert_layout(x, rows_l, assert_trivial=True), acc)
+        word_ptrs += STEP // 8
+        scale_ptrs += STEP // 16
+        x_ptrs += STEP
         if PREFETCH:
             words = next_words
             scales = next_scales
         else:
-            if k + BLOCK_K < K:
+            if k + STEP < K:
                 words = gl.load(word_ptrs)
                 scales = gl.load(scale_ptrs)
 
-    cols_out = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
-    rows_out = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
+    if SPLIT > 1:  # the slices' sums added in a fixed order (across warps: shared memory)
+        acc_NM = gl.sum(acc, 0)
+        out_l: gl.constexpr = gl.SliceLayout(0, mma)
+    else:
+        acc_NM = acc
+        out_l: gl.constexpr = mma
+    cols_out = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_l))
+    rows_out = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_l))
     y_ptrs = y_AN + rows_out.to(gl.int64)[None, :] * N + cols_out[:, None]
-    gl.store(y_ptrs, acc.to(gl.bfloat16), mask=(rows_out < rows_end)[None, :])
+    gl.store(y_ptrs, acc_NM.to(gl.bfloat16), mask=(rows_out < rows_end)[None, :])
 
 
 # Decode by byte-table lookup (`fragments`; tiles with BLOCK_K >= 64) rather than by arithmetic
@@ -241,22 +325,31 @@ def _moe_gemm_registers_kernel(
 LOOKUP = True
 
 
-def check_tile(block_m: int, block_n: int, block_k: int, num_warps: int, n: int, k: int) -> None:
-    """Raise ValueError naming the value unless the tile fits these fragments and the shape."""
+def check_tile(
+    block_m: int, block_n: int, block_k: int, num_warps: int, n: int, k: int, split_k: int = 1
+) -> None:
+    """Raise ValueError naming the value unless the tile fits these fragments and the weight's
+    N and K (``split_k`` of the warps along K, the rest along N)."""
     if num_warps not in (1, 2, 4, 8):
         raise ValueError(f"register tile: num_warps must be 1, 2, 4 or 8; got {num_warps}")
+    if split_k not in (1, 2, 4, 8) or num_warps % split_k:
+        raise ValueError(
+            f"register tile: split_k must be 1, 2, 4 or 8 and divide num_warps={num_warps}; "
+            f"got {split_k}"
+        )
     if block_m < 8:
         raise ValueError(f"register tile: block_m must be at least 8 (the MMA's n8); got {block_m}")
-    if block_n < 16 * num_warps:
+    if block_n < 16 * (num_warps // split_k):
         raise ValueError(
             f"register tile: block_n={block_n} must be at least 16 x num_warps={num_warps}"
+            + (f" // split_k={split_k}" if split_k > 1 else "")
         )
     if block_k < 32:
         raise ValueError(f"register tile: block_k must be at least 32; got {block_k}")
-    if n % block_n or k % block_k:
+    if n % block_n or k % (block_k * split_k):
         raise ValueError(
-            f"register tile {block_n}x{block_k} (block_n x block_k) must divide the weight's "
-            f"N={n} and K={k}"
+            f"register tile {block_n}x{block_k} (block_n x block_k), split_k={split_k}: block_n "
+            f"and block_k x split_k must divide the weight's N={n} and K={k}"
         )
 
 
@@ -264,14 +357,15 @@ def launch_kernel(grid, x_AK, members, counts_E, y_AN, order_A, *, A, E, N, K, r
                   top_k, tile) -> None:  # fmt: skip
     """Launch over ``grid`` with `moe_gemm.launch`'s checked arguments (``members``: the codes
     as int32, the block scales as bytes, the global scale per group)."""
-    check_tile(tile.block_m, tile.block_n, tile.block_k, tile.num_warps, N, K)
+    check_tile(tile.block_m, tile.block_n, tile.block_k, tile.num_warps, N, K, tile.split_k)
     _moe_gemm_registers_kernel[grid](
         x_AK, *members, counts_E, y_AN, x_AK if order_A is None else order_A,
         A, E, rows_per_group, top_k,
         N=N, K=K, GATHER=order_A is not None,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         BLOCK_E=triton.next_power_of_2(E), PREFETCH=tile.num_stages >= 2,
-        LOOKUP=LOOKUP and tile.block_k >= 64, NUM_WARPS=tile.num_warps, num_warps=tile.num_warps,
+        LOOKUP=LOOKUP and tile.block_k >= 64, WARPS_N=tile.num_warps // tile.split_k,
+        SPLIT=tile.split_k, num_warps=tile.num_warps,
         # Products feed additions only inside the MMA; no FMA may merge the two scalings.
         enable_fp_fusion=False,
     )  # fmt: skip

@@ -35,7 +35,12 @@ REGISTER_TILES = [
     GemmTile(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=1),
     GemmTile(block_m=32, block_n=128, block_k=32, num_warps=8, num_stages=2),
     GemmTile(block_m=16, block_n=32, block_k=64, num_warps=2, num_stages=2),
+    # K split across warps: each of 4 (2) warps takes its own 64 (128) of a step's K.
+    GemmTile(block_m=16, block_n=16, block_k=64, num_warps=4, num_stages=2, split_k=4),
+    GemmTile(block_m=8, block_n=32, block_k=128, num_warps=4, num_stages=1, split_k=2),
+    GemmTile(block_m=16, block_n=64, block_k=64, num_warps=8, num_stages=2, split_k=2),
 ]
+SPLIT_TILE = REGISTER_TILES[6]
 
 
 DECODES = pytest.mark.parametrize("lookup", [False, True], ids=["arithmetic", "lookup"])
@@ -99,7 +104,7 @@ def test_registers_qwen3_shapes_on_gpu(shape, tokens, decode):
     w = random_weights(128, n, k, "cuda", seed=tokens)
     counts = routed(tokens, 128, 8, g)
     x = torch.randn(int(counts.sum()), k, generator=g).to(torch.bfloat16).cuda()
-    for tile in (None, REGISTER_TILES[2]):
+    for tile in (None, REGISTER_TILES[2], SPLIT_TILE):
         y = moe_gemm.launch(x, w, counts.cuda(), config=tile, registers=True)
         assert_fp32_accumulated(y, x, w, counts, f"registers {shape} {tokens} tokens {tile}")
 
@@ -117,9 +122,12 @@ def test_registers_gather_poison_and_graph_on_gpu(decode):
     order = torch.argsort(ids.flatten(), stable=True).cuda()
     counts = torch.bincount(ids.flatten(), minlength=128).cuda()
     x = torch.randn(tokens, k, generator=g).to(torch.bfloat16).cuda()
-    got = moe_gemm.launch(x, w, counts, order_A=order, top_k=top_k, registers=True)
-    want = moe_gemm.launch(x[order // top_k].contiguous(), w, counts, registers=True)
-    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    for tile in (None, SPLIT_TILE):
+        got = moe_gemm.launch(x, w, counts, order_A=order, top_k=top_k, config=tile,
+                              registers=True)  # fmt: skip
+        rows = x[order // top_k].contiguous()
+        want = moe_gemm.launch(rows, w, counts, config=tile, registers=True)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), tile
 
     global_scale = w.global_scale.clone()
     block_scale = w.block_scale.clone()
@@ -173,10 +181,14 @@ def test_decode_batches_take_the_register_kernel_on_gpu():
 
 def test_register_tiles_by_rows_per_expert():
     """The register kernel's tile: 16 rows below half a row per expert (one token at top-8 of
-    128), 8 rows up to 8 rows per expert, then the wide tile; the launcher's own choice reaches
-    as far as REGISTERS_MAX_ROWS_PER_EXPERT."""
+    128), split across two warps per column for w13's long K, 8 rows up to 8 rows per expert,
+    then the wide tile; the launcher's own choice reaches as far as
+    REGISTERS_MAX_ROWS_PER_EXPERT."""
     for rows in (1, 8, 63):
         assert moe_gemm.register_config_for(rows, 128) == moe_gemm.REGISTERS_TILE
+        assert moe_gemm.register_config_for(rows, 128, k=768) == moe_gemm.REGISTERS_TILE
+        assert moe_gemm.register_config_for(rows, 128, k=2048) == moe_gemm.REGISTERS_SPLIT_TILE
+    assert moe_gemm.register_config_for(64, 128, k=2048) == moe_gemm.REGISTERS_SHORT_TILE
     for rows in (64, 512, 1024):
         assert moe_gemm.register_config_for(rows, 128) == moe_gemm.REGISTERS_SHORT_TILE
     assert moe_gemm.register_config_for(1025, 128) == moe_gemm.REGISTERS_WIDE_TILE
@@ -212,3 +224,26 @@ def test_registers_checks_name_the_values(device):
         check(16, 64, 64, 3, 64, 64)
     with pytest.raises(ValueError, match=r"must divide the weight's N=96 and K=64"):
         check(16, 64, 64, 4, 96, 64)
+    with pytest.raises(ValueError, match=r"split_k=2: .* must divide the weight's N=64 and K=192"):
+        check(16, 64, 64, 4, 64, 192, split_k=2)
+    with pytest.raises(ValueError, match=r"split_k must be 1, 2, 4 or 8 and divide num_warps=2"):
+        check(16, 64, 64, 2, 64, 64, split_k=4)
+    with pytest.raises(ValueError, match=r"block_n=16 must be at least 16 x num_warps=4 // split"):
+        check(16, 16, 64, 4, 64, 64, split_k=2)
+    check(16, 16, 64, 4, 64, 256, split_k=4)
+    with pytest.raises(ValueError, match="split_k=2: splitting K is for the register kernel only"):
+        moe_gemm.launch(x, w, counts, config=GemmTile(16, 32, 32, 4, 2, split_k=2), registers=False)
+
+
+def test_split_tiles_fit_the_weight():
+    """A split tile's step (block_k x split_k) narrows to divide K: its K step first, down to
+    64, then its split; a split must be a power of two dividing the warps."""
+    tile = GemmTile(block_m=16, block_n=16, block_k=256, num_warps=4, num_stages=2, split_k=4)
+    assert tile.fitted(1536, 2048) == tile
+    assert tile.fitted(2048, 768) == GemmTile(16, 16, 64, 4, 2, split_k=4)  # 3 steps of 256
+    assert tile.fitted(64, 64) == GemmTile(16, 16, 64, 4, 2, split_k=1)
+    assert GemmTile(16, 16, 32, 4, 2, split_k=2).fitted(64, 96) == GemmTile(16, 16, 32, 4, 2)
+    for split_k in (0, 3, 8):
+        with pytest.raises(ValueError, match=f"split_k must be a power of two dividing "
+                                             f"num_warps=4; got {split_k}"):  # fmt: skip
+            GemmTile(16, 16, 64, 4, 2, split_k=split_k)
