@@ -329,7 +329,7 @@ REGISTERS_SHORT_TILE = GemmTile(block_m=8, block_n=64, block_k=256, num_warps=4,
 # Below half a row per expert, a long reduction (at least 8 of REGISTERS_TILE's K steps: w13's
 # K = 2048, not w2's 768) is split between two warps per column: 8 rows, 32 columns, each warp
 # its own 256 of a 512-wide step. A lone token's warps then each walk half as many steps: w13
-# at 1 / 4 tokens 11.9 / 29.5 us against 14.3 / 31.4 unsplit, while w2's three steps gain
+# at 1 / 4 tokens 11.8 / 29.3 us against 14.0 / 30.9 unsplit, while w2's three steps gain
 # nothing (8.1 against 7.7 us at one token) (one H200, `python benchmarks/moe.py`, BENCHMARKS.md
 # "Routed-expert GEMM: K split across warps").
 REGISTERS_SPLIT_TILE = GemmTile(block_m=8, block_n=32, block_k=256, num_warps=4, num_stages=2,
