@@ -216,7 +216,8 @@ class Engine:
             attn = PagedAttention(self.cache, meta)
             h_TH = self.model.hidden_states(tokens_T, attn, capture=capture)
             last_rows = [end - 1 for (_, end), entry in zip(ranges, fed, strict=True) if entry[3]]
-            logits_SV = self.model.logits(h_TH[torch.tensor(last_rows, device=device)])
+            last_rows = torch.tensor(last_rows, dtype=torch.long, device=device)  # maybe none
+            logits_SV = self.model.logits(h_TH[last_rows])
             if capture is not None and torch.device(device).type == "cuda":
                 capture = capture.to_host()  # as graphed steps' records: off the GPU at once
         self.cache.copy_blocks(step.block_copies)

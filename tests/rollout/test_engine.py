@@ -178,6 +178,23 @@ def test_seed_reproduces_regardless_of_batch_composition(models):
     assert [c.completion_ids for c in other_seed] != [c.completion_ids for c in alone]
 
 
+def test_a_step_of_prefill_chunks_alone_samples_nothing(models):
+    """In tight memory, preemptions can leave a step with nothing but a prompt's chunk to feed:
+    no row's logits are taken and nothing is sampled, and the outputs stay those of a roomy
+    engine fed whole prompts."""
+    packed, _ = models[("nvfp4", "nvfp4")]
+    per_token = 2 * 2 * 2 * 16 * 4 + 2 * 2 * 2 * (8 + 1 + 4)  # as in the preemption test
+    capture = dict(capture_routing=True, guidance="full")
+    tight = Engine(packed, config(max_num_batched_tokens=20, kv_memory_bytes=20 * 4 * per_token,
+                                  **capture))  # fmt: skip
+    sampling = SamplingParams(n=3, max_tokens=30, seed=5)
+    stats = {}
+    got = tight.generate(PROMPTS, sampling, stats=stats)
+    assert stats["preemptions"] > 0
+    assert_same_outputs(got, Engine(packed, config(**capture)).generate(PROMPTS, sampling),
+                        capture=True)  # fmt: skip
+
+
 @pytest.mark.parametrize("kv, experts", [("bf16", "nvfp4"), ("nvfp4", "nvfp4")])
 def test_chunked_prefill_leaves_outputs_and_records_unchanged(models, kv, experts):
     """A step budget of 20 tokens cuts the 20- and 11-token prompts into chunks fed beside the
