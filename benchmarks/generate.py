@@ -11,8 +11,10 @@ runs after a warm-up run of the same call (± half the spread), the rows' runs i
 every row's engine, its model and its ``--kv-gib`` of KV, is held at once). Every layer is MoE
 with NVFP4 experts (no BF16 boundary layers). On the GPU packed experts go through the fused
 NVFP4 grouped GEMM and decode attention through the paged kernel; decode-only steps replay CUDA
-graphs (`fp4rl.rollout.graphs`), except in the rows marked eager; prefill attention and
-everything else is still plain PyTorch. The ratios are against the graphed engines.
+graphs (`fp4rl.rollout.graphs`), except in the rows marked eager, and the engine launches the
+next decode step before reading a step's tokens (`EngineConfig.overlap_steps`), except in the
+rows taken one step at a time; prefill attention and everything else is still plain PyTorch.
+The ratios are against the graphed, overlapped engines.
 """
 
 from __future__ import annotations
@@ -33,14 +35,16 @@ from fp4rl.model.weights import load_weights
 from fp4rl.records import capture_bytes_per_generated_token
 from fp4rl.rollout import Engine, EngineConfig, SamplingParams
 
-VARIANTS = {  # name: (experts, kv, capture_routing, guidance, cuda_graphs)
-    "bf16 experts, bf16 kv, eager": ("bf16", "bf16", False, None, False),
-    "bf16 experts, bf16 kv": ("bf16", "bf16", False, None, True),
-    "nvfp4 experts, nvfp4 kv, eager": ("nvfp4", "nvfp4", False, None, False),
-    "nvfp4 experts, nvfp4 kv": ("nvfp4", "nvfp4", False, None, True),
-    "+ routing record": ("nvfp4", "nvfp4", True, None, True),
-    "+ routing + full guidance": ("nvfp4", "nvfp4", True, "full", True),
-    "+ routing + compact guidance": ("nvfp4", "nvfp4", True, "compact", True),
+VARIANTS = {  # name: (experts, kv, capture_routing, guidance, cuda_graphs, overlap_steps)
+    "bf16 experts, bf16 kv, eager": ("bf16", "bf16", False, None, False, True),
+    "bf16 experts, bf16 kv": ("bf16", "bf16", False, None, True, True),
+    "bf16 experts, bf16 kv, one step at a time": ("bf16", "bf16", False, None, True, False),
+    "nvfp4 experts, nvfp4 kv, eager": ("nvfp4", "nvfp4", False, None, False, True),
+    "nvfp4 experts, nvfp4 kv": ("nvfp4", "nvfp4", False, None, True, True),
+    "nvfp4 experts, nvfp4 kv, one step at a time": ("nvfp4", "nvfp4", False, None, True, False),
+    "+ routing record": ("nvfp4", "nvfp4", True, None, True, True),
+    "+ routing + full guidance": ("nvfp4", "nvfp4", True, "full", True, True),
+    "+ routing + compact guidance": ("nvfp4", "nvfp4", True, "compact", True, True),
 }
 
 
@@ -103,7 +107,7 @@ def main() -> None:
     max_model_len = -(-(args.prompt_len + args.max_tokens) // 16) * 16
     engines = {}
     for name in chosen:
-        experts, kv, routing, guidance, graphs = VARIANTS[name]
+        experts, kv, routing, guidance, graphs, overlap = VARIANTS[name]
         precision = PrecisionConfig(
             experts=experts, kv_cache=kv, bf16_first_layers=0, bf16_last_layers=0
         )
@@ -118,6 +122,7 @@ def main() -> None:
                 capture_routing=routing,
                 guidance=guidance,
                 cuda_graphs=graphs,
+                overlap_steps=overlap,
             ),
         )
         # Warm-up: the call timed (shorter with --warmup-tokens), so kernels compile before the
@@ -134,13 +139,13 @@ def main() -> None:
             sync()
             times[name].append(time.perf_counter() - start)
     for name in chosen:
-        experts, kv, routing, guidance, graphs = VARIANTS[name]
+        experts, kv, routing, guidance, graphs, overlap = VARIANTS[name]
         seconds = statistics.median(times[name])
         spread = (max(times[name]) - min(times[name])) / seconds
         out = outs[name]
         generated = sum(len(c.completion_ids) for c in out)
         tok_s = generated / seconds
-        if graphs or not cuda:  # the baselines: graphed engines (on a GPU), uncaptured
+        if (graphs or not cuda) and overlap:  # the baselines: graphed engines, uncaptured
             if experts == "bf16":
                 base.setdefault("bf16", tok_s)
             elif not routing and guidance is None:

@@ -165,7 +165,7 @@ class RecordingEngine(Engine):
 
     recorder: Recorder
 
-    def _run_step(self, step, scheduler, *args):
+    def _launch(self, step, scheduler, *args):
         rows = []
         fed = [(g.seqs[0], g.seqs) for g in step.prefills] + [(s, [s]) for s in step.decodes]
         for seq, group in fed:
@@ -173,7 +173,7 @@ class RecordingEngine(Engine):
             start = seq.num_cached
             rows += [(ids, start + j) for j in range(len(seq.tokens_from(start)))]
         self.recorder.rows = rows
-        return super()._run_step(step, scheduler, *args)
+        return super()._launch(step, scheduler, *args)
 
 
 def compare(engine: Recorder, trainer: Recorder):

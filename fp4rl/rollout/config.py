@@ -43,6 +43,11 @@ class EngineConfig:
     # Feed a prompt longer than what is left of a step's token budget in chunks, beside the
     # decodes (`fp4rl.rollout.scheduler`); off: it waits until it fits one step whole.
     chunked_prefill: bool = True
+    # Launch the next decode step before reading this one's tokens back, when it decodes every
+    # running sequence and admits nothing: the host's share of a step (reading the tokens,
+    # scheduling, staging) overlaps the device's work. The step feeds the tokens where they
+    # lie; a sequence that sampled a stop token is fed once more, and that row is dropped.
+    overlap_steps: bool = True
 
     def __post_init__(self) -> None:
         s = "engine"
@@ -59,6 +64,7 @@ class EngineConfig:
         checks.boolean(f"{s}.capture_routing", self.capture_routing)
         checks.boolean(f"{s}.cuda_graphs", self.cuda_graphs)
         checks.boolean(f"{s}.chunked_prefill", self.chunked_prefill)
+        checks.boolean(f"{s}.overlap_steps", self.overlap_steps)
         fraction = self.compact_fraction
         if (
             not isinstance(fraction, int | float)

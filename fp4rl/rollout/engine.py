@@ -7,6 +7,15 @@ schedule, flatten the scheduled segments into one token stream, run the model wi
 logits of each segment's last token, copy forked samples' partial blocks, sample, and retire
 finished sequences.
 
+Steps overlap (`EngineConfig.overlap_steps`): a step is launched (`_launch`: forward, sampling
+and the copy of its results to the host, all queued) and, when the next step is a decode of
+every running sequence (`Scheduler.decode_step`), that one is launched too before the first is
+read (`_land`). Its tokens are placeholders (`fp4rl.rollout.sequence.placeholder`) that the
+device resolves from the previous step's samples. The results are those of steps taken one at
+a time: the same sequences, positions, tokens and generators (a sequence that sampled a stop
+token is fed once more and that row is dropped; only a different batch around the other rows
+can reorder a reduction, as anything that changes a batch can).
+
 What the engine needs from the model (`fp4rl.model.transformer.MoETransformer`):
 ``hidden_states(tokens_T, attn, capture=...)``, ``logits(h_NH)``, ``config`` (a
 `fp4rl.model.config.ModelConfig`), ``plan`` (the precision plan: per-layer KV format and the
@@ -16,6 +25,7 @@ FP4 layers) and ``moe_layers`` (the order of the routing record).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,9 +40,9 @@ from fp4rl.rollout.generation_config import eos_token_ids
 from fp4rl.rollout.graphs import DecodeGraphs, graphs_unsupported
 from fp4rl.rollout.kv_cache import KVCache, num_blocks_for_budget
 from fp4rl.rollout.model_layout import ModelLayout
-from fp4rl.rollout.sampler import make_generator, sample, to_device
+from fp4rl.rollout.sampler import SampleOutput, make_generator, sample, to_device
 from fp4rl.rollout.scheduler import Group, Scheduler, Step
-from fp4rl.rollout.sequence import Sequence
+from fp4rl.rollout.sequence import Sequence, placeholder, resolve_placeholders
 
 
 class Engine:
@@ -121,8 +131,11 @@ class Engine:
         seed, one per call for a single `SamplingParams`, one per prompt for a list.
 
         ``stats`` (optional dict) receives counters: ``steps``, ``preemptions``,
-        ``prefill_tokens``, ``decode_tokens``. ``on_finish`` (optional) is called with the
-        number of samples that finished, after each step that finished any (progress bars).
+        ``prefill_tokens``, ``decode_tokens`` and ``overlapped_steps`` (steps launched before
+        the previous step's tokens were read, `EngineConfig.overlap_steps`; their decode tokens
+        include the rows of sequences that had just sampled a stop token). ``on_finish``
+        (optional) is called with the number of samples that finished, after each step that
+        finished any (progress bars).
         ``first_prompt_index``: this call's prompts are those of a larger request from that
         index on (one rank's share of it); prompt ``i`` seeds its generators with index
         ``first_prompt_index + i``, so a request split across engines samples what one engine
@@ -159,22 +172,38 @@ class Engine:
             ]
             seq_id += params.n
             scheduler.add(Group(seqs))
-        counters = {"steps": 0, "preemptions": 0, "prefill_tokens": 0, "decode_tokens": 0}
+        counters = dict.fromkeys(
+            ("steps", "preemptions", "prefill_tokens", "decode_tokens", "overlapped_steps"), 0
+        )
         log = CaptureLog() if capturing else None
         done: list[Sequence] = []
         with torch.inference_mode():
-            while scheduler.has_work():
-                step = scheduler.schedule()
-                if not step.prefills and not step.decodes:
-                    raise RuntimeError("scheduler made no progress (a bug: one sequence fits)")
-                finished = self._run_step(step, scheduler, log)
-                done += finished
-                if on_finish is not None and finished:
-                    on_finish(len(finished))
+            launched = None  # a step on the device whose tokens the host has not read yet
+            while True:
+                # The next decode step goes to the device before this one's tokens are read,
+                # its tokens taken from this step's samples where they lie.
+                ahead = None
+                if launched is not None and self.config.overlap_steps:
+                    step = scheduler.decode_step()
+                    ahead = None if step is None else self._launch(step, scheduler, launched)
+                if launched is not None:
+                    finished = self._land(launched, scheduler, log)
+                    done += finished
+                    if on_finish is not None and finished:
+                        on_finish(len(finished))
+                counters["overlapped_steps"] += ahead is not None
+                if ahead is None:
+                    if not scheduler.has_work():
+                        break
+                    step = scheduler.schedule()
+                    if not step.prefills and not step.decodes:
+                        raise RuntimeError("scheduler made no progress (a bug: one sequence fits)")
+                    ahead = self._launch(step, scheduler, None)
+                launched = ahead
                 counters["steps"] += 1
-                counters["preemptions"] += step.num_preempted
-                counters["decode_tokens"] += len(step.decodes)
-                counters["prefill_tokens"] += step.num_prefill_tokens
+                counters["preemptions"] += launched.step.num_preempted
+                counters["decode_tokens"] += len(launched.step.decodes)
+                counters["prefill_tokens"] += launched.step.num_prefill_tokens
             records = [(None, None)] * len(done)
             if log is not None:
                 layout = self.layout
@@ -187,7 +216,11 @@ class Engine:
                 stats[key] = stats.get(key, 0) + value
         return sorted(completions, key=lambda c: (c.prompt_index, c.sample_index))
 
-    def _run_step(self, step: Step, scheduler: Scheduler, log: CaptureLog | None) -> list[Sequence]:
+    def _launch(self, step: Step, scheduler: Scheduler, previous: _Launched | None) -> _Launched:
+        """Queue ``step``'s forward and its sampling on the device, nothing read back: each
+        sampled sequence holds its new token as a placeholder (`Sequence.reserve`), and one
+        that reaches its length limit with it leaves the scheduler now. Tokens still held as
+        placeholders are read from ``previous``'s samples on the device."""
         # Segments in stream order: prefills (one per group, fed by its leader: a chunk or the
         # rest of its tokens), then decodes. A group samples in the step of its last chunk.
         fed = [(g.seqs[0], g.seqs, g.num_new, g.last) for g in step.prefills]
@@ -200,6 +233,7 @@ class Engine:
             ranges.append((len(tokens), len(tokens) + len(new)))
             tokens += new
         device = self.layout.device
+        sampled_before = None if previous is None else previous.tokens_S
         capture = None
         if any(seq.capture is not None for seq, *_ in fed):
             capture = StepCapture(
@@ -209,10 +243,12 @@ class Engine:
                 sparse_delta=self.config.sparse_delta,
             )
         if self.graphs is not None and not step.prefills and self.graphs.handles(len(fed)):
-            logits_SV, capture = self.graphs.run(segments, tokens, capture)
+            logits_SV, capture = self.graphs.run(segments, tokens, capture, sampled_before)
         else:
             meta = AttentionMetadata.build(segments, self.config.block_size, device)
-            tokens_T = torch.tensor(tokens, dtype=torch.long, device=device)
+            tokens_T = resolve_placeholders(
+                torch.tensor(tokens, dtype=torch.long, device=device), sampled_before
+            )
             attn = PagedAttention(self.cache, meta)
             h_TH = self.model.hidden_states(tokens_T, attn, capture=capture)
             last_rows = [end - 1 for (_, end), entry in zip(ranges, fed, strict=True) if entry[3]]
@@ -222,31 +258,57 @@ class Engine:
                 capture = capture.to_host()  # as graphed steps' records: off the GPU at once
         self.cache.copy_blocks(step.block_copies)
         scheduler.commit(step)
-        if capture is not None:  # a prompt's rows belong to each of its samples
-            spans = [
-                (s.capture, start, end)
-                for (start, end), (_, group, *_) in zip(ranges, fed, strict=True)
-                for s in group
-            ]
-            log.add(capture, len(tokens), spans)
+        launched = _Launched(step, fed, ranges, len(tokens), capture)
 
         # Every sequence of a group samples from its leader's row with its own generator.
-        groups = [group for _, group, _, last in fed if last]
-        seqs = [s for group in groups for s in group]
+        launched.groups = [group for _, group, _, last in fed if last]
+        seqs = [s for group in launched.groups for s in group]
+        launched.seqs = seqs
         if not seqs:
-            return []  # a step of prefill chunks only
-        # Nothing here waits for the device until the one read below: the sampler's kernels
-        # queue behind the forward while the host is still launching them.
-        bad_S = _bad_rows(logits_SV)
+            return launched  # a step of prefill chunks only
+        # Nothing here waits for the device: the sampler's kernels queue behind the forward
+        # while the host is still launching them.
+        launched.bad_S = _bad_rows(logits_SV)
         rows = to_device(
-            torch.tensor([i for i, group in enumerate(groups) for _ in group]), torch.device(device)
+            torch.tensor([i for i, group in enumerate(launched.groups) for _ in group]),
+            torch.device(device),
         )
-        out = sample(logits_SV[rows], [s.params for s in seqs], [s.generator for s in seqs])
-        bad, tokens, logprobs, raws = _read_back(bad_S, out)
-        _check_logits(bad, groups)
+        launched.out = sample(
+            logits_SV[rows], [s.params for s in seqs], [s.generator for s in seqs]
+        )
+        launched.tokens_S = launched.out.token_ids_B
+        launched.read_back = _queue_read_back(launched.bad_S, launched.out)
+        for i, seq in enumerate(seqs):
+            if seq.reserve(placeholder(i), self.config.max_model_len):
+                scheduler.finish(seq)  # its last token, whatever it is: no step feeds it
+        return launched
+
+    def _land(self, launched: _Launched, scheduler: Scheduler, log: CaptureLog | None):
+        """Read a launched step's tokens back (the one wait for the device), record its
+        captures and put its tokens in their sequences; the sequences that finished. A
+        sequence already finished by a stop token sampled in the step before this one was fed
+        by it all the same (the step was launched before that token was read): its row, token
+        and records are dropped."""
+        live = [seq.finish_reason is None for seq, *_ in launched.fed]
+        if launched.capture is not None:  # a prompt's rows belong to each of its samples
+            spans = [
+                (s.capture, start, end)
+                for (start, end), (_, group, *_), ok in zip(
+                    launched.ranges, launched.fed, live, strict=True
+                )
+                if ok
+                for s in group
+            ]
+            log.add(launched.capture, launched.num_rows, spans)
+        if not launched.seqs:
+            return []
+        bad, tokens, logprobs, raws = _read_back(launched)
+        _check_logits(bad, launched.groups)
         finished = []
-        for seq, token, logprob, raw in zip(seqs, tokens, logprobs, raws, strict=True):
-            if seq.append(token, logprob, raw, self.config.max_model_len):
+        for seq, token, logprob, raw in zip(launched.seqs, tokens, logprobs, raws, strict=True):
+            if seq.finish_reason is not None:
+                continue
+            if seq.resolve(token, logprob, raw, self.config.max_model_len):
                 scheduler.finish(seq)
                 finished.append(seq)
         return finished
@@ -296,6 +358,23 @@ class Engine:
                     )
 
 
+@dataclass(eq=False, slots=True)
+class _Launched:
+    """A step whose forward and sampling are queued on the device, not yet read back."""
+
+    step: Step
+    fed: list  # (sequence that feeds, its group, tokens fed, whether the group samples)
+    ranges: list[tuple[int, int]]  # each fed sequence's rows
+    num_rows: int
+    capture: StepCapture | None
+    groups: list[list[Sequence]] = field(default_factory=list)  # the groups that sample
+    seqs: list[Sequence] = field(default_factory=list)  # the sampler's rows, in order
+    bad_S: torch.Tensor | None = None
+    out: SampleOutput | None = None
+    tokens_S: torch.Tensor | None = None  # the sampled tokens, on the device
+    read_back: tuple | None = None  # `_queue_read_back`'s host tensor and event
+
+
 def _per_prompt(sampling, num_prompts: int) -> list[tuple[SamplingParams, int]]:
     """``(params, seed)`` of each prompt: the one `SamplingParams` (one seed for the call) or
     the list's entry (a seed per prompt), a fresh seed where none is given."""
@@ -324,13 +403,29 @@ def _bad_rows(logits_SV: torch.Tensor) -> torch.Tensor:
     return logits_SV.isnan().any(-1) | logits_SV.isposinf().any(-1) | logits_SV.isneginf().all(-1)
 
 
-def _read_back(bad_S: torch.Tensor, out) -> tuple[list[bool], list[int], list[float], list[float]]:
-    """The bad-row flags and the sampled tokens, logprobs and raw logprobs on the host, in one
-    copy (one wait for the device): all as float64, which holds token ids and FP32 values
-    exactly."""
+def _queue_read_back(bad_S: torch.Tensor, out: SampleOutput) -> tuple[torch.Tensor, object]:
+    """The bad-row flags and the sampled tokens, logprobs and raw logprobs in one float64 tensor
+    (which holds token ids and FP32 values exactly), its copy to the host queued right behind
+    the sampling: a later step launched before this one is read does not delay it. Returns the
+    host tensor and the event (None off the GPU) that says it has landed."""
     parts = (bad_S, out.token_ids_B, out.logprobs_B, out.raw_logprobs_B)
-    values = torch.cat([p.to(torch.float64) for p in parts]).tolist()
-    S, B = bad_S.shape[0], out.token_ids_B.shape[0]
+    values = torch.cat([p.to(torch.float64) for p in parts])
+    if values.device.type != "cuda":
+        return values, None
+    host = torch.empty(values.shape, dtype=torch.float64, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    landed = torch.cuda.Event()
+    landed.record(torch.cuda.current_stream(values.device))
+    return host, landed
+
+
+def _read_back(launched: _Launched) -> tuple[list[bool], list[int], list[float], list[float]]:
+    """What `_queue_read_back` queued, on the host (the one wait for the device)."""
+    host, landed = launched.read_back
+    if landed is not None:
+        landed.synchronize()
+    values = host.tolist()
+    S, B = launched.bad_S.shape[0], len(launched.seqs)
     bad, rest = values[:S], values[S:]
     return [v != 0 for v in bad], [int(v) for v in rest[:B]], rest[B : 2 * B], rest[2 * B :]
 

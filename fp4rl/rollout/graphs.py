@@ -8,7 +8,10 @@ hundred, which is what keeps small decode batches from being bound by Python.
 What a graph reads lives in one int64 device buffer of ``[max_batch, 4 + N]`` rows, columns
 ``token, position, slot, context length, block table (N columns)``, staged from pinned host
 memory by one copy per step (the host rewrites the pinned rows once the previous step's copy
-has landed); the graph casts the table and lengths to the kernel's int32 itself.
+has landed); the graph casts the table and lengths to the kernel's int32 itself. A token
+sampled by the step before and not read back yet is staged as its `placeholder`, and the graph
+takes its value from a device buffer that the run fills with that step's samples, one
+device-to-device copy queued before the replay.
 A step of ``B`` decodes replays the graph of the smallest bucket ``b >= B``; rows ``B..b`` are
 padding: token 0 at position 0, context 1, written to and read from the cache's scratch block
 (one block past the block manager's pool), so they never touch a sequence's pages. Their
@@ -47,6 +50,7 @@ from fp4rl.rollout.attention import AttentionMetadata, PagedAttention, Segment
 from fp4rl.rollout.block_manager import BlockTable
 from fp4rl.rollout.capture import PackedRows, StepCapture
 from fp4rl.rollout.kv_cache import KVCache
+from fp4rl.rollout.sequence import resolve_placeholders
 
 # Batch sizes a graph is captured for: every size up to 8, then multiples of 8 up to 64, then
 # of 32: at most 1/8 of a step's rows is padding once past 8.
@@ -116,6 +120,7 @@ class DecodeGraphs:
         self, model, cache: KVCache, *, device: torch.device, max_batch: int, max_model_len: int
     ) -> None:
         self.model, self.cache = model, cache
+        self.max_sampled = max_batch  # a step samples at most one token per running sequence
         self.max_batch = bucket_for(min(max_batch, MAX_GRAPH_BATCH))
         self.width = math.ceil(max_model_len / cache.block_size)  # block-table columns
         self.scratch_block = cache.num_blocks - 1
@@ -128,16 +133,23 @@ class DecodeGraphs:
         return num_decodes <= self.max_batch
 
     def run(
-        self, segments: list[Segment], tokens: list[int], capture: StepCapture | None
+        self,
+        segments: list[Segment],
+        tokens: list[int],
+        capture: StepCapture | None,
+        sampled_S: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, StepCapture | None]:
         """Logits ``[B, V]`` of one decode step (one token per segment), valid until the next
         call, and the step's records in a fresh `StepCapture` like ``capture``: rows ``0..B`` of
         the buffer the replay packed, their one copy to pinned host memory queued behind the
-        replay (`PackedRows.to_host`)."""
+        replay (`PackedRows.to_host`). Placeholder tokens name rows of ``sampled_S``, the
+        previous step's samples on the device."""
         B = len(segments)
         b = bucket_for(B)
         graph = self._graph(b, capture)
         self._stage(segments, tokens, b)
+        if sampled_S is not None:
+            self.sampled[: sampled_S.shape[0]].copy_(sampled_S, non_blocking=True)
         graph.graph.replay()
         if capture is None or graph.records is None:
             return graph.logits_bV[:B], capture
@@ -178,7 +190,8 @@ class DecodeGraphs:
             prefills=(),
         )
         attn = PagedAttention(self.cache, meta)
-        logits = self.model.logits(self.model.hidden_states(x[:, TOKEN], attn, capture=capture))
+        tokens = resolve_placeholders(x[:, TOKEN], self.sampled)
+        logits = self.model.logits(self.model.hidden_states(tokens, attn, capture=capture))
         return logits, None if capture is None else capture.pack()
 
     def _graph(self, b: int, capture: StepCapture | None) -> _Graph:
@@ -191,6 +204,7 @@ class DecodeGraphs:
             self.staging = torch.zeros(self.max_batch, width, dtype=torch.int64, pin_memory=True)
             self.staged = torch.cuda.Event()  # the last copy of the staging rows
             self.rows = torch.arange(self.max_batch, device=self.device)
+            self.sampled = torch.zeros(self.max_sampled, dtype=torch.int64, device=self.device)
             self._padding = self._padding_rows()
             self.pool = torch.cuda.graph_pool_handle()
         # Captured over padding rows: only the scratch block is written.

@@ -188,6 +188,30 @@ class Scheduler:
             seq.capture.clear()
         self.waiting.appendleft(Group([seq]))
 
+    def decode_step(self) -> Step | None:
+        """The next step, when it is one decode of every running sequence that needs no
+        preemption and leaves nothing to admit (no prefill under way, no free seat for a
+        waiting group); its blocks are taken. None otherwise: `schedule` decides that step.
+        A sequence's length counts a token sampled but not read back, so this step can be
+        scheduled while the previous one is still on the device."""
+        if not self.running or self.prefilling:
+            return None
+        if self.waiting and len(self.running) < self.config.max_num_seqs:
+            return None
+        grow = [
+            seq
+            for seq in self.running
+            if self.blocks.blocks_for(seq.num_tokens) > len(seq.block_table)
+        ]
+        if len(grow) > self.blocks.num_free_blocks:  # a decode needs one block at most
+            return None
+        for seq in grow:
+            self.blocks.grow(seq.block_table, seq.num_tokens)
+        return Step(decodes=list(self.running))
+
     def finish(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        self.blocks.free(seq.block_table)
+        """Retire ``seq`` and free its blocks (nothing for one retired already: a sequence may
+        reach its length limit with a stop token)."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.blocks.free(seq.block_table)

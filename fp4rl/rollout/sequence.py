@@ -48,13 +48,46 @@ class Sequence:
             return self.completion_ids[start - P :]
         return self.prompt_ids[start:] + self.completion_ids
 
-    def append(self, token: int, logprob: float, raw_logprob: float, max_model_len: int) -> bool:
-        """Record a sampled token; return True when the sequence is finished."""
+    def reserve(self, token: int, max_model_len: int) -> bool:
+        """Hold a sampled token not read back yet, as a `placeholder`; return True when the
+        sequence ends with it whatever it is (its length limits)."""
         self.completion_ids.append(token)
+        return (
+            len(self.completion_ids) >= self.params.max_tokens or self.num_tokens >= max_model_len
+        )
+
+    def resolve(self, token: int, logprob: float, raw_logprob: float, max_model_len: int) -> bool:
+        """Put the first held token's value in its place; return True when the sequence is
+        finished with it. A stop token drops the tokens held after it (sampled in a step that
+        was launched before this token was read)."""
+        at = len(self.logprobs)
+        self.completion_ids[at] = token
         self.logprobs.append(logprob)
         self.raw_logprobs.append(raw_logprob)
         if token in self.stop_ids:
             self.finish_reason = "stop"
-        elif len(self.completion_ids) >= self.params.max_tokens or self.num_tokens >= max_model_len:
+            del self.completion_ids[at + 1 :]
+        elif at + 1 >= self.params.max_tokens or len(self.prompt_ids) + at + 1 >= max_model_len:
             self.finish_reason = "length"
         return self.finish_reason is not None
+
+    def append(self, token: int, logprob: float, raw_logprob: float, max_model_len: int) -> bool:
+        """Record a sampled token known at once (`reserve` then `resolve`); return True when
+        the sequence is finished."""
+        self.reserve(token, max_model_len)
+        return self.resolve(token, logprob, raw_logprob, max_model_len)
+
+
+def placeholder(row: int) -> int:
+    """A token not read back yet: row ``row`` of its step's sampled tokens (a negative id)."""
+    return -1 - row
+
+
+def resolve_placeholders(tokens_T: torch.Tensor, sampled_S: torch.Tensor | None) -> torch.Tensor:
+    """``tokens_T`` (int64, on the device) with each `placeholder` replaced by the token it
+    names in ``sampled_S``, the previous step's samples where they lie (no wait for the device:
+    the replacement is queued like the rest of the step)."""
+    if sampled_S is None:
+        return tokens_T
+    rows = (-1 - tokens_T).clamp_(0, sampled_S.shape[0] - 1)
+    return torch.where(tokens_T < 0, sampled_S[rows], tokens_T)

@@ -16,6 +16,7 @@ from fp4rl.rollout.kv_cache import KVCacheSpec, num_blocks_for_budget
         ("max_model_len", 1),
         ("cuda_graphs", "yes"),
         ("chunked_prefill", 0),
+        ("overlap_steps", "no"),
         ("max_num_seqs", 10_000),  # > max_num_batched_tokens
         ("guidance", "partial"),
         ("compact_fraction", 0.0),

@@ -211,6 +211,38 @@ def test_chunked_prefill_leaves_outputs_and_records_unchanged(models, kv, expert
     assert stats["prefill_tokens"] == sum(len(p) for p in PROMPTS)
 
 
+@pytest.mark.parametrize("tight", [False, True], ids=["roomy", "preempting"])
+def test_overlapped_steps_leave_outputs_and_records_unchanged(models, tight):
+    """Decode steps launched before the previous step's tokens are read (their tokens fed
+    where they lie) give the completions, logprobs and records of steps taken one at a time,
+    with samples that stop early (their extra row dropped), chunked prefills and, in tight
+    memory, preemptions between the overlapped runs."""
+    packed, _ = models[("nvfp4", "nvfp4")]
+    capture = dict(capture_routing=True, guidance="full", max_num_batched_tokens=20)
+    if tight:  # as in test_preemption_leaves_outputs_unchanged
+        per_token = 2 * 2 * 2 * 16 * 4 + 2 * 2 * 2 * (8 + 1 + 4)
+        capture["kv_memory_bytes"] = 20 * 4 * per_token
+    # Stop ids among the tokens unstopped samples draw, so that some samples stop early.
+    probe = Engine(packed, config(overlap_steps=False, **capture)).generate(
+        PROMPTS, SamplingParams(n=3, max_tokens=30, seed=5)
+    )
+    stop_ids = (probe[0].completion_ids[12], probe[7].completion_ids[20])
+    params = SamplingParams(n=3, max_tokens=30, seed=5, stop_token_ids=stop_ids)
+    runs = {}
+    for overlap in (False, True):
+        stats = {}
+        engine = Engine(packed, config(overlap_steps=overlap, **capture))
+        runs[overlap] = engine.generate(PROMPTS, params, stats=stats), stats
+    (one_at_a_time, plain_stats), (overlapped, stats) = runs[False], runs[True]
+    assert plain_stats["overlapped_steps"] == 0 and stats["overlapped_steps"] >= 10
+    assert sum(c.finish_reason == "stop" for c in overlapped) >= 3
+    assert (stats["preemptions"] > 0) == tight
+    assert_same_outputs(overlapped, one_at_a_time, capture=True)
+    for c in overlapped:  # one record per token fed, none of a dropped row's, all recorded
+        assert c.routing.shape[1] == len(c.prompt_ids) + len(c.completion_ids) - 1
+        assert (c.routing >= 0).all()
+
+
 def test_sampling_params_per_prompt(models):
     """A list gives each prompt its own n, temperature, limits and seed: each prompt's samples
     are those of a call giving every prompt that prompt's params."""

@@ -88,6 +88,27 @@ def test_graphed_steps_equal_eager_steps_bitwise(experts, kv_cache, guidance):
 
 
 @torch.no_grad()
+def test_overlapped_graphed_steps_equal_steps_one_at_a_time():
+    """Graphed decode steps launched before the previous step's tokens are read (those tokens
+    fed from the device) give the completions and records of steps taken one at a time, bit
+    for bit: with every sample running to its length, and with samples that stop (the step
+    after a stop feeds that sample once more, in a row of the same bucket, and drops it)."""
+    _, packed = models("nvfp4", "nvfp4")
+    config = engine_config(block_size=16, capture_routing=True, guidance="full")
+    overlapped = Engine(packed, config)
+    one_at_a_time = Engine(packed, dataclasses.replace(config, overlap_steps=False))
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    free = one_at_a_time.generate(PROMPTS, greedy)
+    stop = (free[0].completion_ids[4], free[3].completion_ids[7])
+    for params in (greedy, dataclasses.replace(greedy, stop_token_ids=stop)):
+        stats = {}
+        got = overlapped.generate(PROMPTS, params, stats=stats)
+        assert stats["overlapped_steps"] >= 8
+        assert_same_completions(got, one_at_a_time.generate(PROMPTS, params))
+    assert sum(c.finish_reason == "stop" for c in got) >= 2
+
+
+@torch.no_grad()
 def test_padding_rows_write_only_the_scratch_block():
     _, packed = models("nvfp4", "nvfp4")
     graphed, _ = engines(packed)

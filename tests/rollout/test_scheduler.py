@@ -192,3 +192,29 @@ def test_without_chunked_prefill_a_prompt_waits_until_it_fits_a_step():
     first[0].append(1, 0.0, 0.0, max_model_len=10_000)
     step = sched.schedule()
     assert [g.seqs for g in step.prefills] == [second] and step.prefills[0].last
+
+
+def test_decode_step_only_when_every_running_sequence_just_decodes():
+    """The step an engine may launch before reading the previous one's tokens: every running
+    sequence's decode, its blocks taken, and None where `schedule` must decide (a prefill under
+    way, a seat for a waiting group, a block short)."""
+    sched = scheduler(num_blocks=8, max_num_seqs=2)
+    first, second, third = seqs(7, first_id=0), seqs(3, first_id=1), seqs(3, first_id=2)
+    assert sched.decode_step() is None  # nothing runs
+    sched.add(Group(first))
+    run_step(sched)
+    sched.add(Group(second))
+    assert sched.decode_step() is None  # a seat is free for the waiting group
+    run_step(sched)
+    sched.add(Group(third))
+    first[0].completion_ids.append(-1)  # a token sampled and not read back: 9 tokens
+    step = sched.decode_step()  # both seats taken: the waiting group must wait anyway
+    assert step is not None and step.decodes == first + second and not step.prefills
+    assert len(first[0].block_table) == 3  # position 8 opens a third block of 4
+    assert sched.blocks.num_free_blocks == 8 - 3 - 1
+    sched.commit(step)
+    for s in step.decodes:
+        s.completion_ids.append(-1)
+    sched.blocks.allocate(sched.blocks.num_free_blocks)  # no block left for position 12
+    first[0].completion_ids += [-1, -1]
+    assert sched.decode_step() is None  # it would have to preempt: `schedule` decides
