@@ -233,7 +233,9 @@ class Engine:
             ranges.append((len(tokens), len(tokens) + len(new)))
             tokens += new
         device = self.layout.device
-        sampled_before = None if previous is None else previous.tokens_S
+        sampled_before = (
+            None if previous is None or previous.out is None else previous.out.token_ids_B
+        )
         capture = None
         if any(seq.capture is not None for seq, *_ in fed):
             capture = StepCapture(
@@ -276,7 +278,6 @@ class Engine:
         launched.out = sample(
             logits_SV[rows], [s.params for s in seqs], [s.generator for s in seqs]
         )
-        launched.tokens_S = launched.out.token_ids_B
         launched.read_back = _queue_read_back(launched.bad_S, launched.out)
         for i, seq in enumerate(seqs):
             if seq.reserve(placeholder(i), self.config.max_model_len):
@@ -371,7 +372,6 @@ class _Launched:
     seqs: list[Sequence] = field(default_factory=list)  # the sampler's rows, in order
     bad_S: torch.Tensor | None = None
     out: SampleOutput | None = None
-    tokens_S: torch.Tensor | None = None  # the sampled tokens, on the device
     read_back: tuple | None = None  # `_queue_read_back`'s host tensor and event
 
 
