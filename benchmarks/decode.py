@@ -17,7 +17,11 @@ Three times per step:
 - ``GPU ms``: the graphs replayed back to back (inputs staged from the host between them, no
   wait for the device): what the GPU needs for a step;
 - ``engine ms``: what an engine step costs end to end without the scheduler: stage, replay, the
-  sampler on the step's logits (temperature 1), and the host reading the sampled tokens;
+  engine's check of the logits, the sampler on them (temperature 1), the copy of the results to
+  pinned host memory and the host reading them. As the engine runs by default
+  (`EngineConfig.overlap_steps`), the next step is launched before a step's results are read,
+  its tokens taken from that step's samples on the device; ``one at a time`` reads each step's
+  results before launching the next;
 - the memory roofline: bytes a step must move over the device-to-device copy bandwidth measured
   in the same run. Bytes: the distinct experts the step's tokens routed to in each layer (counted
   from the step's routing record), each layer's dense weights (attention, norms, router), the
@@ -51,8 +55,10 @@ from fp4rl.rollout import Engine, EngineConfig, SamplingParams
 from fp4rl.rollout.attention import AttentionMetadata, PagedAttention, Segment
 from fp4rl.rollout.block_manager import BlockTable
 from fp4rl.rollout.capture import StepCapture
+from fp4rl.rollout.engine import _bad_rows, _queue_read_back
 from fp4rl.rollout.model_layout import ModelLayout
 from fp4rl.rollout.sampler import make_generator, sample
+from fp4rl.rollout.sequence import placeholder, resolve_placeholders
 
 BLOCK = 16
 
@@ -148,26 +154,65 @@ class Clock:
             self.ms = (time.perf_counter() - self.t0) * 1e3
 
 
-def decode_step(engine: Engine, segments: list[Segment], tokens: list[int], capture=None):
-    """Logits of one decode step: the engine's graph, or (CPU) the eager forward it stands for."""
+def decode_step(
+    engine: Engine, segments: list[Segment], tokens: list[int], capture=None, sampled_S=None
+):
+    """Logits of one decode step: the engine's graph, or (CPU) the eager forward it stands for.
+    Placeholder tokens name rows of ``sampled_S``, the previous step's samples on the device."""
     if engine.graphs is not None:
-        return engine.graphs.run(segments, tokens, capture)
-    return eager_decode_step(engine, segments, tokens, capture)
+        return engine.graphs.run(segments, tokens, capture, sampled_S)
+    return eager_decode_step(engine, segments, tokens, capture, sampled_S)
 
 
-def eager_decode_step(engine: Engine, segments: list[Segment], tokens: list[int], capture=None):
+def eager_decode_step(
+    engine: Engine, segments: list[Segment], tokens: list[int], capture=None, sampled_S=None
+):
     """The forward a decode step's graph replays, run op by op."""
     device = engine.layout.device
     meta = AttentionMetadata.build(segments, engine.config.block_size, device)
     attn = PagedAttention(engine.cache, meta)
     model = engine.model
-    h = model.hidden_states(torch.tensor(tokens, device=device), attn, capture=capture)
+    tokens_T = resolve_placeholders(torch.tensor(tokens, device=device), sampled_S)
+    h = model.hidden_states(tokens_T, attn, capture=capture)
     return model.logits(h), capture
 
 
+def engine_steps(engine: Engine, segments, tokens, params, overlap: bool) -> None:
+    """``len(tokens)`` decode steps as the engine takes them, without the scheduler: each step's
+    logits checked and sampled, the results queued to pinned host memory and read there. With
+    ``overlap`` a step is launched before the previous one's results are read, its tokens the
+    previous step's samples on the device (placeholders), as `Engine.generate` does."""
+    batch = len(tokens[0])
+    generators = [make_generator(0, i, 0) for i in range(batch)]
+    ahead = [placeholder(i) for i in range(batch)]
+    pending = None  # (samples, queued read-back) of a step not read yet
+
+    def read(queued) -> None:
+        host, landed = queued
+        if landed is not None:
+            landed.synchronize()
+        host.tolist()
+
+    for s, step_tokens in enumerate(tokens):
+        sampled = None
+        if pending is not None:  # this step's tokens are the previous step's samples
+            step_tokens, sampled = ahead, pending[0].token_ids_B
+        logits, _ = decode_step(engine, segments(s), step_tokens, sampled_S=sampled)
+        out = sample(logits, params, generators)
+        queued = _queue_read_back(_bad_rows(logits), out)
+        if pending is not None:
+            read(pending[1])
+        pending = (out, queued)
+        if not overlap:
+            read(queued)
+            pending = None
+    if pending is not None:
+        read(pending[1])
+
+
 def time_case(engine: Engine, batch: int, context: int, steps: int, repeats: int):
-    """(GPU ms per step, engine ms per step: one entry per repeat; distinct experts per MoE
-    layer in the first step)."""
+    """(GPU ms per step, engine ms per step, engine ms per step one step at a time: one entry
+    per repeat; distinct experts per MoE layer in the first step)."""
     device = engine.layout.device
     per_seq = math.ceil((context + steps) / BLOCK)
     # The engine's own tables: staging copies their int64 arrays.
@@ -188,19 +233,17 @@ def time_case(engine: Engine, batch: int, context: int, steps: int, repeats: int
         if device.type == "cuda":
             torch.cuda.synchronize()  # the records' copy to the host has landed
         distinct = [len(torch.unique(ids)) for ids in out.routing.values()]
-        gpu, host = [], []
+        gpu, overlapped, one_at_a_time = [], [], []
         for _ in range(repeats + 1):  # the first pass warms the graphs and the sampler up
             with Clock(device) as clock:
                 for s in range(steps):
                     decode_step(engine, segments(s), tokens[s])
             gpu.append(clock.ms / steps)
-            gens = [make_generator(0, i, 0) for i in range(batch)]
-            with Clock(device) as clock:
-                for s in range(steps):
-                    logits, _ = decode_step(engine, segments(s), tokens[s])
-                    sample(logits, params, gens).token_ids_B.tolist()
-            host.append(clock.ms / steps)
-    return gpu[1:], host[1:], distinct
+            for overlap, times in ((True, overlapped), (False, one_at_a_time)):
+                with Clock(device) as clock:
+                    engine_steps(engine, segments, tokens, params, overlap)
+                times.append(clock.ms / steps)
+    return gpu[1:], overlapped[1:], one_at_a_time[1:], distinct
 
 
 def profile_case(engine: Engine, batch: int, context: int, top: int, title: str) -> None:
@@ -373,13 +416,15 @@ def main() -> None:
         for batch, context in cases:
             per_seq = math.ceil((context + args.steps) / BLOCK)
             engine = make_engine(model, batch * per_seq, per_seq * BLOCK, batch)
-            gpu, step, distinct = time_case(engine, batch, context, args.steps, args.repeats)
+            gpu, step, serial, distinct = time_case(
+                engine, batch, context, args.steps, args.repeats
+            )
             if args.profile:
                 profile_case(engine, batch, context, args.profile, f"{name} {batch}x{context}")
             if args.count_ops:
                 count_ops(engine, batch, context, f"{name} {batch}x{context}")
             moved = step_bytes(engine, distinct, batch, context)
-            results[(name, batch, context)] = (gpu, step, moved, distinct)
+            results[(name, batch, context)] = (gpu, step, serial, moved, distinct)
             del engine
             _empty_cache(cuda)
         del models[name], model
@@ -387,12 +432,13 @@ def main() -> None:
     for batch, context in cases:
         base = statistics.median(results[("bf16", batch, context)][1])
         for name in ("bf16", "nvfp4"):
-            gpu, step, moved, distinct = results[(name, batch, context)]
+            gpu, step, serial, moved, distinct = results[(name, batch, context)]
             g, s = statistics.median(gpu), statistics.median(step)
             roof = moved / bandwidth * 1e3
             rows.append(
                 f"| {batch} x {context} | {name} | {g:.2f} ±{_spread(gpu):.0f}% | "
-                f"{s:.2f} ±{_spread(step):.0f}% | {batch / s * 1e3:,.0f} | {base / s:.2f}x | "
+                f"{s:.2f} ±{_spread(step):.0f}% | {statistics.median(serial):.2f} | "
+                f"{batch / s * 1e3:,.0f} | {base / s:.2f}x | "
                 f"{moved / 2**30:.2f} | {roof:.2f} | {100 * roof / g:.0f} % | "
                 f"{100 * (1 - g / s):.0f} % | {statistics.mean(distinct):.0f} |"
             )
@@ -405,9 +451,10 @@ def main() -> None:
             f"repeat, median of {args.repeats}; copy bandwidth {bandwidth / 1e9:,.0f} GB/s "
             "(read + write)",
             "",
-            "| batch x context | engine | GPU ms/step | engine ms/step | tok/s | vs bf16 "
-            "| GiB/step | roofline ms | GPU at roofline | host share | experts/layer |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "| batch x context | engine | GPU ms/step | engine ms/step | one at a time ms/step "
+            "| tok/s | vs bf16 | GiB/step | roofline ms | GPU at roofline | host share "
+            "| experts/layer |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
             *rows,
         ],
     )
