@@ -55,7 +55,7 @@ def attention_case(block_n: int) -> Case:
     # O^T: three products (the probability's BF16 parts) x D/16 row tiles x BLOCK_N/16 steps.
     mma = (block_n // 16) * (d // 16) + 3 * (d // 16) * (block_n // 16)
     return Case(
-        "attention", dict(G=8, D=d, PAGE=16, BLOCK_N=block_n, SPLIT=True), 1,
+        "attention", dict(G=8, D=d, PAGE=16, BLOCK_N=block_n, SPLIT=True, PDL=True), 1,
         2 * block_n * d // 32, mma, f"{block_n}-token steps",
     )  # fmt: skip
 
@@ -87,6 +87,7 @@ def gemm_case(weight: str, tile_name: str, lookup: bool) -> Case:
             LOOKUP=lookup and tile.block_k >= 64,
             WARPS_N=warps_n,
             SPLIT=tile.split_k,
+            PDL=True,
         ),  # fmt: skip
         warps,
         tile.block_n * tile.block_k // (32 * warps_n),
@@ -151,7 +152,7 @@ def compile_case(case: Case, arch: int):
             if t.startswith("*")
         },  # fmt: skip
     )
-    options = dict(num_warps=case.num_warps, enable_fp_fusion=False)
+    options = dict(num_warps=case.num_warps, enable_fp_fusion=False, launch_pdl=True)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
 
 

@@ -42,6 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fp4rl.kernels import dependent_launch
+from fp4rl.kernels.dependent_launch import wait_for_prior
 from fp4rl.kernels.launch import check_contiguous, check_kernel_device, device_of
 
 ID_DTYPES = (torch.int32, torch.int64)
@@ -80,7 +82,9 @@ def _expert_sort_kernel(
     CHUNK: tl.constexpr,
     COUNT_CHUNK: tl.constexpr,
     E_BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_prior(PDL)
     start = tl.program_id(0) * CHUNK
     # Bin 2 * id + (b >= start): below bin 2e + 1 lie the assignments of smaller ids and those
     # of id e before this chunk.
@@ -151,5 +155,6 @@ def launch(
             ids, order_A, inverse_A, counts_E, A, num_experts,
             CHUNK=chunk, COUNT_CHUNK=min(MAX_COUNT_CHUNK, whole),
             E_BLOCK=max(16, _pow2_at_least(num_experts)), num_warps=tile.num_warps,
+            **dependent_launch.keywords(ids.device),
         )  # fmt: skip
     return order_A, inverse_A, counts_E

@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fp4rl.kernels import dependent_launch
+from fp4rl.kernels.dependent_launch import wait_for_prior
 from fp4rl.kernels.launch import check_contiguous, check_kernel_device, device_of
 from fp4rl.kernels.numerics import round_to
 
@@ -62,8 +64,9 @@ DEFAULT_TILE = CombineTile(block_h=256, num_warps=1)
 @triton.jit
 def _moe_combine_kernel(
     y_AH, row_order_Tk, weights_Tk, out_TH, A, H,
-    K: tl.constexpr, OUT: tl.constexpr, BLOCK_H: tl.constexpr,
+    K: tl.constexpr, OUT: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_prior(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = cols < H
@@ -150,5 +153,6 @@ def launch(
             K=k, OUT=_TL_DTYPES[y_AH.dtype], BLOCK_H=block_h, num_warps=tile.num_warps,
             # Each product is rounded to y's dtype before the sum adds it, never fused.
             enable_fp_fusion=False,
+            **dependent_launch.keywords(y_AH.device),
         )  # fmt: skip
     return out_TH

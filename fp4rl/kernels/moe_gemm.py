@@ -35,6 +35,8 @@ import triton.language as tl
 
 from fp4rl.fp4 import reference
 from fp4rl.fp4.tensor import NVFP4Tensor
+from fp4rl.kernels import dependent_launch
+from fp4rl.kernels.dependent_launch import wait_for_prior
 from fp4rl.kernels.launch import (
     check_contiguous,
     check_device,
@@ -184,7 +186,9 @@ def _moe_gemm_kernel(
     NUM_STAGES: tl.constexpr,
     SCALE_AFTER: tl.constexpr,
     PACKED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_prior(PDL)
     # PACKED=False: ``codes_ENW`` is a BF16 weight [E, N, K], read as it lies (the scale
     # pointers are not read): the same program for the BF16 engine's experts.
     tile = tl.program_id(1)
@@ -529,6 +533,7 @@ def launch(
             SCALE_AFTER=global_scale_on_accumulator, PACKED=packed, num_warps=tile.num_warps,
             # Products feed additions only inside the dot; no FMA may merge the two scalings.
             enable_fp_fusion=False,
+            **dependent_launch.keywords(x_AK.device),
         )  # fmt: skip
     return y_AN
 

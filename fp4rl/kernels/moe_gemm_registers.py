@@ -51,7 +51,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from fp4rl.kernels import fragments, numerics
+from fp4rl.kernels import dependent_launch, fragments, numerics
 from fp4rl.kernels.numerics import BLOCK_SCALE_BIAS, GLOBAL_SCALE_BIAS
 
 # The recipe's code decode as a Gluon function: the same Python body. (A block scale byte
@@ -225,7 +225,9 @@ def _moe_gemm_registers_kernel(
     LOOKUP: gl.constexpr,
     WARPS_N: gl.constexpr,
     SPLIT: gl.constexpr,
+    PDL: gl.constexpr,
 ):
+    dependent_launch.gluon_wait_for_prior(PDL)
     mma: gl.constexpr = _mma_layout(WARPS_N, SPLIT)
     weights_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     rows_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
@@ -368,4 +370,5 @@ def launch_kernel(grid, x_AK, members, counts_E, y_AN, order_A, *, A, E, N, K, r
         SPLIT=tile.split_k, num_warps=tile.num_warps,
         # Products feed additions only inside the MMA; no FMA may merge the two scalings.
         enable_fp_fusion=False,
+        **dependent_launch.keywords(x_AK.device),
     )  # fmt: skip

@@ -31,7 +31,8 @@ import triton.language as tl
 from fp4rl.fp4 import reference
 from fp4rl.fp4.reference import Scaling
 from fp4rl.fp4.tensor import NVFP4Tensor
-from fp4rl.kernels import amax, expert_quant
+from fp4rl.kernels import amax, dependent_launch, expert_quant
+from fp4rl.kernels.dependent_launch import wait_for_prior
 from fp4rl.kernels.launch import (
     CONFIGS,
     TileConfig,
@@ -75,7 +76,9 @@ def _quantize_kernel(
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     ONE_CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_prior(PDL)
     # Grid axis 1 picks the tensor: 0 the first (x_RK ...), 1 the second (x2_RK ...). The outer
     # test is resolved at compile time: unpaired launches carry no branch.
     if PAIRED:  # noqa: SIM102
@@ -180,6 +183,7 @@ def launch(
                 pair_view(x_RK), codes_words, block_scale, s, num_rows, k, group_rows, 1, 1,
                 SCALE_SOURCE=source, FAKE=fake, SCATTER=False, PAIRED=False, ONE_CHUNK=one_chunk,
                 **meta,
+                **dependent_launch.keywords(x.device),
             )  # fmt: skip
     if fake:
         return fake_RK.view(x.shape)
@@ -271,4 +275,5 @@ def _scatter_rows(x_TKD, pages, x2_TKD, pages2, slots_T, *, paired: bool) -> Non
             pages2.block_scale.view(torch.uint8), pages2.global_scale, x_RK.shape[0], k, 1,
             heads, slots_T.stride(0), SCALE_SOURCE="row_amax", FAKE=False, SCATTER=True,
             PAIRED=paired, ONE_CHUNK=k <= meta["BLOCK_K"], **meta,
+            **dependent_launch.keywords(x_TKD.device),
         )  # fmt: skip

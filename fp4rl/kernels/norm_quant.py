@@ -23,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4rl.kernels import rms_norm
+from fp4rl.kernels import dependent_launch, rms_norm
+from fp4rl.kernels.dependent_launch import wait_for_prior
 from fp4rl.kernels.launch import device_of, pair_view
 from fp4rl.kernels.tiles import fake_quantize_rows, load_pairs, program_rows
 
@@ -34,8 +35,9 @@ MAX_WIDTH = 8192  # values per row held in registers (one chunk), as `nearest`'s
 @triton.jit(do_not_specialize=["R"])
 def _add_rms_norm_quantize_kernel(
     x_RD, delta_RD, weight_D, s_RD, h_RD, h_pairs_RD, h_q_RD, R, D, inv_width, eps,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_prior(PDL)
     OUT: tl.constexpr = s_RD.dtype.element_ty
     row = tl.program_id(0).to(tl.int64)
     rms_norm.store_sum_and_norm(
@@ -80,5 +82,6 @@ def launch(
         _add_rms_norm_quantize_kernel[(rows,)](
             x, delta, weight, s, h, pair_view(h.view(rows, D)), h_q, rows, D, 1.0 / D,
             float(eps), BLOCK_D=block, num_warps=rms_norm.warps_for(block), enable_fp_fusion=False,
+            **dependent_launch.keywords(x.device),
         )  # fmt: skip
     return s, h, h_q

@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4rl.kernels import rms_norm, rope
+from fp4rl.kernels import dependent_launch, rms_norm, rope
+from fp4rl.kernels.dependent_launch import wait_for_prior
 from fp4rl.kernels.launch import check_contiguous, check_kernel_device, device_of
 from fp4rl.kernels.numerics import round_to
 from fp4rl.kernels.rms_norm import inverse_rms, normed
@@ -28,8 +29,9 @@ _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.floa
 @triton.jit
 def _norm_rope_kernel(
     x_RD, weight_D, cos_TD, sin_TD, out_RD, H, D, inv_width, eps,
-    OUT: tl.constexpr, BLOCK_D: tl.constexpr,
+    OUT: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_prior(PDL)
     row = tl.program_id(0).to(tl.int64)  # token * H + head
     token = row // H
     cols = tl.arange(0, BLOCK_D)
@@ -85,5 +87,6 @@ def launch(
             OUT=_TL_DTYPES[x_THD.dtype], BLOCK_D=D, num_warps=rms_norm.warps_for(D),
             # No FMA may merge a product with the sum after it (as in both kernels).
             enable_fp_fusion=False,
+            **dependent_launch.keywords(x_THD.device),
         )  # fmt: skip
     return out

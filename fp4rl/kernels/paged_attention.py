@@ -55,6 +55,8 @@ import triton
 import triton.language as tl
 
 from fp4rl.fp4.tensor import NVFP4Tensor
+from fp4rl.kernels import dependent_launch
+from fp4rl.kernels.dependent_launch import wait_for_prior
 from fp4rl.kernels.launch import (
     check_contiguous,
     check_device,
@@ -114,7 +116,9 @@ def _paged_decode_kernel(
     SPLIT: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     KEYS_FIRST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_prior(PDL)
     DTYPE: tl.constexpr = q_BHD.dtype.element_ty
     b = tl.program_id(0) // num_kv_heads
     kv_head = tl.program_id(0) % num_kv_heads
@@ -199,8 +203,9 @@ def _paged_decode_kernel(
 
 @triton.jit
 def _combine_splits_kernel(part_m, part_l, part_o, out_BHD, num_splits, D: tl.constexpr,
-                           BLOCK_S: tl.constexpr):  # fmt: skip
+                           BLOCK_S: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """One query row: ``sum_s w_s acc_s / sum_s w_s l_s`` with ``w_s = exp(m_s - max m)``."""
+    wait_for_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     s_S = tl.arange(0, BLOCK_S)
     ok_S = s_S < num_splits
@@ -461,11 +466,13 @@ def launch(
                 KEYS_FIRST=tile.keys_first, num_warps=tile.num_warps,
                 # The decode's two products must not merge into an FMA with anything.
                 enable_fp_fusion=False,
+                **dependent_launch.keywords(q_BHD.device),
             )  # fmt: skip
         if splits > 1:
             _combine_splits_kernel[(B * Hq,)](
                 part_m, part_l, part_o, out_BHD, splits, D=D,
                 BLOCK_S=triton.next_power_of_2(splits), num_warps=4, enable_fp_fusion=False,
+                **dependent_launch.keywords(q_BHD.device),
             )  # fmt: skip
     return out_BHD
 

@@ -61,7 +61,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from fp4rl.kernels import fragments
+from fp4rl.kernels import dependent_launch, fragments
 from fp4rl.kernels.launch import register_kernels_refusal
 from fp4rl.kernels.numerics import GLOBAL_SCALE_BIAS
 
@@ -195,7 +195,9 @@ def _paged_decode_registers_kernel(
     PAGE: gl.constexpr,
     BLOCK_N: gl.constexpr,
     SPLIT: gl.constexpr,
+    PDL: gl.constexpr,
 ):
+    dependent_launch.gluon_wait_for_prior(PDL)
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]
     )
@@ -336,4 +338,5 @@ def launch_kernel(grid, q_BHD, k, v, block_table_BN, context_B, out_BHD, parts, 
         G=Hq // num_kv_heads, D=D, PAGE=page, BLOCK_N=block_n, SPLIT=grid[1] > 1, num_warps=1,
         # The decode's two products must not merge into an FMA with anything.
         enable_fp_fusion=False,
+        **dependent_launch.keywords(q_BHD.device),
     )  # fmt: skip

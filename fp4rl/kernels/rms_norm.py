@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fp4rl.kernels import dependent_launch
+from fp4rl.kernels.dependent_launch import wait_for_prior
 from fp4rl.kernels.launch import check_contiguous, check_device, check_kernel_device, device_of
 from fp4rl.kernels.numerics import round_to
 
@@ -63,8 +65,10 @@ def normed(x, inv_rms, weight, OUT: tl.constexpr):
 
 @triton.jit
 def _rms_norm_kernel(
-    x_RD, weight_D, y_RD, D, inv_width, eps, OUT: tl.constexpr, BLOCK_D: tl.constexpr
-):
+    x_RD, weight_D, y_RD, D, inv_width, eps,
+    OUT: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    wait_for_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     ok = cols < D
@@ -98,8 +102,9 @@ def store_sum_and_norm(
 @triton.jit
 def _add_rms_norm_kernel(
     x_RD, delta_RD, weight_D, s_RD, y_RD, D, inv_width, eps,
-    OUT: tl.constexpr, BLOCK_D: tl.constexpr,
+    OUT: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     store_sum_and_norm(
         x_RD, delta_RD, weight_D, s_RD, y_RD, row, D, inv_width, eps, OUT=OUT, BLOCK_D=BLOCK_D
@@ -151,6 +156,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         _rms_norm_kernel[(rows,)](
             x, weight, y, D, 1.0 / D, float(eps), OUT=_TL_DTYPES[x.dtype], BLOCK_D=block,
             num_warps=warps_for(block), enable_fp_fusion=False,
+            **dependent_launch.keywords(x.device),
         )  # fmt: skip
     return y
 
@@ -171,5 +177,6 @@ def launch_add(
         _add_rms_norm_kernel[(rows,)](
             x, delta, weight, s, y, D, 1.0 / D, float(eps), OUT=_TL_DTYPES[x.dtype],
             BLOCK_D=block, num_warps=warps_for(block), enable_fp_fusion=False,
+            **dependent_launch.keywords(x.device),
         )  # fmt: skip
     return s, y

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fp4rl.kernels import dependent_launch
+from fp4rl.kernels.dependent_launch import wait_for_prior
 from fp4rl.kernels.launch import check_contiguous, check_kernel_device, device_of
 from fp4rl.kernels.numerics import round_to
 
@@ -25,8 +27,10 @@ BLOCK_H = 8
 
 @triton.jit
 def _rope_kernel(
-    x_THD, cos_TD, sin_TD, out_THD, H, D: tl.constexpr, OUT: tl.constexpr, BLOCK_H: tl.constexpr
-):
+    x_THD, cos_TD, sin_TD, out_THD, H,
+    D: tl.constexpr, OUT: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    wait_for_prior(PDL)
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     cols = tl.arange(0, D)
@@ -82,5 +86,6 @@ def launch(x_THD: torch.Tensor, cos_TD: torch.Tensor, signed_sin_TD: torch.Tenso
             BLOCK_H=BLOCK_H, num_warps=4,
             # The sum of the two products must add the rounded products, never one fused FMA.
             enable_fp_fusion=False,
+            **dependent_launch.keywords(x_THD.device),
         )  # fmt: skip
     return out

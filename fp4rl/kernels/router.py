@@ -49,6 +49,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fp4rl.kernels import dependent_launch
+from fp4rl.kernels.dependent_launch import wait_for_prior
 from fp4rl.kernels.launch import check_contiguous, check_kernel_device, device_of
 from fp4rl.kernels.numerics import exp_rn, nan_like, round_to
 
@@ -144,8 +146,9 @@ def lane_sum(v_RN, N: tl.constexpr, LOG2_N: tl.constexpr):
 def _logits_kernel(
     x_TH, w_EH, partial_TSE, T, E, H,
     NUM_SPLITS: tl.constexpr, STEPS: tl.constexpr, LANES: tl.constexpr, LOG2_LANES: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_prior(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     experts = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     split = tl.program_id(2)
@@ -173,8 +176,9 @@ def _logits_kernel(
 def _topk_kernel(
     partial_TSE, weights_Tk, ids_Tk, E,
     NUM_SPLITS: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr, OUT: tl.constexpr,
-    BLOCK_E: tl.constexpr, LOG2_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr, LOG2_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     lanes = tl.arange(0, BLOCK_E)
     valid = lanes < E
@@ -354,6 +358,7 @@ def logit_partials(
             BLOCK_E=tile.block_e, num_warps=tile.num_warps,
             # The FMAs are explicit; nothing else may be contracted.
             enable_fp_fusion=False,
+            **dependent_launch.keywords(x_TH.device),
         )  # fmt: skip
     return partial_TSE
 
@@ -385,5 +390,6 @@ def launch(
             # libdevice's expf without flushing subnormal results to zero (Triton's default
             # links its FTZ path): the function torch's CUDA exp runs, subnormals included.
             enable_fp_fusion=False, enable_reflect_ftz=False,
+            **dependent_launch.keywords(x_TH.device),
         )  # fmt: skip
     return weights_Tk, ids_Tk

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fp4rl.kernels import dependent_launch
+from fp4rl.kernels.dependent_launch import wait_for_prior
 from fp4rl.kernels.launch import check_contiguous, check_kernel_device, device_of, pair_view
 from fp4rl.kernels.numerics import (
     exp_rn,
@@ -65,7 +67,9 @@ def _swiglu_kernel(
     QUANTIZE: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_prior(PDL)
     rows_A, ok_A = program_rows(A, BLOCK_R)
     # gate_up [A, 2I] seen as [2A, I]: row 2a is a's gate, row 2a + 1 its up.
     g_even, g_odd = load_pairs(gate_up_RK, 2 * rows_A, ok_A, 0, I, BLOCK_K)
@@ -109,5 +113,6 @@ def launch(gate_up: torch.Tensor, *, quantize: bool = False) -> torch.Tensor:
             QUANTIZE=quantize, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4,
             # The division and the site's scale arithmetic must not fuse into FMAs.
             enable_fp_fusion=False,
+            **dependent_launch.keywords(gate_up.device),
         )  # fmt: skip
     return out

@@ -14,6 +14,7 @@ import torch
 from tiny_models import FP4_EVERYWHERE, engine_config, packed_twin, qat_model, tiny_config
 
 from fp4rl.fp4 import CompactCodes
+from fp4rl.kernels import dependent_launch
 from fp4rl.refit import RefitReceiver, refit_records
 from fp4rl.rollout import Engine, SamplingParams
 from fp4rl.rollout.graphs import bucket_for
@@ -106,6 +107,23 @@ def test_overlapped_graphed_steps_equal_steps_one_at_a_time():
         assert stats["overlapped_steps"] >= 8
         assert_same_completions(got, one_at_a_time.generate(PROMPTS, params))
     assert sum(c.finish_reason == "stop" for c in got) >= 2
+
+
+@pytest.mark.parametrize("experts, kv_cache", [("nvfp4", "nvfp4"), ("bf16", "bf16")])
+@torch.no_grad()
+def test_dependent_launches_change_no_bit(experts, kv_cache, monkeypatch):
+    """Decode graphs whose kernels are launched dependently (`fp4rl.kernels.dependent_launch`,
+    each kernel's programs scheduled while the kernel before it finishes) give the completions
+    and records of plainly launched kernels, bit for bit."""
+    if not dependent_launch.keywords(torch.device("cuda"))["PDL"]:
+        pytest.skip("dependent launch needs sm_90 or newer")
+    _, packed = models(experts, kv_cache)
+    guidance = "full" if experts == "nvfp4" else None
+    config = engine_config(block_size=16, capture_routing=True, guidance=guidance)
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=12, seed=5, ignore_eos=True)
+    dependent = Engine(packed, config).generate(PROMPTS, params)
+    monkeypatch.setattr(dependent_launch, "ENABLED", False)
+    assert_same_completions(Engine(packed, config).generate(PROMPTS, params), dependent)
 
 
 @torch.no_grad()
