@@ -402,7 +402,16 @@ def main() -> None:
     parser.add_argument(
         "--count-ops", action="store_true", help="also print the aten ops of a decode step"
     )
+    parser.add_argument(
+        "--plain-launches",
+        action="store_true",
+        help="launch every kernel plainly, not dependently (fp4rl.kernels.dependent_launch)",
+    )
     args = parser.parse_args()
+    if args.plain_launches:
+        from fp4rl.kernels import dependent_launch
+
+        dependent_launch.ENABLED = False
     cases = [parse_case(c) for c in args.cases.split(",")]
     cuda = args.device == "cuda"
     shrink = {} if args.hidden is None else _shrink(args.hidden)
@@ -449,7 +458,7 @@ def main() -> None:
             "",
             f"{args.layers} layers, every layer FP4 in the nvfp4 engine; {args.steps} steps per "
             f"repeat, median of {args.repeats}; copy bandwidth {bandwidth / 1e9:,.0f} GB/s "
-            "(read + write)",
+            "(read + write)" + ("; every kernel launched plainly" if args.plain_launches else ""),
             "",
             "| batch x context | engine | GPU ms/step | engine ms/step | one at a time ms/step "
             "| tok/s | vs bf16 | GiB/step | roofline ms | GPU at roofline | host share "

@@ -400,13 +400,14 @@ def route(
 
 
 def project(x_MK: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor] | None:
-    """``[x_MK @ w.T for w in weights]`` for a decode step's few rows (M <= 64) and one to three
-    weights of one input, in one kernel launch on the GPU (`fp4rl.kernels.skinny_gemm`: FP32
-    sums rounded once, in an order fixed by K, so a row's bits do not depend on the batch; not
-    bitwise cuBLAS), for BF16 or FP16 x and weights of its dtype (`skinny_gemm.supported`);
-    None elsewhere or for more rows, where the caller runs ``F.linear`` per weight."""
+    """``[x_MK @ w.T for w in weights]`` for a decode step's few rows and one to three weights
+    of one input, in one kernel launch on the GPU (`fp4rl.kernels.skinny_gemm`: FP32 sums
+    rounded once, in an order fixed by K, so a row's bits do not depend on the batch; not
+    bitwise cuBLAS), for BF16 or FP16 x and weights of its dtype (`skinny_gemm.supported`) and
+    the rows where it is the faster (`skinny_gemm.preferred`: up to 64 for several weights, 16
+    for one); None elsewhere, where the caller runs ``F.linear`` per weight."""
     kernels = _kernels(x_MK)
-    if kernels is None:
+    if kernels is None or not kernels.skinny_gemm.preferred(x_MK.shape[0], len(weights)):
         return None
     x_MK, weights = x_MK.contiguous(), [w.contiguous() for w in weights]
     if not kernels.skinny_gemm.supported(x_MK, weights):

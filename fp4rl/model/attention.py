@@ -196,8 +196,8 @@ class Attention(nn.Module):
         k = normed_rope(k, self.k_norm, cos, signed_sin)
         kv = NewKV(k, v, self.kv_format, guidance, capture)
         o = backend.attend(self.layer, normed_rope(q, self.q_norm, cos, signed_sin), kv)
-        # o stays with cuBLAS: the projection kernel was slower for it (BENCHMARKS.md).
-        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
+        # o by the projection kernel too where it beats cuBLAS: a few rows (`fp4rl.ops.project`).
+        return project(o.reshape(T, self.num_heads * self.head_dim), self.o_proj)[0]
 
 
 class CausalAttention:

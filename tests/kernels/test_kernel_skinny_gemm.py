@@ -12,9 +12,13 @@ What each output is held to:
   place from ``dtype(ref)``; in practice most outputs equal ``dtype(ref)`` (the test asks 90 %:
   the FP32 error is ~1e-7 of the output, so only outputs that near a rounding boundary differ);
 - against itself: a row's bits do not depend on M, on the other rows, on where the row sits, or
-  on the tile (bitwise, NaN rows included);
+  on the tile (bitwise, NaN rows included), with K split across programs or not; a launch
+  leaves its counters at 0, so the next one gives the same bits; a K of one slice gives the bits
+  of the unsplit kernel;
 - against ``torch.nn.functional.linear`` on the GPU (cuBLAS, FP32 reductions): within the sum of
   both sides' bounds above, and at least 95 % bitwise equal.
+
+A split sum (slices of K added in order) has at most K additions too: the bound is the same.
 """
 
 import pytest
@@ -156,13 +160,19 @@ def test_tiles_give_the_same_bits(device, tile):
 
 
 def test_configs_share_one_reduction_step():
-    """Every tile the launcher picks sums in the same order: one block_k, BLOCK_N <= 32."""
+    """Every tile the launcher picks sums in the same order: one block_k and one slice_k,
+    BLOCK_N <= 32."""
     assert {tile.block_k for _, tile in skinny_gemm.CONFIGS} == {skinny_gemm.BLOCK_K}
+    assert {tile.slice_k for _, tile in skinny_gemm.CONFIGS} == {skinny_gemm.SLICE_K}
+    assert {tile.block_n for _, tile in skinny_gemm.CONFIGS} <= {16, 32}
     assert skinny_gemm.CONFIGS[-1][0] == MAX_ROWS
     assert [skinny_gemm.tile_for(m) for m in (1, 16, 17, 33, 64)] == [
         skinny_gemm.CONFIGS[i][1] for i in (0, 0, 1, 2, 2)
     ]
     assert [skinny_gemm.block_k_for(k) for k in (16, 48, 256, 384, 2048)] == [16, 16, 256, 128, 256]
+    # Qwen3-30B-A3B: q/k/v (K = 2048) in 4 slices, o (K = 4096) in 8; one slice up to SLICE_K.
+    assert [skinny_gemm.slices_for(k) for k in (16, 512, 528, 2048, 4096)] == [1, 1, 2, 4, 8]
+    assert skinny_gemm.slices_for(4096, 0) == 1
 
 
 def test_a_nan_row_stays_in_its_row(device):
@@ -219,11 +229,100 @@ def test_bad_tiles_raise():
         SkinnyTile(block_m=8, block_n=16, num_warps=4, num_stages=2)
     with pytest.raises(ValueError, match="block_k must be a power of two >= 16; got 96"):
         SkinnyTile(block_m=16, block_n=16, num_warps=4, num_stages=2, block_k=96)
+    with pytest.raises(
+        ValueError, match="slice_k must be 0 or a power of two >= block_k=256; got 128"
+    ):
+        SkinnyTile(block_m=16, block_n=16, num_warps=4, num_stages=2, slice_k=128)
+    with pytest.raises(
+        ValueError, match="slice_k must be 0 or a power of two >= block_k=32; got 96"
+    ):
+        SkinnyTile(block_m=16, block_n=16, num_warps=4, num_stages=2, block_k=32, slice_k=96)
 
 
 def test_ops_project_is_none_off_the_gpu():
     x, weights = inputs(2, 64, (16, 16), "cpu", seed=16)
     assert ops.project(x, weights) is None
+
+
+def test_one_weight_takes_the_kernel_at_fewer_rows():
+    """Several weights of one input go to the kernel up to MAX_ROWS rows (one launch for all);
+    one weight only up to MAX_ROWS_ONE_WEIGHT, past which cuBLAS measured faster."""
+    assert skinny_gemm.preferred(MAX_ROWS, 3) and skinny_gemm.preferred(MAX_ROWS, 2)
+    assert skinny_gemm.preferred(skinny_gemm.MAX_ROWS_ONE_WEIGHT, 1)
+    assert not skinny_gemm.preferred(skinny_gemm.MAX_ROWS_ONE_WEIGHT + 1, 1)
+    assert not skinny_gemm.preferred(MAX_ROWS + 1, 3)
+
+
+# ---- K split across programs, at sizes the interpreter runs quickly ----------------------------
+
+# Steps of 32 in slices of 64: K = 256 in 4 slices, 192 in 3, 160 in 3 (the last one step).
+SPLIT = dict(block_k=32, slice_k=64)
+SPLIT_SHAPES = [(256, (48,)), (160, (16, 32)), (192, (48, 1, 24))]
+
+
+def split_tile(block_m: int = 16, block_n: int = 16, num_warps: int = 4) -> SkinnyTile:
+    return SkinnyTile(block_m, block_n, num_warps, num_stages=2, **SPLIT)
+
+
+@pytest.mark.parametrize("M", [1, 5])
+@pytest.mark.parametrize("K,Ns", SPLIT_SHAPES, ids=str)
+def test_split_matches_float64(device, M, K, Ns):
+    tile = split_tile()
+    assert skinny_gemm.slices_for(K, tile.slice_k) == -(-K // 64)
+    x, weights = inputs(M, K, Ns, device, seed=M * 1000 + K + 1)
+    for i, (y, w) in enumerate(zip(skinny_gemm.launch(x, weights, tile), weights, strict=True)):
+        assert y.shape == (M, w.shape[0]) and y.dtype == x.dtype
+        assert_fp32_accumulated(y.cpu(), x.cpu(), w.cpu(), f"split M={M} K={K} weight {i}")
+
+
+def test_split_rows_do_not_depend_on_the_batch(device):
+    """With K split, row r has the same bits whatever M, the row tile, the column tile and the
+    warps: the 64-row launch of one tile against fewer rows and single rows by others."""
+    K, Ns = 256, (48, 16)
+    x, weights = with_cancelling_products(*inputs(MAX_ROWS, K, Ns, device, seed=21))
+    full = skinny_gemm.launch(x, weights, split_tile(block_m=64, block_n=32))
+    tiles = {7: split_tile(), 17: split_tile(32, 16, 2), 33: split_tile(64, 16, 8)}
+    for M, tile in tiles.items():
+        for i, y in enumerate(skinny_gemm.launch(x[:M].contiguous(), weights, tile)):
+            assert_bits(y, full[i][:M], f"rows 0..{M - 1}, tile {tile}, weight {i}")
+    for r in (0, 13, MAX_ROWS - 1):
+        for i, y in enumerate(skinny_gemm.launch(x[r : r + 1].contiguous(), weights, split_tile())):
+            assert_bits(y, full[i][r : r + 1], f"row {r} alone, weight {i}")
+
+
+def test_split_leaves_its_counters_at_zero(device):
+    """The last slice of each output tile resets its counter: the next launch counts from 0 and
+    gives the same bits (the tiles of 3 row blocks x 3 + 2 column blocks use 15 counters)."""
+    x, weights = with_cancelling_products(*inputs(40, 256, (48, 32), device, seed=22))
+    tile = split_tile()
+    first = skinny_gemm.launch(x, weights, tile)
+    assert not skinny_gemm.counters(x.device).any(), "a counter is not back at 0"
+    for i, (again, y) in enumerate(zip(skinny_gemm.launch(x, weights, tile), first, strict=True)):
+        assert_bits(again, y, f"second launch, weight {i}")
+    assert not skinny_gemm.counters(x.device).any(), "a counter is not back at 0"
+
+
+def test_counters_grow_zeroed_and_keep_the_old_buffer(device):
+    before = skinny_gemm.counters(torch.device(device))
+    grown = skinny_gemm.counters(torch.device(device), before.numel() + 1)
+    assert grown.numel() > before.numel() and not grown.any()
+    assert skinny_gemm.counters(torch.device(device)) is grown
+    assert any(t is before for t in skinny_gemm._COUNTERS[torch.device(device)])
+
+
+@pytest.mark.parametrize("K,Ns", [(128, (48, 1)), (512, (32, 16, 16))], ids=str)
+def test_one_slice_is_the_unsplit_kernel(device, K, Ns):
+    """A K of at most one slice is not split: the bits of the kernel without a split (slice_k 0,
+    the M <= 16 tile before the split), by default and with a tile whose slice is K."""
+    x, weights = with_cancelling_products(*inputs(9, K, Ns, device, seed=23))
+    assert skinny_gemm.slices_for(K) == 1
+    unsplit = skinny_gemm.launch(x, weights, SkinnyTile(16, 32, 4, 4, slice_k=0))
+    one_slice = SkinnyTile(16, 16, 2, 2, block_k=min(K, skinny_gemm.BLOCK_K), slice_k=K)
+    for tile in (None, one_slice):
+        for i, (y, want) in enumerate(
+            zip(skinny_gemm.launch(x, weights, tile), unsplit, strict=True)
+        ):
+            assert_bits(y, want, f"tile {tile}, weight {i}")
 
 
 # ---- on the GPU, at Qwen3-30B-A3B's attention shapes -------------------------------------------
@@ -280,15 +379,35 @@ def test_ops_project_on_gpu():
         assert_bits(got, want, "ops.project")
     big, _ = inputs(MAX_ROWS + 1, 256, (), "cuda", seed=18)
     assert ops.project(big, weights) is None
+    one, _ = inputs(skinny_gemm.MAX_ROWS_ONE_WEIGHT + 1, 256, (), "cuda", seed=19)
+    assert ops.project(one, weights[:1]) is None
+    assert_bits(ops.project(one[:4], weights[:1])[0], skinny_gemm.launch(one[:4], weights[:1])[0],
+                "ops.project, one weight")  # fmt: skip
     assert ops.project(x.float(), [w.float() for w in weights]) is None
     assert ops.project(x[:, :40].contiguous(), [w[:, :40].contiguous() for w in weights]) is None
 
 
 @pytest.mark.gpu
-def test_captured_in_a_cuda_graph_without_a_sync():
-    K, Ns = QKV
+@pytest.mark.parametrize("K,Ns", [QKV, O], ids=["qkv", "o"])
+def test_split_is_deterministic_on_gpu(K, Ns):
+    """Launches back to back (the programs of each racing to add their tile's slices) give the
+    same bits and leave every counter at 0."""
+    assert skinny_gemm.slices_for(K) > 1
+    for M in (1, 64):
+        x, weights = with_cancelling_products(*inputs(M, K, Ns, "cuda", seed=K + M))
+        first = skinny_gemm.launch(x, weights)
+        runs = [skinny_gemm.launch(x, weights) for _ in range(50)]
+        for n, run in enumerate(runs):
+            for i, (y, want) in enumerate(zip(run, first, strict=True)):
+                assert_bits(y, want, f"M={M} launch {n + 1}, weight {i}")
+        assert not skinny_gemm.counters(x.device).any(), f"M={M}: a counter is not back at 0"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("K,Ns", [QKV, O], ids=["qkv", "o"])
+def test_captured_in_a_cuda_graph_without_a_sync(K, Ns):
     x, weights = inputs(8, K, Ns, "cuda", seed=19)
-    skinny_gemm.launch(x, weights)  # compile outside the capture
+    skinny_gemm.launch(x, weights)  # compile and size the counters outside the capture
     fresh = [inputs(8, K, Ns, "cuda", seed=s)[0] for s in (20, 21)]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # nothing below may read a value back
