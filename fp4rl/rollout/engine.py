@@ -399,8 +399,10 @@ def _per_prompt(sampling, num_prompts: int) -> list[tuple[SamplingParams, int]]:
 
 
 def _bad_rows(logits_SV: torch.Tensor) -> torch.Tensor:
-    """Rows with a NaN or +inf logit, or no finite one (bool ``[S]``, on the device)."""
-    return logits_SV.isnan().any(-1) | logits_SV.isposinf().any(-1) | logits_SV.isneginf().all(-1)
+    """Rows with a NaN or +inf logit, or no finite one (bool ``[S]``, on the device), in one
+    reduction: a row's maximum is NaN if any logit is (torch's max propagates NaN), +inf if one
+    is and none is NaN, -inf if all are, and finite exactly when the row is fit to sample."""
+    return ~torch.isfinite(logits_SV.amax(-1))
 
 
 def _queue_read_back(bad_S: torch.Tensor, out: SampleOutput) -> tuple[torch.Tensor, object]:

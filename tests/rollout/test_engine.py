@@ -411,6 +411,33 @@ def test_non_finite_logits_stop_generation(models, fill, sampling):
         engine.generate([[1, 2]], sampling)
 
 
+def test_bad_rows_are_those_with_a_nan_a_positive_inf_or_nothing_finite():
+    """The engine refuses a row holding a NaN or +inf logit anywhere, or only -inf ones; a row
+    whose finite logits sit beside -inf ones (masked tokens) samples."""
+    from fp4rl.rollout.engine import _bad_rows
+
+    nan, inf = float("nan"), float("inf")
+    rows = {
+        (0.5, -1.0, 2.0, 0.0): False,
+        (0.5, -inf, 2.0, -inf): False,
+        (-inf, -inf, -inf, 3.0): False,
+        (0.5, nan, 2.0, 0.0): True,
+        (nan, nan, nan, nan): True,
+        (-inf, nan, -inf, -inf): True,
+        (0.5, -1.0, inf, 0.0): True,
+        (inf, nan, -inf, 1.0): True,
+        (-inf, -inf, -inf, -inf): True,
+        (inf, inf, inf, inf): True,
+    }
+    logits = torch.tensor(list(rows), dtype=torch.float32)
+    assert _bad_rows(logits).tolist() == list(rows.values())
+    # Wide rows: the one bad logit anywhere in them.
+    wide = torch.randn(3, 4099)
+    wide[0, 4098], wide[1, 17], wide[2, :] = nan, inf, -inf
+    assert _bad_rows(wide).tolist() == [True, True, True]
+    assert _bad_rows(torch.randn(2, 4099)).tolist() == [False, False]
+
+
 def test_kv_pages_can_be_given_back_and_taken_again(models):
     """A colocated trainer takes the pages' memory while it runs; the engine refuses to
     generate without them, and generates the same after taking them again."""
