@@ -1,8 +1,11 @@
 """The host's part of a graphed decode step between reading one step's tokens and launching the
-next: the scheduler's step (`Scheduler.schedule` over every running sequence) and the staging
+next: the scheduler's step (`Scheduler.schedule` over every running sequence), the staging
 of the input rows, each sequence's block table copied from its `BlockTable`'s int64 array,
 against the same rows from Python lists (a copy of each table converted int by int, what every
-step did before `BlockTable`).
+step did before `BlockTable`), and the sampler's uniform numbers with the per-row values that
+cross to the device with them: taken from each sequence's `Draws` (a block of 64 drawn at a
+time) against one ``torch.rand`` per sequence and step, stacked (what every step did before
+`Draws`; the two give the same numbers, checked).
 
 No GPU needed (host work only): ``python benchmarks/host_step.py``. Prints a markdown table
 and writes it to ``$OUT/host_step.md`` when OUT is set; exits 1 if the two ways' rows differ.
@@ -25,6 +28,7 @@ from fp4rl.rollout.attention import Segment
 from fp4rl.rollout.block_manager import BlockManager
 from fp4rl.rollout.config import EngineConfig, SamplingParams
 from fp4rl.rollout.graphs import TABLE, fill_rows
+from fp4rl.rollout.sampler import Draws, make_generator
 from fp4rl.rollout.scheduler import Group, Scheduler
 from fp4rl.rollout.sequence import Sequence
 
@@ -55,7 +59,8 @@ def schedule_ms(batch: int, context: int) -> float:
     params = SamplingParams(max_tokens=context)
     for i in range(batch):
         prompt = list(range(context))
-        scheduler.add(Group([Sequence(i, i, 0, prompt, params, torch.Generator(), frozenset())]))
+        seq = Sequence(i, i, 0, prompt, params, Draws(torch.Generator()), frozenset())
+        scheduler.add(Group([seq]))
     scheduler.commit(scheduler.schedule())
 
     def step():
@@ -66,13 +71,32 @@ def schedule_ms(batch: int, context: int) -> float:
     return host_ms(step, repeats=steps - 5)
 
 
+def draws_ms(batch: int) -> tuple[float, float, bool]:
+    """(ms per step of one draw per sequence, stacked, then the per-row values; ms of the same
+    from `Draws`; whether the first step's values agree)."""
+    rest = [1.0] * (4 * batch)  # temperatures, top-p, greedy flags, top-k: as the sampler's
+
+    def single(generators):
+        u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
+        return torch.cat([u, torch.tensor(rest, dtype=torch.float64)])
+
+    def blocks(draws):
+        return torch.tensor([d.next() for d in draws] + rest, dtype=torch.float64)
+
+    fresh = lambda: [make_generator(0, i, 0) for i in range(batch)]  # noqa: E731
+    same = torch.equal(single(fresh()), blocks([Draws(g) for g in fresh()]))
+    generators, draws = fresh(), [Draws(g) for g in fresh()]
+    return host_ms(lambda: single(generators)), host_ms(lambda: blocks(draws)), same
+
+
 def main() -> None:
     lines = [
         run_header(" ".join(["python", *sys.argv])),
         "",
         "| batch × context | schedule ms | blocks a row | staging from lists (copy + ints) ms "
-        "| from BlockTable arrays ms | lists / arrays |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| from BlockTable arrays ms | lists / arrays | draws one by one ms | from Draws ms "
+        "| one by one / Draws |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     failed = False
     for batch, context in CASES:
@@ -90,11 +114,13 @@ def main() -> None:
         with_arrays = functools.partial(stage, rows["a"], False)
         lists, arrays = host_ms(with_lists), host_ms(with_arrays)
         same = np.array_equal(rows["l"], rows["a"])
-        failed |= not same
+        single, drawn, same_draws = draws_ms(batch)
+        failed |= not (same and same_draws)
         lines.append(
             f"| {batch} × {context} | {schedule_ms(batch, context):.3f} | {blocks} | {lists:.3f} | "
             f"{arrays:.3f} | "
-            f"{lists / arrays:.1f}x{'' if same else ' (rows differ)'} |"
+            f"{lists / arrays:.1f}x{'' if same else ' (rows differ)'} | {single:.3f} | "
+            f"{drawn:.3f} | {single / drawn:.1f}x{'' if same_draws else ' (values differ)'} |"
         )
         print(lines[-1], flush=True)
     report("host_step.md", lines)

@@ -40,7 +40,7 @@ from fp4rl.rollout.generation_config import eos_token_ids
 from fp4rl.rollout.graphs import DecodeGraphs, graphs_unsupported
 from fp4rl.rollout.kv_cache import KVCache, num_blocks_for_budget
 from fp4rl.rollout.model_layout import ModelLayout
-from fp4rl.rollout.sampler import SampleOutput, make_generator, sample, to_device
+from fp4rl.rollout.sampler import Draws, SampleOutput, make_generator, sample, to_device
 from fp4rl.rollout.scheduler import Group, Scheduler, Step
 from fp4rl.rollout.sequence import Sequence, placeholder, resolve_placeholders
 
@@ -164,7 +164,7 @@ class Engine:
                     sample_index=j,
                     prompt_ids=list(prompt),
                     params=params,
-                    generator=make_generator(seed, first_prompt_index + i, j),
+                    draws=Draws(make_generator(seed, first_prompt_index + i, j)),
                     stop_ids=stop,
                     capture=SequenceCapture() if capturing else None,
                 )
@@ -262,7 +262,7 @@ class Engine:
         scheduler.commit(step)
         launched = _Launched(step, fed, ranges, len(tokens), capture)
 
-        # Every sequence of a group samples from its leader's row with its own generator.
+        # Every sequence of a group samples from its leader's row with its own draws.
         launched.groups = [group for _, group, _, last in fed if last]
         seqs = [s for group in launched.groups for s in group]
         launched.seqs = seqs
@@ -275,9 +275,7 @@ class Engine:
             torch.tensor([i for i, group in enumerate(launched.groups) for _ in group]),
             torch.device(device),
         )
-        launched.out = sample(
-            logits_SV[rows], [s.params for s in seqs], [s.generator for s in seqs]
-        )
+        launched.out = sample(logits_SV[rows], [s.params for s in seqs], [s.draws for s in seqs])
         launched.read_back = _queue_read_back(launched.bad_S, launched.out)
         for i, seq in enumerate(seqs):
             if seq.reserve(placeholder(i), self.config.max_model_len):

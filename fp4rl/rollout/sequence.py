@@ -1,8 +1,8 @@
-"""One sample being generated: its tokens, blocks, random generator and what it has recorded.
+"""One sample being generated: its tokens, blocks, random draws and what it has recorded.
 
 A `Sequence` is the engine's mutable bookkeeping; it becomes an immutable
 `fp4rl.rollout.records.Completion` when it finishes. Preemption keeps the tokens, logprobs and
-the generator (so the recomputed sequence continues with the very draws it would have made)
+the draws (so the recomputed sequence continues with the very numbers it would have drawn)
 and drops the blocks and the capture, which the recomputation produces again.
 """
 
@@ -15,6 +15,7 @@ import torch
 from fp4rl.rollout.block_manager import BlockTable
 from fp4rl.rollout.capture import SequenceCapture
 from fp4rl.rollout.config import SamplingParams
+from fp4rl.rollout.sampler import Draws
 
 
 @dataclass(eq=False, slots=True)
@@ -24,7 +25,7 @@ class Sequence:
     sample_index: int
     prompt_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator
+    draws: Draws  # its generator's uniform numbers, one per sampled token
     stop_ids: frozenset[int]  # stop_token_ids plus the engine's EOS ids unless ignore_eos
     capture: SequenceCapture | None = None
     completion_ids: list[int] = field(default_factory=list)

@@ -11,7 +11,7 @@ import torch
 
 from fp4rl.rollout import sampler
 from fp4rl.rollout.config import SamplingParams
-from fp4rl.rollout.sampler import make_generator, sample, sequence_seed
+from fp4rl.rollout.sampler import Draws, make_generator, sample, sequence_seed
 
 
 def _reference_sorted(logits_BV, temperature_B, top_k_B, top_p_B):
@@ -141,6 +141,35 @@ def test_each_token_consumes_exactly_one_draw_even_when_greedy():
         assert torch.equal(gen.get_state(), reference.get_state())
 
 
+@pytest.mark.parametrize("block", [1, 7, 64])
+def test_draws_give_the_generators_numbers_in_order(block):
+    """`Draws` takes a generator's numbers a block at a time: the n-th number taken is the
+    n-th single draw, across block boundaries and for any block (the engine's tokens rest on
+    torch's CPU generator drawing a block's values one after another)."""
+    for seed in (0, 1, 2**62 + 5):
+        draws = Draws(make_generator(seed, 3, 1), block=block)
+        single = make_generator(seed, 3, 1)
+        want = [torch.rand((), generator=single, dtype=torch.float64).item() for _ in range(150)]
+        assert [draws.next() for _ in range(150)] == want
+
+
+def test_sampling_from_draws_equals_sampling_from_generators():
+    """Rows sampled from `Draws` over several steps: the tokens and logprobs of rows sampled
+    from their generators directly, whatever the block."""
+    g = torch.Generator().manual_seed(4)
+    params = [SamplingParams(), SamplingParams(top_k=5), SamplingParams(temperature=0)] * 2
+    generators = [make_generator(9, 0, j) for j in range(6)]
+    draws = [Draws(make_generator(9, 0, j), block=3) for j in range(6)]
+    for _ in range(8):
+        logits = torch.randn(6, 50, generator=g) * 3
+        _assert_same(sample(logits, params, draws), sample(logits, params, generators))
+
+
+def test_draws_refuse_an_empty_block():
+    with pytest.raises(ValueError, match="Draws.block must be at least 1; got 0"):
+        Draws(make_generator(0, 0, 0), block=0)
+
+
 def test_sequence_seeds_differ_across_samples_and_prompts():
     seeds = {sequence_seed(0, i, j) for i in range(20) for j in range(20)}
     assert len(seeds) == 400 and all(0 <= s < 2**63 for s in seeds)
@@ -266,20 +295,18 @@ def test_a_rows_result_does_not_depend_on_the_other_rows_top_k():
     assert batch.logprobs_B[0] == alone.logprobs_B[0]
 
 
-def test_sampling_reads_nothing_back_from_the_device(monkeypatch):
-    """A value read back to the host (item, tolist, bool, int of a tensor) would synchronize a
-    GPU step; which row takes which path must follow from the SamplingParams alone."""
-
-    def refuse(*args):
-        raise AssertionError("the sampler read a tensor back to the host")
-
-    logits = _logits("peaked", len(_SETTINGS), 3000, 1)
-    gens = _gens(len(_SETTINGS))
-    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy"):
-        monkeypatch.setattr(torch.Tensor, name, refuse)
+@pytest.mark.parametrize("source", ["generators", "draws"])
+def test_sampling_reads_nothing_back_from_the_device(source):
+    """A value read back from the logits' device (item, tolist, bool, int of a tensor) would
+    synchronize a GPU step; which row takes which path must follow from the SamplingParams
+    alone. Logits on the meta device hold no values, so any such read raises; the draws, taken
+    on the host, may be read."""
+    B = len(_SETTINGS)
+    logits = _logits("peaked", B, 3000, 1).to("meta")
+    gens = _gens(B) if source == "generators" else [Draws(g) for g in _gens(B)]
     out = sample(logits, _SETTINGS, gens)
-    monkeypatch.undo()
-    _assert_same(out, reference_sample(logits, _SETTINGS, _gens(len(_SETTINGS))))
+    for t in (out.token_ids_B, out.logprobs_B, out.raw_logprobs_B):
+        assert t.device.type == "meta" and t.shape == (B,)
 
 
 @pytest.mark.gpu

@@ -5,6 +5,7 @@ import torch
 from fp4rl.rollout.block_manager import BlockManager
 from fp4rl.rollout.capture import SequenceCapture
 from fp4rl.rollout.config import EngineConfig, SamplingParams
+from fp4rl.rollout.sampler import Draws
 from fp4rl.rollout.scheduler import Group, Scheduler
 from fp4rl.rollout.sequence import Sequence
 
@@ -17,7 +18,7 @@ def seqs(prompt_len, n=1, first_id=0):
             sample_index=j,
             prompt_ids=list(range(prompt_len)),
             params=SamplingParams(),
-            generator=torch.Generator(),
+            draws=Draws(torch.Generator()),
             stop_ids=frozenset(),
             capture=SequenceCapture(),
         )
