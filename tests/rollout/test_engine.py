@@ -411,9 +411,23 @@ def test_non_finite_logits_stop_generation(models, fill, sampling):
         engine.generate([[1, 2]], sampling)
 
 
-def test_bad_rows_are_those_with_a_nan_a_positive_inf_or_nothing_finite():
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+            ],
+        ),
+    ],
+)
+def test_bad_rows_are_those_with_a_nan_a_positive_inf_or_nothing_finite(device):
     """The engine refuses a row holding a NaN or +inf logit anywhere, or only -inf ones; a row
-    whose finite logits sit beside -inf ones (masked tokens) samples."""
+    whose finite logits sit beside -inf ones (masked tokens) samples. On the GPU as on the CPU
+    (the one reduction rests on the row maximum propagating NaN on both)."""
     from fp4rl.rollout.engine import _bad_rows
 
     nan, inf = float("nan"), float("inf")
@@ -429,13 +443,13 @@ def test_bad_rows_are_those_with_a_nan_a_positive_inf_or_nothing_finite():
         (-inf, -inf, -inf, -inf): True,
         (inf, inf, inf, inf): True,
     }
-    logits = torch.tensor(list(rows), dtype=torch.float32)
+    logits = torch.tensor(list(rows), dtype=torch.float32, device=device)
     assert _bad_rows(logits).tolist() == list(rows.values())
     # Wide rows: the one bad logit anywhere in them.
-    wide = torch.randn(3, 4099)
-    wide[0, 4098], wide[1, 17], wide[2, :] = nan, inf, -inf
+    wide = torch.randn(3, 151936, device=device)
+    wide[0, 151935], wide[1, 17], wide[2, :] = nan, inf, -inf
     assert _bad_rows(wide).tolist() == [True, True, True]
-    assert _bad_rows(torch.randn(2, 4099)).tolist() == [False, False]
+    assert _bad_rows(torch.randn(2, 151936, device=device)).tolist() == [False, False]
 
 
 def test_kv_pages_can_be_given_back_and_taken_again(models):
