@@ -10,6 +10,7 @@ same entry point the training loop uses (`collate` + `policy_logprobs`).
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from fp4rl.model.attention import CausalAttention
@@ -21,6 +22,19 @@ from fp4rl.model.weights import load_weights
 from fp4rl.records import collate
 from fp4rl.rollout import EngineConfig
 from fp4rl.train.policy import policy_logprobs
+
+# What a test parametrized over devices runs on: the CPU, and the GPU where there is one (the
+# case marked gpu, so that CI's CPU-only run skips it by its mark).
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+        ],
+    ),
+]
 
 # Every MoE layer FP4, NVFP4 KV: the most sites per forward.
 FP4_EVERYWHERE = PrecisionConfig(bf16_first_layers=0, bf16_last_layers=0, kv_cache="nvfp4")

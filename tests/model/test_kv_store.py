@@ -6,7 +6,7 @@ pages get the same bits either way, and the pair op is asked for exactly in the 
 import pytest
 import torch
 from assertions import assert_bitwise
-from tiny_models import packed_twin, qat_model, tiny_config, tiny_precision
+from tiny_models import DEVICES, packed_twin, qat_model, tiny_config, tiny_precision
 
 from fp4rl import ops
 from fp4rl.model.attention import NewKV, Nvfp4KV
@@ -15,17 +15,6 @@ from fp4rl.model.sites import SiteRecords
 from fp4rl.rollout.attention import AttentionMetadata, PagedAttention, Segment
 from fp4rl.rollout.kv_cache import KVCache, KVCacheSpec
 from fp4rl.rollout.model_layout import ModelLayout
-
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-        ],
-    ),
-]
 
 
 class Keeps(SiteRecords):

@@ -17,7 +17,13 @@ To extend to the QAT-parity check: take a `Completion` from any test here and co
 import pytest
 import torch
 from assertions import assert_matches_rollout, assert_records_close
-from tiny_models import engine_config, rollout_model, trainer_distribution, trainer_logprobs
+from tiny_models import (
+    DEVICES,
+    engine_config,
+    rollout_model,
+    trainer_distribution,
+    trainer_logprobs,
+)
 
 from fp4rl.fp4 import CompactCodes, NVFP4Tensor, compact
 from fp4rl.fp4.reference import unpack_e2m1
@@ -411,19 +417,7 @@ def test_non_finite_logits_stop_generation(models, fill, sampling):
         engine.generate([[1, 2]], sampling)
 
 
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=[
-                pytest.mark.gpu,
-                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-            ],
-        ),
-    ],
-)
+@pytest.mark.parametrize("device", DEVICES)
 def test_bad_rows_are_those_with_a_nan_a_positive_inf_or_nothing_finite(device):
     """The engine refuses a row holding a NaN or +inf logit anywhere, or only -inf ones; a row
     whose finite logits sit beside -inf ones (masked tokens) samples. On the GPU as on the CPU
