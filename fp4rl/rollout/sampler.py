@@ -139,7 +139,11 @@ def sample(
     top_k_rows, sort_rows = ints[2 * B :].split([len(by_top_k), len(by_sort)])
 
     raw_logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
-    scaled_BV = logits_BV / temperature_B[:, None] if by_top_k or by_sort else None
+    scaled_BV = None
+    if any(temperature[b] != 1.0 for b in by_top_k + by_sort):
+        scaled_BV = logits_BV / temperature_B[:, None]
+    elif by_top_k or by_sort:  # x / 1 is x (NaN aside, which the engine refuses): no pass
+        scaled_BV = logits_BV
     drawn = []  # (rows, tokens, logprobs) of each way of drawing
     if len(by_top_k) + len(by_sort) < B:  # greedy rows: the first maximum, as the stable sort's
         drawn.append((slice(None), logits_BV.argmax(-1), torch.zeros(B, device=device)))

@@ -165,6 +165,18 @@ def test_sampling_from_draws_equals_sampling_from_generators():
         _assert_same(sample(logits, params, draws), sample(logits, params, generators))
 
 
+def test_temperature_one_rows_skip_the_division_with_the_same_bits():
+    """With every sampled row at temperature 1 the logits are not divided (x / 1 is x): the
+    results of the definition, which divides, for rows holding -0.0, +0.0 and -inf logits."""
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(5, 300, generator=g) * 4
+    logits[:, :3] = torch.tensor([-0.0, 0.0, float("-inf")])
+    mixed = [SamplingParams(top_k=9), SamplingParams()] * 2 + [SamplingParams(temperature=0)]
+    for params in ([SamplingParams()] * 5, mixed):
+        want = reference_sample(logits, params, _gens(5, 2))
+        _assert_same(sample(logits, params, _gens(5, 2)), want)
+
+
 def test_draws_refuse_an_empty_block():
     with pytest.raises(ValueError, match="Draws.block must be at least 1; got 0"):
         Draws(make_generator(0, 0, 0), block=0)
