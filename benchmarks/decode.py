@@ -57,7 +57,7 @@ from fp4rl.rollout.block_manager import BlockTable
 from fp4rl.rollout.capture import StepCapture
 from fp4rl.rollout.engine import _bad_rows, _queue_read_back
 from fp4rl.rollout.model_layout import ModelLayout
-from fp4rl.rollout.sampler import make_generator, sample
+from fp4rl.rollout.sampler import Draws, make_generator, sample
 from fp4rl.rollout.sequence import placeholder, resolve_placeholders
 
 BLOCK = 16
@@ -183,7 +183,7 @@ def engine_steps(engine: Engine, segments, tokens, params, overlap: bool) -> Non
     ``overlap`` a step is launched before the previous one's results are read, its tokens the
     previous step's samples on the device (placeholders), as `Engine.generate` does."""
     batch = len(tokens[0])
-    generators = [make_generator(0, i, 0) for i in range(batch)]
+    generators = [Draws(make_generator(0, i, 0)) for i in range(batch)]  # as the engine draws
     ahead = [placeholder(i) for i in range(batch)]
     pending = None  # (samples, queued read-back) of a step not read yet
 
