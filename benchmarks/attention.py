@@ -81,7 +81,9 @@ def main() -> None:
         heads, dim, page = (32, 4), 128, 16
         batches = [int(b) for b in ARGS.batches.split(",")]
         contexts = [int(c) for c in ARGS.contexts.split(",")]
-        sweep_shapes = {tuple(int(v) for v in s.split("x")) for s in ARGS.sweep_shapes.split(",")}
+        sweep_shapes = {
+            tuple(int(v) for v in s.split("x")) for s in ARGS.sweep_shapes.split(",") if s
+        }
         tiles = [parse_tile(t) for t in ARGS.tiles.split(",") if t]
         warmup, repeats, min_bytes = 3, 10, 256 << 20
     else:
