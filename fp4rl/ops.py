@@ -22,9 +22,13 @@ norm, per row). `quantize_into` stores a per-row quantization straight into a pa
 rows (`quantize_into_pair`: a layer's K and V in one launch). `project` multiplies a decode
 step's few rows by up to three weights of one input (q, k and v) in one launch,
 batch-invariant (None where the kernel does not run: the caller uses cuBLAS).
+`early_dependents` sets when the kernels launched inside it let the next kernel start
+(`fp4rl.kernels.dependent_launch`); it moves no bit.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -48,6 +52,21 @@ def _kernels(x: torch.Tensor):
             "CUDA tensors need the Triton kernels; install fp4rl with the 'kernels' extra"
         ) from err
     return kernels
+
+
+@contextlib.contextmanager
+def early_dependents(device: torch.device, on: bool = True):
+    """Kernels launched on ``device`` inside this block let the kernel after them start as soon
+    as all of their programs run (`fp4rl.kernels.dependent_launch.early_dependents`); off a
+    CUDA device, or with ``on`` false, nothing changes."""
+    kernels = _kernels(torch.empty(0, device=device)) if on else None
+    if kernels is None:
+        yield
+        return
+    from fp4rl.kernels import dependent_launch
+
+    with dependent_launch.early_dependents():
+        yield
 
 
 def quantize(

@@ -15,13 +15,29 @@ stale, nothing it writes can race a reader still running before it, and it canno
 before the kernel it follows (which keeps the dependency transitive for the kernel after it).
 Nothing moves in the arithmetic: the same programs compute the same bits, only sooner.
 
-Kernels take a ``PDL`` constexpr and their launchers pass `keywords` (both the constexpr and the
-launch option). Off CUDA, under Triton's interpreter, before sm_90, or with `ENABLED` false the
-launch is a plain one and the wait is compiled out.
+When the kernel after it may be scheduled is a second choice. By default a kernel's dependents
+may start as its programs exit. Under `early_dependents` a kernel lets them start as soon as
+every one of its programs is running (``griddepcontrol.launch_dependents``, right after the
+wait): the next kernel's programs are then placed on the multiprocessors and parked at their
+own wait while this one computes, so a chain of short kernels pays neither the launch latency
+nor the programs' start at each link. On one H200 (`python benchmarks/decode.py`, 48 layers) it
+shortened every step of up to 32 sequences, batch 1 the most (BF16 3.86 -> 3.51 ms, NVFP4 3.46
+-> 3.03 ms), and slowed the NVFP4 steps of 64 and 256 (15.49 -> 17.18 ms, 24.12 -> 28.22 ms),
+nearly all of it in the decode attention (98 -> 139 us a call at batch 64, in a profile), a long
+ALU-bound kernel: probably its programs, placed while the kernel before it still held
+multiprocessors, share them unevenly (letting the attention's own dependents start at its exit
+instead did not help). The engine therefore decides per CUDA graph (`fp4rl.rollout.graphs`).
+Only where and when programs start moves; the bits do not. The switch is process-wide: set it
+around a capture on the thread that launches.
+
+Kernels take a ``PDL`` constexpr (`PLAIN`, `DEPENDENT` or `EARLY`) and their launchers pass
+`keywords` (both the constexpr and the launch option). Off CUDA, under Triton's interpreter,
+before sm_90, or with `ENABLED` false the launch is a plain one and the wait is compiled out.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -35,6 +51,22 @@ from fp4rl.kernels.launch import interpreting
 CAPABILITY = (9, 0)
 # Off: every kernel is launched plainly (an A/B switch for benchmarks; results are the same).
 ENABLED = True
+# The values of a kernel's PDL constexpr: launched plainly; dependently; dependently, letting the
+# kernels after it start once all of its programs run (`early_dependents`).
+PLAIN, DEPENDENT, EARLY = 0, 1, 2
+_early = False
+
+
+@contextlib.contextmanager
+def early_dependents(on: bool = True):
+    """Kernels launched dependently inside this block (a CUDA graph's capture, say) let their
+    dependents start as soon as all of their programs are running, not as they exit."""
+    global _early
+    before, _early = _early, on
+    try:
+        yield
+    finally:
+        _early = before
 
 
 @functools.cache
@@ -43,17 +75,24 @@ def _supported(device: torch.device) -> bool:
 
 
 def keywords(device: torch.device) -> dict:
-    """Launch keywords for a kernel with a ``PDL`` constexpr on ``device``: ``PDL`` and the
-    launch option ``launch_pdl``, both true where dependent launch applies."""
+    """Launch keywords for a kernel with a ``PDL`` constexpr on ``device``: ``PDL`` (`PLAIN`,
+    else `DEPENDENT` or, under `early_dependents`, `EARLY`) and the launch option
+    ``launch_pdl``, true where dependent launch applies."""
     on = ENABLED and device.type == "cuda" and not interpreting() and _supported(device)
-    return dict(PDL=on, launch_pdl=on)
+    return dict(PDL=(EARLY if _early else DEPENDENT) if on else PLAIN, launch_pdl=on)
 
 
 @triton.jit
 def wait_for_prior(PDL: tl.constexpr):
     """Wait until the kernels this launch depends on have completed and their writes are
-    visible (``griddepcontrol.wait``); nothing when not launched dependently (``PDL`` false)."""
-    if PDL:
+    visible (``griddepcontrol.wait``), then, for ``PDL`` `EARLY`, let the kernels that depend
+    on this one be scheduled; nothing when launched plainly (``PDL`` `PLAIN`)."""
+    if PDL == 2:  # EARLY
+        tl.inline_asm_elementwise(
+            "griddepcontrol.wait; griddepcontrol.launch_dependents; // $0",
+            "=r", [], dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+    elif PDL:
         tl.inline_asm_elementwise(
             "griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1
         )

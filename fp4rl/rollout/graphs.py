@@ -31,6 +31,9 @@ copies weights in place (`fp4rl.refit`), and the engine drops its graphs with it
 where a layer's attention would gather its context (`fp4rl.ops.paged_decode_kernel_runs`) or
 the engine records sparse guidance (its record's size depends on the values).
 
+Graphs of small buckets are captured with early dependents (`EARLY_DEPENDENTS_MAX_BATCH`,
+`fp4rl.ops.early_dependents`): their kernels start sooner, on the same bits.
+
 Numerics: a graphed step computes what an eager decode step of ``b`` rows with the same table
 width computes, bit for bit (the same kernels on the same shapes). Against an eager step of
 ``B`` rows only the paged kernel's choice of context stretches can differ (it depends on the
@@ -57,6 +60,15 @@ from fp4rl.rollout.sequence import resolve_placeholders
 MAX_GRAPH_BATCH = 512
 BUCKETS = (1, 2, 4, 8, *range(16, 65, 8), *range(96, MAX_GRAPH_BATCH + 1, 32))
 TOKEN, POSITION, SLOT, CONTEXT, TABLE = 0, 1, 2, 3, 4  # columns of the input rows
+
+
+# Graphs of at most this many decodes launch their kernels with early dependents
+# (`fp4rl.ops.early_dependents`): a small step is a chain of short kernels whose links the early
+# start shortens. `python benchmarks/decode.py` on one H200 (48 layers, GPU ms a step, early
+# against not): batch 1 BF16 3.51 / 3.86, NVFP4 3.03 / 3.45; 4: 6.09 / 6.42, 4.66 / 5.05; 8:
+# 8.90 / 9.06, 6.15 / 6.41; 16: 12.66 / 12.79, 8.13 / 8.27; 32: 17.90 / 18.10, 11.48 / 11.66;
+# but NVFP4 at 64 (4k) 17.18 / 15.49 and at 256 (2k) 28.22 / 24.12 (`dependent_launch`).
+EARLY_DEPENDENTS_MAX_BATCH = 32
 
 
 def bucket_for(batch: int) -> int | None:
@@ -211,13 +223,14 @@ class DecodeGraphs:
         self.inputs.copy_(torch.from_numpy(np.tile(self._padding, (self.max_batch, 1))))
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # compiles kernels, sizes workspaces, outside the graph
-            for _ in range(2):
-                self._forward(b, _like(capture))
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits, records = self._forward(b, _like(capture))
+        with ops.early_dependents(self.device, b <= EARLY_DEPENDENTS_MAX_BATCH):
+            with torch.cuda.stream(side):  # compiles kernels, sizes workspaces, outside the graph
+                for _ in range(2):
+                    self._forward(b, _like(capture))
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits, records = self._forward(b, _like(capture))
         self.graphs[key] = _Graph(graph, logits, records)
         return self.graphs[key]
 

@@ -1,18 +1,38 @@
 """Programmatic dependent launch (`fp4rl.kernels.dependent_launch`): where it applies, and that a
-chain of dependently launched kernels replayed from a CUDA graph computes the plain chain's bits.
+chain of dependently launched kernels replayed from a CUDA graph computes the plain chain's bits,
+with the kernels after them started as the kernels exit or as soon as all their programs run.
 """
 
 import pytest
 import torch
 
+from fp4rl import ops
 from fp4rl.kernels import dependent_launch, rms_norm
+
+PLAIN = dict(PDL=dependent_launch.PLAIN, launch_pdl=False)
 
 
 def test_plain_launches_off_the_gpu(monkeypatch):
-    assert dependent_launch.keywords(torch.device("cpu")) == dict(PDL=False, launch_pdl=False)
+    assert dependent_launch.keywords(torch.device("cpu")) == PLAIN
+    with dependent_launch.early_dependents():
+        assert dependent_launch.keywords(torch.device("cpu")) == PLAIN
     if torch.cuda.is_available():
         monkeypatch.setattr(dependent_launch, "ENABLED", False)
-        assert dependent_launch.keywords(torch.device("cuda")) == dict(PDL=False, launch_pdl=False)
+        assert dependent_launch.keywords(torch.device("cuda")) == PLAIN
+
+
+def test_early_dependents_is_scoped():
+    with dependent_launch.early_dependents():
+        assert dependent_launch._early
+        with dependent_launch.early_dependents(False):
+            assert not dependent_launch._early
+        assert dependent_launch._early
+        with pytest.raises(KeyError), dependent_launch.early_dependents(False):
+            raise KeyError
+        assert dependent_launch._early
+    assert not dependent_launch._early
+    with ops.early_dependents(torch.device("cpu")):  # off CUDA: nothing to change
+        assert not dependent_launch._early
 
 
 def _chain(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -24,11 +44,14 @@ def _chain(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor) -> torch.Tens
 
 
 @pytest.mark.gpu
-def test_dependent_launches_in_a_graph_compute_the_plain_bits(monkeypatch):
+@pytest.mark.parametrize("early", [False, True])
+def test_dependent_launches_in_a_graph_compute_the_plain_bits(early, monkeypatch):
     device = torch.device("cuda")
     if torch.cuda.get_device_capability(device) < dependent_launch.CAPABILITY:
         pytest.skip("dependent launch needs sm_90 or newer")
-    assert dependent_launch.keywords(device) == dict(PDL=True, launch_pdl=True)
+    monkeypatch.setattr(dependent_launch, "_early", early)
+    pdl = dependent_launch.EARLY if early else dependent_launch.DEPENDENT
+    assert dependent_launch.keywords(device) == dict(PDL=pdl, launch_pdl=True)
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(4, 2048, generator=g, device=device, dtype=torch.bfloat16)
     h = torch.randn(4, 2048, generator=g, device=device, dtype=torch.bfloat16)

@@ -16,8 +16,8 @@ from tiny_models import FP4_EVERYWHERE, engine_config, packed_twin, qat_model, t
 from fp4rl.fp4 import CompactCodes
 from fp4rl.kernels import dependent_launch
 from fp4rl.refit import RefitReceiver, refit_records
-from fp4rl.rollout import Engine, SamplingParams
-from fp4rl.rollout.graphs import bucket_for
+from fp4rl.rollout import Engine, SamplingParams, graphs
+from fp4rl.rollout.graphs import MAX_GRAPH_BATCH, bucket_for
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -109,14 +109,20 @@ def test_overlapped_graphed_steps_equal_steps_one_at_a_time():
     assert sum(c.finish_reason == "stop" for c in got) >= 2
 
 
-@pytest.mark.parametrize("experts, kv_cache", [("nvfp4", "nvfp4"), ("bf16", "bf16")])
+@pytest.mark.parametrize(
+    "experts, kv_cache, early",
+    [("nvfp4", "nvfp4", True), ("nvfp4", "nvfp4", False), ("bf16", "bf16", True)],
+)
 @torch.no_grad()
-def test_dependent_launches_change_no_bit(experts, kv_cache, monkeypatch):
+def test_dependent_launches_change_no_bit(experts, kv_cache, early, monkeypatch):
     """Decode graphs whose kernels are launched dependently (`fp4rl.kernels.dependent_launch`,
-    each kernel's programs scheduled while the kernel before it finishes) give the completions
-    and records of plainly launched kernels, bit for bit."""
+    each kernel's programs scheduled while the kernel before it finishes, or, with early
+    dependents, as soon as all of its programs run) give the completions and records of plainly
+    launched kernels, bit for bit."""
     if not dependent_launch.keywords(torch.device("cuda"))["PDL"]:
         pytest.skip("dependent launch needs sm_90 or newer")
+    # The graphs here hold at most 8 decodes: early dependents everywhere, or nowhere.
+    monkeypatch.setattr(graphs, "EARLY_DEPENDENTS_MAX_BATCH", MAX_GRAPH_BATCH if early else 0)
     _, packed = models(experts, kv_cache)
     guidance = "full" if experts == "nvfp4" else None
     config = engine_config(block_size=16, capture_routing=True, guidance=guidance)
