@@ -22,7 +22,7 @@ wait): the next kernel's programs are then placed on the multiprocessors and par
 own wait while this one computes, so a chain of short kernels pays neither the launch latency
 nor the programs' start at each link. On one H200 (`python benchmarks/decode.py`, 48 layers) it
 shortened every step of up to 32 sequences, batch 1 the most (BF16 3.86 -> 3.51 ms, NVFP4 3.46
--> 3.03 ms), and slowed the NVFP4 steps of 64 and 256 (15.49 -> 17.18 ms, 24.12 -> 28.22 ms),
+-> 3.03 ms), and slowed the NVFP4 steps of 64 and 256 (15.49 -> 17.18 ms, 24.12 -> 28.19 ms),
 nearly all of it in the decode attention (98 -> 139 us a call at batch 64, in a profile), a long
 ALU-bound kernel: probably its programs, placed while the kernel before it still held
 multiprocessors, share them unevenly (letting the attention's own dependents start at its exit

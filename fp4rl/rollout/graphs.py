@@ -67,7 +67,7 @@ TOKEN, POSITION, SLOT, CONTEXT, TABLE = 0, 1, 2, 3, 4  # columns of the input ro
 # start shortens. `python benchmarks/decode.py` on one H200 (48 layers, GPU ms a step, early
 # against not): batch 1 BF16 3.51 / 3.86, NVFP4 3.03 / 3.45; 4: 6.09 / 6.42, 4.66 / 5.05; 8:
 # 8.90 / 9.06, 6.15 / 6.41; 16: 12.66 / 12.79, 8.13 / 8.27; 32: 17.90 / 18.10, 11.48 / 11.66;
-# but NVFP4 at 64 (4k) 17.18 / 15.49 and at 256 (2k) 28.22 / 24.12 (`dependent_launch`).
+# but NVFP4 at 64 (4k) 17.18 / 15.49 and at 256 (2k) 28.19 / 24.12 (`dependent_launch`).
 EARLY_DEPENDENTS_MAX_BATCH = 32
 
 
