@@ -407,11 +407,21 @@ def main() -> None:
         action="store_true",
         help="launch every kernel plainly, not dependently (fp4rl.kernels.dependent_launch)",
     )
+    parser.add_argument(
+        "--early-dependents-max-batch",
+        type=int,
+        default=None,
+        help="override fp4rl.rollout.graphs.EARLY_DEPENDENTS_MAX_BATCH (0: no graph early)",
+    )
     args = parser.parse_args()
     if args.plain_launches:
         from fp4rl.kernels import dependent_launch
 
         dependent_launch.ENABLED = False
+    if args.early_dependents_max_batch is not None:
+        from fp4rl.rollout import graphs
+
+        graphs.EARLY_DEPENDENTS_MAX_BATCH = args.early_dependents_max_batch
     cases = [parse_case(c) for c in args.cases.split(",")]
     cuda = args.device == "cuda"
     shrink = {} if args.hidden is None else _shrink(args.hidden)
