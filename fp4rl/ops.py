@@ -59,8 +59,7 @@ def early_dependents(device: torch.device, on: bool = True):
     """Kernels launched on ``device`` inside this block let the kernel after them start as soon
     as all of their programs run (`fp4rl.kernels.dependent_launch.early_dependents`); off a
     CUDA device, or with ``on`` false, nothing changes."""
-    kernels = _kernels(torch.empty(0, device=device)) if on else None
-    if kernels is None:
+    if not on or torch.device(device).type != "cuda":
         yield
         return
     from fp4rl.kernels import dependent_launch
