@@ -57,14 +57,15 @@ def _kernels(x: torch.Tensor):
 @contextlib.contextmanager
 def early_dependents(device: torch.device, on: bool = True):
     """Kernels launched on ``device`` inside this block let the kernel after them start as soon
-    as all of their programs run (`fp4rl.kernels.dependent_launch.early_dependents`); off a
-    CUDA device, or with ``on`` false, nothing changes."""
-    if not on or torch.device(device).type != "cuda":
+    as all of their programs run (`fp4rl.kernels.dependent_launch.early_dependents`), or, with
+    ``on`` false, only as they exit, even inside an enclosing block that has them early; off a
+    CUDA device nothing changes."""
+    if torch.device(device).type != "cuda":
         yield
         return
     from fp4rl.kernels import dependent_launch
 
-    with dependent_launch.early_dependents():
+    with dependent_launch.early_dependents(on):
         yield
 
 

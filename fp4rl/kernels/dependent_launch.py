@@ -24,11 +24,13 @@ nor the programs' start at each link. On one H200 (`python benchmarks/decode.py`
 shortened every step of up to 32 sequences, batch 1 the most (BF16 3.86 -> 3.51 ms, NVFP4 3.46
 -> 3.03 ms), and slowed the NVFP4 steps of 64 and 256 (15.49 -> 17.18 ms, 24.12 -> 28.19 ms),
 nearly all of it in the decode attention (98 -> 139 us a call at batch 64, in a profile), a long
-ALU-bound kernel: probably its programs, placed while the kernel before it still held
-multiprocessors, share them unevenly (letting the attention's own dependents start at its exit
-instead did not help). The engine therefore decides per CUDA graph (`fp4rl.rollout.graphs`).
-Only where and when programs start moves; the bits do not. The switch is process-wide: set it
-around a capture on the thread that launches.
+ALU-bound kernel whose programs were placed while the kernel before it, the K/V store, still
+ran. Letting the store start the attention only as it exits fixed it (64: 15.28 ms, 256: 24.19,
+a little under no kernel early); letting the attention's own dependents start at its exit
+instead did not help. So the engine captures every graph with early dependents and, from 8
+decodes, switches them off around the K/V store (`fp4rl.rollout.graphs`,
+`fp4rl.rollout.attention`). Only where and when programs start moves; the bits do not. The
+switch is process-wide, and scoped: set it around a capture on the thread that launches.
 
 Kernels take a ``PDL`` constexpr (`PLAIN`, `DEPENDENT` or `EARLY`) and their launchers pass
 `keywords` (both the constexpr and the launch option). Off CUDA, under Triton's interpreter,

@@ -19,6 +19,7 @@ G = Hq/K, D head dim.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,15 @@ import torch
 from fp4rl import ops
 from fp4rl.model.attention import NewKV, attend_fp32
 from fp4rl.rollout.kv_cache import KVCache
+
+# Placed while the K/V store still ran (early dependents), the NVFP4 decode attention's
+# programs took 98 -> 139 us a call at 64 decodes (4k context). With the store at exit and every
+# other kernel early, the 48-layer NVFP4 step took 6.04, 7.92, 11.37, 15.28 and 24.19 ms at 8,
+# 16, 32, 64 and 256 decodes (`python benchmarks/decode.py`, one H200, GPU time), against 6.12,
+# 8.11 and 11.48 with the store early too, and 15.50 and 24.20 with no kernel early (17.13 and
+# 28.14 with every kernel early). Below 8 the store stays early: one decode took 3.06 ms with it
+# at exit, 3.03 early (BENCHMARKS.md).
+STORE_AT_EXIT_MIN_DECODES = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +136,12 @@ class PagedAttention:
 
     def attend(self, layer: int, q_THD: torch.Tensor, kv: NewKV) -> torch.Tensor:
         m = self.meta
-        kv.store(self.cache, layer, m.slots_T)
+        # From STORE_AT_EXIT_MIN_DECODES decodes, the kernels that store K/V let the decode
+        # attention after them start only as they exit, even in a graph captured with early
+        # dependents (`fp4rl.rollout.graphs`).
+        at_exit = m.decode_rows_B.shape[0] >= STORE_AT_EXIT_MIN_DECODES
+        with ops.early_dependents(q_THD.device, False) if at_exit else contextlib.nullcontext():
+            kv.store(self.cache, layer, m.slots_T)
         if m.decode_rows_B.shape[0] == q_THD.shape[0]:
             # Decodes alone (a graphed step): their rows are all rows, in order, so the
             # queries and outputs need no gather and no scatter.

@@ -31,8 +31,9 @@ copies weights in place (`fp4rl.refit`), and the engine drops its graphs with it
 where a layer's attention would gather its context (`fp4rl.ops.paged_decode_kernel_runs`) or
 the engine records sparse guidance (its record's size depends on the values).
 
-Graphs of small buckets are captured with early dependents (`EARLY_DEPENDENTS_MAX_BATCH`,
-`fp4rl.ops.early_dependents`): their kernels start sooner, on the same bits.
+Graphs are captured with early dependents (`EARLY_DEPENDENTS_MAX_BATCH`,
+`fp4rl.ops.early_dependents`), but for the K/V store before the decode attention of 8 or more
+decodes: their kernels start sooner, on the same bits.
 
 Numerics: a graphed step computes what an eager decode step of ``b`` rows with the same table
 width computes, bit for bit (the same kernels on the same shapes). Against an eager step of
@@ -62,13 +63,13 @@ BUCKETS = (1, 2, 4, 8, *range(16, 65, 8), *range(96, MAX_GRAPH_BATCH + 1, 32))
 TOKEN, POSITION, SLOT, CONTEXT, TABLE = 0, 1, 2, 3, 4  # columns of the input rows
 
 
-# Graphs of at most this many decodes launch their kernels with early dependents
-# (`fp4rl.ops.early_dependents`): a small step is a chain of short kernels whose links the early
-# start shortens. `python benchmarks/decode.py` on one H200 (48 layers, GPU ms a step, early
-# against not): batch 1 BF16 3.51 / 3.86, NVFP4 3.03 / 3.45; 4: 6.09 / 6.42, 4.66 / 5.05; 8:
-# 8.90 / 9.06, 6.15 / 6.41; 16: 12.66 / 12.79, 8.13 / 8.27; 32: 17.90 / 18.10, 11.48 / 11.66;
-# but NVFP4 at 64 (4k) 17.18 / 15.49 and at 256 (2k) 28.19 / 24.12 (`dependent_launch`).
-EARLY_DEPENDENTS_MAX_BATCH = 32
+# Graphs of at most this many decodes (every graph) launch their kernels with early dependents
+# (`fp4rl.ops.early_dependents`): a step is a chain of kernels whose links the early start
+# shortens. From 8 decodes the K/V store before each decode attention is the exception
+# (`fp4rl.rollout.attention.STORE_AT_EXIT_MIN_DECODES`, with the measurements). Before it, early
+# dependents were kept to graphs of up to 32 decodes: with the store early, the NVFP4 steps of
+# 64 and 256 decodes took 17.13 and 28.14 ms against 15.50 and 24.20 with no kernel early.
+EARLY_DEPENDENTS_MAX_BATCH = MAX_GRAPH_BATCH
 
 
 def bucket_for(batch: int) -> int | None:

@@ -33,6 +33,13 @@ def test_early_dependents_is_scoped():
     assert not dependent_launch._early
     with ops.early_dependents(torch.device("cpu")):  # off CUDA: nothing to change
         assert not dependent_launch._early
+    cuda = torch.device("cuda")  # the switch only; nothing is launched
+    with ops.early_dependents(cuda):
+        assert dependent_launch._early
+        with ops.early_dependents(cuda, False):  # off inside an early block: the K/V store's
+            assert not dependent_launch._early
+        assert dependent_launch._early
+    assert not dependent_launch._early
 
 
 def _chain(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,12 @@ from fp4rl.model.attention import Bf16KV, NewKV, Nvfp4KV
 from fp4rl.model.precision import SITES
 from fp4rl.model.sites import SiteRecords
 from fp4rl.ops import dequantize, quantize, quantize_into
-from fp4rl.rollout.attention import AttentionMetadata, PagedAttention, Segment
+from fp4rl.rollout.attention import (
+    STORE_AT_EXIT_MIN_DECODES,
+    AttentionMetadata,
+    PagedAttention,
+    Segment,
+)
 from fp4rl.rollout.kv_cache import KVCache, KVCacheSpec
 
 HQ, HKV, D, BLOCK = 4, 2, 32, 4
@@ -174,3 +179,45 @@ def test_nvfp4_sites_store_the_bits_of_quantize_then_write(monkeypatch, capture)
         assert list(capture.sites) == [(0, "k")] and capture.sites[(0, "k")].equal(
             quantize(k, scaling="row")
         )
+
+
+@pytest.mark.parametrize("decodes", [1, 7, 8, 9])
+def test_kv_store_lets_a_large_decode_attention_start_only_at_its_exit(decodes, monkeypatch):
+    """From `STORE_AT_EXIT_MIN_DECODES` decodes the K/V store runs inside
+    ``ops.early_dependents(device, False)``: in a graph captured with early dependents, the
+    decode attention after it is placed only as it exits. Below, it stays early."""
+    import contextlib
+
+    from fp4rl import ops
+
+    scopes, seen = [], []
+
+    @contextlib.contextmanager
+    def early_dependents(device, on=True):
+        scopes.append(on)
+        try:
+            yield
+        finally:
+            scopes.pop()
+
+    def store(self, kv, cache, layer, slots_T):
+        seen.append(list(scopes))
+        cache.write(layer, slots_T, kv.k_TKD, kv.v_TKD)
+
+    monkeypatch.setattr(ops, "early_dependents", early_dependents)
+    monkeypatch.setattr(Bf16KV, "store", store)
+    spec = KVCacheSpec(layer_formats=("bf16",), num_kv_heads=HKV, head_dim=D, dtype=torch.float32)
+    cache = KVCache(spec, num_blocks=decodes, block_size=BLOCK, device="cpu")
+    segments = [Segment([b], 2, 1) for b in range(decodes)]  # one new token after two cached
+    meta = AttentionMetadata.build(segments, BLOCK, "cpu")
+    assert meta.decode_rows_B.shape[0] == decodes
+    q, k, v = (
+        torch.randn(decodes, HQ, D),
+        torch.randn(decodes, HKV, D),
+        torch.randn(decodes, HKV, D),
+    )
+    with early_dependents("cuda", True):  # as a graph's capture would
+        PagedAttention(cache, meta).attend(0, q, NewKV(k, v, Bf16KV()))
+    at_exit = decodes >= STORE_AT_EXIT_MIN_DECODES
+    assert STORE_AT_EXIT_MIN_DECODES == 8
+    assert seen == [[True, False] if at_exit else [True]]
