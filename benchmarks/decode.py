@@ -413,6 +413,13 @@ def main() -> None:
         default=None,
         help="override fp4rl.rollout.graphs.EARLY_DEPENDENTS_MAX_BATCH (0: no graph early)",
     )
+    parser.add_argument(
+        "--store-at-exit-min-decodes",
+        type=int,
+        default=None,
+        help="override fp4rl.rollout.attention.STORE_AT_EXIT_MIN_DECODES (a large value: the "
+        "K/V store early like every other kernel)",
+    )
     args = parser.parse_args()
     if args.plain_launches:
         from fp4rl.kernels import dependent_launch
@@ -422,6 +429,10 @@ def main() -> None:
         from fp4rl.rollout import graphs
 
         graphs.EARLY_DEPENDENTS_MAX_BATCH = args.early_dependents_max_batch
+    if args.store_at_exit_min_decodes is not None:
+        from fp4rl.rollout import attention
+
+        attention.STORE_AT_EXIT_MIN_DECODES = args.store_at_exit_min_decodes
     cases = [parse_case(c) for c in args.cases.split(",")]
     cuda = args.device == "cuda"
     shrink = {} if args.hidden is None else _shrink(args.hidden)
