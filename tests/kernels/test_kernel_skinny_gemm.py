@@ -345,9 +345,14 @@ def fp32_cublas_reductions():
 @pytest.mark.parametrize("M", [1, 8, 64])
 @pytest.mark.parametrize("K,Ns", [QKV, O], ids=["qkv", "o"])
 def test_real_shapes_on_gpu(M, K, Ns, fp32_cublas_reductions):
+    """The kernel at every row count it takes, and `ops.project` taking it exactly where it is
+    preferred (o, one weight: up to `skinny_gemm.MAX_ROWS_ONE_WEIGHT` rows), with its bits."""
     x, weights = inputs(M, K, Ns, "cuda", seed=M + K)
-    outs = ops.project(x, weights)
-    assert outs is not None, "the kernel did not run"
+    outs = skinny_gemm.launch(x, weights)
+    routed = ops.project(x, weights)
+    assert (routed is not None) == skinny_gemm.preferred(M, len(Ns)), f"M={M}, {len(Ns)} weights"
+    for i, (got, y) in enumerate(zip(routed or [], outs, strict=False)):
+        assert_bits(got, y, f"ops.project, M={M} K={K} weight {i}")
     for i, (y, w) in enumerate(zip(outs, weights, strict=True)):
         what = f"M={M} K={K} weight {i}"
         assert_fp32_accumulated(y, x, w, what)
