@@ -189,6 +189,15 @@ def loop_opcodes(sass: str) -> collections.Counter:
     return ops
 
 
+# Opcodes the ALU pipe issues (logic, shifts, PRMT, LEA, integer adds and compares, min/max,
+# selects: Nsight Compute's "alu" pipe from sm_80). It takes 16 lanes a cycle in each of a
+# multiprocessor's four sub-partitions, two warp instructions a cycle in all, and it is what the
+# NVFP4 decode loads most (BENCHMARKS.md). VIADD is left out: which pipe issues it is not
+# documented.
+ALU_PIPE = ("PRMT", "LOP3", "SHF", "LEA", "IADD3", "ISETP", "FSETP", "FMNMX", "SEL", "FSEL",
+            "SGXT", "PLOP3")  # fmt: skip
+
+
 def table_row(name: str, case: Case, arch: int) -> str:
     compiled = compile_case(case, arch)
     res = resources(compiled.asm["cubin"])
@@ -196,11 +205,12 @@ def table_row(name: str, case: Case, arch: int) -> str:
     total = sum(ops.values())
     shared = sum(n for op, n in ops.items() if op.startswith(("LDS", "STS", "LDSM", "STSM")))
     mma = sum(n for op, n in ops.items() if op.startswith("HMMA"))
+    alu = sum(n for op, n in ops.items() if op.split(".")[0] in ALU_PIPE)
     top = ", ".join(f"{op} {n}" for op, n in ops.most_common(6))
     return (
         f"| {name} | {case.label} | {res.get('REG', 0)} | {res.get('STACK', 0)} | "
-        f"{compiled.metadata.shared} | {total} | {total / case.values_per_thread:.2f} | {mma} "
-        f"({case.mma}) | {shared} | {top} |"
+        f"{compiled.metadata.shared} | {total} | {total / case.values_per_thread:.2f} | "
+        f"{alu / case.values_per_thread:.2f} | {mma} ({case.mma}) | {shared} | {top} |"
     )
 
 
@@ -218,12 +228,14 @@ def main() -> None:
         "",
         f"Compiled for sm_{args.arch} without a GPU. Registers and stack bytes (spills) per "
         "thread, shared memory per program; the loop's SASS instructions, per NVFP4 value a "
-        "thread decodes in a pass, its mma.sync against the products a pass needs, and how many of "
-        "its instructions touch shared memory.",
+        "thread decodes in a pass and those the ALU pipe issues (`ALU_PIPE`) per value, its "
+        "mma.sync against the products a pass needs, and how many of its instructions touch "
+        "shared memory.",
         "",
         "| case | kernel | registers | stack B | shared B | loop instructions | per value | "
-        "mma.sync in loop (products needed) | shared-memory ops in loop | most frequent |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "ALU pipe per value | mma.sync in loop (products needed) | shared-memory ops in loop | "
+        "most frequent |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name in names:
         lines.append(table_row(name, CASES[name](), args.arch))

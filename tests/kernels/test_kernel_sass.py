@@ -32,13 +32,14 @@ def test_register_kernels_compile_for_sm90_without_shared_memory_in_their_loops(
     rows = {}
     for line in out.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if cells[0] in CASES and len(cells) == 10:
+        if cells[0] in CASES and len(cells) == 11:
             rows[cells[0]] = cells
     assert set(rows) == set(CASES), out
-    for case, (_, _, regs, stack, _, loop, per_value, mma, shared_ops, _) in rows.items():
+    for case, (_, _, regs, stack, _, loop, per_value, alu, mma, shared_ops, _) in rows.items():
         assert 0 < int(regs) <= 255, (case, regs)
         assert int(shared_ops) == 0, f"{case}: {shared_ops} shared-memory instructions in the loop"
         assert int(loop) > 0 and float(per_value) > 0, (case, loop)
+        assert 0 < float(alu) < float(per_value), (case, alu, per_value)
         issued, needed = re.fullmatch(r"(\d+) \((\d+)\)", mma).groups()
         assert issued == needed, f"{case}: {issued} mma.sync in the loop, {needed} products"
         if case in NO_SPILLS:
