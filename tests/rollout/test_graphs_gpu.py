@@ -121,7 +121,7 @@ def test_dependent_launches_change_no_bit(experts, kv_cache, early, monkeypatch)
     launched kernels, bit for bit."""
     if not dependent_launch.keywords(torch.device("cuda"))["PDL"]:
         pytest.skip("dependent launch needs sm_90 or newer")
-    # The graphs here hold at most 8 decodes: early dependents everywhere, or nowhere.
+    # Early dependents in every graph (16 decodes: the K/V store at exit, as from 8), or in none.
     monkeypatch.setattr(graphs, "EARLY_DEPENDENTS_MAX_BATCH", MAX_GRAPH_BATCH if early else 0)
     _, packed = models(experts, kv_cache)
     guidance = "full" if experts == "nvfp4" else None
