@@ -20,17 +20,13 @@ may start as its programs exit. Under `early_dependents` a kernel lets them star
 every one of its programs is running (``griddepcontrol.launch_dependents``, right after the
 wait): the next kernel's programs are then placed on the multiprocessors and parked at their
 own wait while this one computes, so a chain of short kernels pays neither the launch latency
-nor the programs' start at each link. On one H200 (`python benchmarks/decode.py`, 48 layers) it
-shortened every step of up to 32 sequences, batch 1 the most (BF16 3.86 -> 3.51 ms, NVFP4 3.46
--> 3.03 ms), and slowed the NVFP4 steps of 64 and 256 (15.49 -> 17.18 ms, 24.12 -> 28.19 ms),
-nearly all of it in the decode attention (98 -> 139 us a call at batch 64, in a profile), a long
-ALU-bound kernel whose programs were placed while the kernel before it, the K/V store, still
-ran. Letting the store start the attention only as it exits fixed it (64: 15.28 ms, 256: 24.19,
-a little under no kernel early); letting the attention's own dependents start at its exit
-instead did not help. So the engine captures every graph with early dependents and, from 8
-decodes, switches them off around the K/V store (`fp4rl.rollout.graphs`,
-`fp4rl.rollout.attention`). Only where and when programs start moves; the bits do not. The
-switch is process-wide, and scoped: set it around a capture on the thread that launches.
+nor the programs' start at each link. On one H200 it shortened every decode step of up to 32
+sequences (batch 1 the most: NVFP4 3.46 -> 3.03 ms at 48 layers), but a long ALU-bound kernel
+placed while the kernel before it still runs can lose: the NVFP4 decode attention after the K/V
+store did, so the engine captures its graphs early and switches early dependents off around that
+store (`fp4rl.rollout.attention`, with the measurements). Only where and when programs start
+moves; the bits do not. The switch is process-wide, and scoped: set it around a capture on the
+thread that launches.
 
 Kernels take a ``PDL`` constexpr (`PLAIN`, `DEPENDENT` or `EARLY`) and their launchers pass
 `keywords` (both the constexpr and the launch option). Off CUDA, under Triton's interpreter,

@@ -63,12 +63,11 @@ BUCKETS = (1, 2, 4, 8, *range(16, 65, 8), *range(96, MAX_GRAPH_BATCH + 1, 32))
 TOKEN, POSITION, SLOT, CONTEXT, TABLE = 0, 1, 2, 3, 4  # columns of the input rows
 
 
-# Graphs of at most this many decodes (every graph) launch their kernels with early dependents
-# (`fp4rl.ops.early_dependents`): a step is a chain of kernels whose links the early start
-# shortens. From 8 decodes the K/V store before each decode attention is the exception
-# (`fp4rl.rollout.attention.STORE_AT_EXIT_MIN_DECODES`, with the measurements). Before it, early
-# dependents were kept to graphs of up to 32 decodes: with the store early, the NVFP4 steps of
-# 64 and 256 decodes took 17.13 and 28.14 ms against 15.50 and 24.20 with no kernel early.
+# Graphs of at most this many decodes (every graph; a knob for `benchmarks/decode.py`'s A/B)
+# launch their kernels with early dependents (`fp4rl.ops.early_dependents`): a step is a chain
+# of kernels whose links the early start shortens. From 8 decodes the K/V store before each
+# decode attention is the exception (`fp4rl.rollout.attention.STORE_AT_EXIT_MIN_DECODES`, with
+# the measurements).
 EARLY_DEPENDENTS_MAX_BATCH = MAX_GRAPH_BATCH
 
 
