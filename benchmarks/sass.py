@@ -67,6 +67,7 @@ def gemm_case(weight: str, tile_name: str, lookup: bool) -> Case:
     tile = {
         "narrow": moe_gemm.REGISTERS_TILE,
         "short": moe_gemm.REGISTERS_SHORT_TILE,
+        "medium": moe_gemm.REGISTERS_MEDIUM_TILE,
         "wide": moe_gemm.REGISTERS_WIDE_TILE,
         "split": moe_gemm.REGISTERS_SPLIT_TILE,
     }[tile_name]
@@ -105,7 +106,7 @@ CASES = {
     **{
         f"gemm:{w}:{t}{'' if lut else ':arith'}": (lambda w=w, t=t, lut=lut: gemm_case(w, t, lut))
         for w in ("w13", "w2")
-        for t in ("narrow", "short", "wide", "split")
+        for t in ("narrow", "short", "medium", "wide", "split")
         for lut in (True, False)
     },
 }

@@ -339,7 +339,16 @@ REGISTERS_SHORT_TILE = GemmTile(block_m=8, block_n=64, block_k=256, num_warps=4,
 REGISTERS_SPLIT_TILE = GemmTile(block_m=8, block_n=32, block_k=256, num_warps=4, num_stages=2,
                                 split_k=2)  # fmt: skip
 REGISTERS_SPLIT_MIN_STEPS = 8
-# Past 8 rows per expert: 32 rows and 128 columns of 4 warps (each warp's 32 columns share its
+# Above 6 rows per expert on average, up to 10 (97 to 160 tokens at top-8 over 128 experts):
+# 16 rows and 128 columns of 4 warps. Around 8 rows many experts need two 8-row tiles, each
+# decoding the expert's weights again: at 128 tokens w13 126.8 against 162.6 us for the 8-row
+# tile and 136.1 for the wide one, w2 71.5 against 86.0 and 76.3; at 160 tokens 133.8 / 73.1
+# against the wide tile's 136.3 / 77.0; at 96 and 192 tokens it is no better than the tiles
+# on either side (one H200, `python benchmarks/moe.py --tokens 48,64,96,128,160,192,256`,
+# BENCHMARKS.md "Routed-expert GEMM: a 16-row tile for mid-sized batches").
+REGISTERS_MEDIUM_TILE = GemmTile(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=2)
+REGISTERS_MEDIUM_ROWS = (6.0, 10.0)  # rows per expert on average: above the first, up to the second
+# Past 10 rows per expert: 32 rows and 128 columns of 4 warps (each warp's 32 columns share its
 # copy of the rows); at 256 tokens 171 against 280 us (w13) and 82 against 149 (w2).
 REGISTERS_WIDE_TILE = GemmTile(block_m=32, block_n=128, block_k=128, num_warps=4, num_stages=2)
 
@@ -374,12 +383,15 @@ def config_for(
 def register_config_for(num_rows: int, num_experts: int, k: int = 0) -> GemmTile:
     """The register kernel's tile by rows per expert on average: `REGISTERS_TILE` below half a
     row (`REGISTERS_SPLIT_TILE` where the reduction ``k`` has at least
-    `REGISTERS_SPLIT_MIN_STEPS` of its steps), `REGISTERS_SHORT_TILE` up to 8 rows,
-    `REGISTERS_WIDE_TILE` above (narrowed to the weight's shape by the launcher, its warps cut
-    to one per 16 columns)."""
+    `REGISTERS_SPLIT_MIN_STEPS` of its steps), `REGISTERS_SHORT_TILE` up to 6 rows,
+    `REGISTERS_MEDIUM_TILE` up to 10 (`REGISTERS_MEDIUM_ROWS`), `REGISTERS_WIDE_TILE` above
+    (narrowed to the weight's shape by the launcher, its warps cut to one per 16 columns)."""
     experts = max(num_experts, 1)
-    if num_rows > 8.0 * experts:
+    low, high = REGISTERS_MEDIUM_ROWS
+    if num_rows > high * experts:
         return REGISTERS_WIDE_TILE
+    if num_rows > low * experts:
+        return REGISTERS_MEDIUM_TILE
     if num_rows >= 0.5 * experts:
         return REGISTERS_SHORT_TILE
     if k >= REGISTERS_SPLIT_MIN_STEPS * REGISTERS_TILE.block_k:

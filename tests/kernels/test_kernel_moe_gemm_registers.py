@@ -97,7 +97,7 @@ def test_registers_every_byte_bitwise_on_gpu(decode, scales):
 @pytest.mark.gpu
 @DECODES
 @pytest.mark.parametrize("shape", list(QWEN3_SHAPES), ids=str)
-@pytest.mark.parametrize("tokens", [1, 8, 64, 256, 4096])
+@pytest.mark.parametrize("tokens", [1, 8, 64, 128, 256, 4096])
 def test_registers_qwen3_shapes_on_gpu(shape, tokens, decode):
     n, k = QWEN3_SHAPES[shape]
     g = torch.Generator().manual_seed(tokens)
@@ -181,17 +181,19 @@ def test_decode_batches_take_the_register_kernel_on_gpu():
 
 def test_register_tiles_by_rows_per_expert():
     """The register kernel's tile: 16 rows below half a row per expert (one token at top-8 of
-    128), split across two warps per column for w13's long K, 8 rows up to 8 rows per expert,
-    then the wide tile; the launcher's own choice reaches as far as
-    REGISTERS_MAX_ROWS_PER_EXPERT."""
+    128), split across two warps per column for w13's long K, 8 rows up to 6 rows per expert,
+    16 rows and 128 columns up to 10, then the wide tile; the launcher's own choice reaches as
+    far as REGISTERS_MAX_ROWS_PER_EXPERT."""
     for rows in (1, 8, 63):
         assert moe_gemm.register_config_for(rows, 128) == moe_gemm.REGISTERS_TILE
         assert moe_gemm.register_config_for(rows, 128, k=768) == moe_gemm.REGISTERS_TILE
         assert moe_gemm.register_config_for(rows, 128, k=2048) == moe_gemm.REGISTERS_SPLIT_TILE
     assert moe_gemm.register_config_for(64, 128, k=2048) == moe_gemm.REGISTERS_SHORT_TILE
-    for rows in (64, 512, 1024):
+    for rows in (64, 512, 768):
         assert moe_gemm.register_config_for(rows, 128) == moe_gemm.REGISTERS_SHORT_TILE
-    assert moe_gemm.register_config_for(1025, 128) == moe_gemm.REGISTERS_WIDE_TILE
+    for rows in (769, 1024, 1280):  # 97 to 160 tokens
+        assert moe_gemm.register_config_for(rows, 128) == moe_gemm.REGISTERS_MEDIUM_TILE
+    assert moe_gemm.register_config_for(1281, 128) == moe_gemm.REGISTERS_WIDE_TILE
     assert moe_gemm.REGISTERS_SHORT_TILE.block_m == 8
     assert moe_gemm.REGISTERS_MAX_ROWS_PER_EXPERT * 128 >= 2048  # 256 tokens at top-8
 
