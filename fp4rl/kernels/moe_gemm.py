@@ -325,7 +325,7 @@ REGISTERS_MAX_ROWS_PER_EXPERT = 16.0
 # taken up to 8 rows (there w13 at 8 / 64 tokens 53.3 / 117.5 us against 57.5 / 123.8 for the
 # bucket's tile, w2 30.7 / 67.8 against 33.0 / 69.1).
 REGISTERS_TILE = GemmTile(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=2)
-# From half a row per expert on average (8 tokens at top-8 over 128 experts) to 8: the same
+# From half a row per expert on average (8 tokens at top-8 over 128 experts) to 6: the same
 # tile with 8 rows, half the rows of x loaded and multiplied (w13 at 8 / 64 tokens 48.5 / 101.7
 # us against 50.2 / 110.2 for 16 rows, w2 26.3 / 57.8 against 29.2 / 64.8). Below half a row
 # (one token) 16 rows measured faster: 14.0 against 17.0 us (w13), 7.5 against 7.9 (w2).
