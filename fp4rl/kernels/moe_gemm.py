@@ -343,9 +343,10 @@ REGISTERS_SPLIT_MIN_STEPS = 8
 # 16 rows and 128 columns of 4 warps. Around 8 rows many experts need two 8-row tiles, each
 # decoding the expert's weights again: at 128 tokens w13 126.8 against 162.6 us for the 8-row
 # tile and 136.1 for the wide one, w2 71.5 against 86.0 and 76.3; at 160 tokens 133.8 / 73.1
-# against the wide tile's 136.3 / 77.0; at 96 and 192 tokens it is no better than the tiles
-# on either side (one H200, `python benchmarks/moe.py --tokens 48,64,96,128,160,192,256`,
-# BENCHMARKS.md "Routed-expert GEMM: a 16-row tile for mid-sized batches").
+# against the wide tile's 136.3 / 77.0; at 96 and 192 tokens the two GEMMs together are within
+# 1 % and 2 % of the tiles on either side (one H200, `python benchmarks/moe.py --tokens
+# 48,64,96,128,160,192,256`, BENCHMARKS.md "Routed-expert GEMM: a 16-row tile for mid-sized
+# batches").
 REGISTERS_MEDIUM_TILE = GemmTile(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=2)
 REGISTERS_MEDIUM_ROWS = (6.0, 10.0)  # rows per expert on average: above the first, up to the second
 # Past 10 rows per expert: 32 rows and 128 columns of 4 warps (each warp's 32 columns share its
