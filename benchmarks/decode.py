@@ -46,7 +46,6 @@ import torch
 from _timing import report, run_header
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fp4rl import ops
 from fp4rl.model.precision import PrecisionConfig
 from fp4rl.model.presets import qwen3_30b_a3b
 from fp4rl.model.transformer import build_model
@@ -118,7 +117,7 @@ def fill_cache(engine: Engine, num_slots: int, generator: torch.Generator) -> No
     spec, cache = engine.layout.kv, engine.cache
     device = engine.layout.device
     chunk = 1 << 16
-    for layer, fmt in enumerate(spec.layer_formats):
+    for layer in range(len(spec.layer_formats)):
         for first in range(0, num_slots, chunk):
             slots = torch.arange(first, min(num_slots, first + chunk), device=device)
             shape = (len(slots), spec.num_kv_heads, spec.head_dim)
@@ -126,8 +125,6 @@ def fill_cache(engine: Engine, num_slots: int, generator: torch.Generator) -> No
                 torch.randn(shape, generator=generator, device=device, dtype=spec.dtype)
                 for _ in range(2)
             )
-            if fmt == "nvfp4":
-                k, v = ops.quantize(k, scaling="row"), ops.quantize(v, scaling="row")
             cache.write(layer, slots, k, v)
 
 

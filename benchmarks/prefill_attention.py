@@ -84,7 +84,6 @@ def main() -> None:
     sys.path.insert(0, os.path.dirname(__file__))
     from _timing import run_header
 
-    from fp4rl import ops
     from fp4rl.kernels.paged_prefill import PrefillTile
     from fp4rl.rollout.kv_cache import KVCache, KVCacheSpec
 
@@ -117,8 +116,6 @@ def main() -> None:
                 * 2
                 for _ in range(2)
             )
-            if fmt == "nvfp4":
-                k, v = (ops.quantize(x, scaling="row") for x in (k, v))
             cache.write(0, torch.arange(num_blocks * page, device=device), k, v)
             order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1))
             tables = [order[i::prompts][:per_seq].tolist() for i in range(prompts)]

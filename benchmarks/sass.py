@@ -114,8 +114,8 @@ CASES = {
 # Pointer arguments (all 16-byte aligned, as the launchers' tensors are) and scalars, by kernel.
 SIGNATURES = {
     "attention": {
-        "q_BHD": "*bf16", "k_pages": "*i32", "k_block_scale": "*u8", "k_global_scale": "*fp32",
-        "v_pages": "*i32", "v_block_scale": "*u8", "v_global_scale": "*fp32",
+        "q_BHD": "*bf16", "k_pages": "*i32", "k_block_scale": "*u8", "k_amax": "*bf16",
+        "v_pages": "*i32", "v_block_scale": "*u8", "v_amax": "*bf16",
         "table_BN": "*i32", "context_B": "*i32", "out_BHD": "*bf16", "part_m": "*fp32",
         "part_l": "*fp32", "part_o": "*fp32", "softmax_scale": "fp32", "num_kv_heads": "i32",
         "table_cols": "i32", "split_tokens": "i32",

@@ -19,7 +19,8 @@ of its FP32 sums, so that near-tied experts may be picked the other way (docs/nu
 bits; `add_rms_norm` so composes the residual add and the RMSNorm kernel after it, and
 `add_rms_norm_quantize` those two and the routed experts' input site (`fake_quantize` of the
 norm, per row). `quantize_into` stores a per-row quantization straight into a paged cache's
-rows (`quantize_into_pair`: a layer's K and V in one launch). `project` multiplies a decode
+rows, each row's amax in place of its global scale (`NVFP4Rows`; `quantize_into_pair`: a
+layer's K and V in one launch). `project` multiplies a decode
 step's few rows by up to three weights of one input (q, k and v) in one launch,
 batch-invariant (None where the kernel does not run: the caller uses cuBLAS).
 `early_dependents` sets when the kernels launched inside it let the next kernel start
@@ -36,7 +37,7 @@ from fp4rl.fp4 import reference, rounding, sparse_guidance
 from fp4rl.fp4.reference import Scaling
 from fp4rl.fp4.rounding import CompactCodes
 from fp4rl.fp4.sparse_guidance import SparseCodes
-from fp4rl.fp4.tensor import NVFP4Tensor
+from fp4rl.fp4.tensor import NVFP4Rows, NVFP4Tensor
 
 # Full codes, compact mantissa bits, sparse near-boundary bits, or None: nearest.
 Guidance = NVFP4Tensor | CompactCodes | SparseCodes | None
@@ -77,19 +78,20 @@ def quantize(
     return impl.quantize(x, scaling=scaling, global_scale=global_scale)
 
 
-def quantize_into(x_TKD: torch.Tensor, pages: NVFP4Tensor, slots_T: torch.Tensor) -> None:
+def quantize_into(x_TKD: torch.Tensor, pages: NVFP4Rows, slots_T: torch.Tensor) -> None:
     """``quantize(x_TKD, scaling="row")`` (``[T, heads, K]``, a global scale per row) stored as
-    rows ``slots_T`` of ``pages`` (a paged cache's `NVFP4Tensor` ``[N, P, heads, K]``, slot
-    ``n * P + p``); on the GPU one kernel, with no quantized copy in between."""
+    rows ``slots_T`` of ``pages`` (a paged cache's `NVFP4Rows` ``[N, P, heads, K]``, slot ``n *
+    P + p``: each row's amax in place of its global scale); on the GPU one kernel, with no
+    quantized copy in between."""
     impl = _kernels(x_TKD) or reference
     impl.quantize_into(x_TKD, pages, slots_T)
 
 
 def quantize_into_pair(
     k_TKD: torch.Tensor,
-    k_pages: NVFP4Tensor,
+    k_pages: NVFP4Rows,
     v_TKD: torch.Tensor,
-    v_pages: NVFP4Tensor,
+    v_pages: NVFP4Rows,
     slots_T: torch.Tensor,
 ) -> None:
     """`quantize_into` of ``k_TKD`` into ``k_pages`` and of ``v_TKD`` (k's shape and dtype) into
@@ -215,16 +217,16 @@ def paged_decode_kernel_runs(q: torch.Tensor, nvfp4_pages: bool) -> bool:
 
 def paged_decode_attention(
     q_BHD: torch.Tensor,
-    k: torch.Tensor | NVFP4Tensor,
-    v: torch.Tensor | NVFP4Tensor,
+    k: torch.Tensor | NVFP4Rows,
+    v: torch.Tensor | NVFP4Rows,
     block_table_BN: torch.Tensor,
     context_B: torch.Tensor,
 ) -> torch.Tensor | None:
     """Decode attention of one query token per sequence over its pages (``[num_blocks, P, K,
-    D]`` tensors or NVFP4Tensors, read where they lie), on the GPU; None where the kernel does
+    D]`` tensors or NVFP4Rows, read where they lie), on the GPU; None where the kernel does
     not run (`paged_decode_kernel_runs`), where the caller gathers and runs the plain-PyTorch
     attention (`fp4rl.rollout.attention`), the spec the kernel is tested against."""
-    if not paged_decode_kernel_runs(q_BHD, isinstance(k, NVFP4Tensor)):
+    if not paged_decode_kernel_runs(q_BHD, isinstance(k, NVFP4Rows)):
         return None
     return _kernels(q_BHD).paged_decode_attention(q_BHD, k, v, block_table_BN, context_B)
 
@@ -241,8 +243,8 @@ def paged_prefill_plan(q_THD: torch.Tensor, segments, block_tables, group: int):
 
 def paged_prefill_attention(
     q_THD: torch.Tensor,
-    k: torch.Tensor | NVFP4Tensor,
-    v: torch.Tensor | NVFP4Tensor,
+    k: torch.Tensor | NVFP4Rows,
+    v: torch.Tensor | NVFP4Rows,
     prefill,
     out_THD: torch.Tensor,
 ) -> torch.Tensor | None:
@@ -255,7 +257,7 @@ def paged_prefill_attention(
         return None
     kernels = _kernels(q_THD)
     supported = kernels.paged_attention.bf16_nvfp4_supported(q_THD.shape[-1], prefill.tile.block_n)
-    if isinstance(k, NVFP4Tensor) and q_THD.dtype == torch.bfloat16 and not supported:
+    if isinstance(k, NVFP4Rows) and q_THD.dtype == torch.bfloat16 and not supported:
         return None
     return kernels.paged_prefill_attention(q_THD, k, v, prefill, out_THD)
 

@@ -6,6 +6,8 @@ from reordered work, or by the trainer following the rollout, have their own nam
 the tolerance each can honestly be held to.
 """
 
+import dataclasses
+
 import torch
 
 from fp4rl.fp4 import NVFP4Tensor
@@ -50,10 +52,11 @@ def assert_same_values(got: torch.Tensor, want: torch.Tensor, what: str) -> None
     assert not bad.any(), _first_mismatch(got, want, bad, what)
 
 
-def assert_nvfp4_equal(got: NVFP4Tensor, want: NVFP4Tensor, what: str = "") -> None:
-    assert_bitwise(got.codes, want.codes, f"{what} codes")
-    assert_bitwise(got.block_scale, want.block_scale, f"{what} block_scale")
-    assert_bitwise(got.global_scale, want.global_scale, f"{what} global_scale")
+def assert_nvfp4_equal(got, want, what: str = "") -> None:
+    """Every member of two `NVFP4Tensor`s (or two `NVFP4Rows`) bitwise."""
+    assert type(got) is type(want), f"{what}: {type(got).__name__} vs {type(want).__name__}"
+    for field, g, w in zip(dataclasses.fields(got), got.tensors(), want.tensors(), strict=True):
+        assert_bitwise(g, w, f"{what} {field.name}")
 
 
 def cpu(t: NVFP4Tensor) -> NVFP4Tensor:

@@ -38,7 +38,7 @@ from fp4rl.fp4.format import (
     MIN_GLOBAL_SCALE,
     SIGN_BIT,
 )
-from fp4rl.fp4.tensor import NVFP4Tensor
+from fp4rl.fp4.tensor import NVFP4Rows, NVFP4Tensor
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 Scaling = str | int  # "tensor", "row", or the number of trailing dims sharing one global scale
@@ -229,13 +229,30 @@ def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tens
     return (scaled.flatten(-2) * t.global_scale).to(dtype)
 
 
-def put_rows(pages: NVFP4Tensor, slots_T: torch.Tensor, t: NVFP4Tensor) -> None:
-    """Store ``t``'s rows ``[T, ...]`` as rows ``slots_T`` of ``pages`` flattened over its
-    first two dims (a paged cache's ``[N, P, ...]``: slot ``n * P + p``)."""
-    for page, value in zip(pages.tensors(), t.tensors(), strict=True):
+def row_amax(x: torch.Tensor) -> torch.Tensor:
+    """``max |x|`` of each row, ``[..., 1]`` in x's dtype (exact: it is one of x's magnitudes),
+    the canonical NaN where a row is not finite: `global_scale_from_amax` makes of it the row's
+    global scale under ``scaling="row"``."""
+    amax = x.abs().amax(-1, keepdim=True)
+    return torch.where(torch.isfinite(amax), amax, torch.full_like(amax, math.nan))
+
+
+def rows_tensor(rows: NVFP4Rows) -> NVFP4Tensor:
+    """The `NVFP4Tensor` of rows kept with their amax: each global scale recomputed from it,
+    bit for bit the one `quantize` gave."""
+    return NVFP4Tensor(rows.codes, rows.block_scale, global_scale_from_amax(rows.amax))
+
+
+def quantize_into(x_TKD: torch.Tensor, pages: NVFP4Rows, slots_T: torch.Tensor) -> None:
+    """``quantize(x_TKD, scaling="row")`` stored as rows ``slots_T`` of ``pages`` flattened over
+    their first two dims (a paged cache's ``[N, P, ...]``: slot ``n * P + p``), with each row's
+    `row_amax` in place of its global scale. x must have the dtype of the pages' amaxes, so
+    that they hold each amax exactly."""
+    if x_TKD.dtype != pages.amax.dtype:
+        raise ValueError(
+            f"x_TKD is {x_TKD.dtype} but the pages keep {pages.amax.dtype} amaxes; a row's amax "
+            "is kept in the row's own dtype"
+        )
+    t = quantize(x_TKD, scaling="row")
+    for page, value in zip(pages.tensors(), (t.codes, t.block_scale, row_amax(x_TKD)), strict=True):
         page.flatten(0, 1)[slots_T] = value
-
-
-def quantize_into(x_TKD: torch.Tensor, pages: NVFP4Tensor, slots_T: torch.Tensor) -> None:
-    """``quantize(x_TKD, scaling="row")`` stored as rows ``slots_T`` of ``pages``."""
-    put_rows(pages, slots_T, quantize(x_TKD, scaling="row"))

@@ -9,6 +9,9 @@ Shapes, for a logical tensor ``[..., K]`` quantized with a global scale shared o
 - ``codes``         uint8             ``[..., K // 2]``   two E2M1 codes per byte, even element low
 - ``block_scale``   float8_e4m3fn     ``[..., K // 16]``  one scale per 16 values along K
 - ``global_scale``  float32           ``shape[:-group_ndim] + (1,) * group_ndim``
+
+`NVFP4Rows` holds per-row quantized rows with each row's amax in place of its global scale: the
+paged KV cache's layout.
 """
 
 from __future__ import annotations
@@ -20,6 +23,20 @@ import torch
 from fp4rl.fp4.format import BLOCK_SIZE
 
 
+def _check_codes(codes: torch.Tensor, block_scale: torch.Tensor) -> None:
+    """The dtypes and shapes of packed codes ``[..., K / 2]`` and their scales ``[..., K / 16]``."""
+    if codes.dtype != torch.uint8:
+        raise TypeError(f"codes must be uint8, got {codes.dtype}")
+    if block_scale.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"block_scale must be float8_e4m3fn, got {block_scale.dtype}")
+    lead, half_k = codes.shape[:-1], codes.shape[-1]
+    if block_scale.shape != (*lead, half_k * 2 // BLOCK_SIZE) or half_k % 8:
+        raise ValueError(
+            f"codes {tuple(codes.shape)} and block_scale {tuple(block_scale.shape)} do not "
+            "describe [..., K] with K % 16 == 0"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class NVFP4Tensor:
     codes: torch.Tensor  # uint8 [..., K/2]
@@ -27,18 +44,10 @@ class NVFP4Tensor:
     global_scale: torch.Tensor  # float32, broadcastable to [..., 1]
 
     def __post_init__(self) -> None:
-        if self.codes.dtype != torch.uint8:
-            raise TypeError(f"codes must be uint8, got {self.codes.dtype}")
-        if self.block_scale.dtype != torch.float8_e4m3fn:
-            raise TypeError(f"block_scale must be float8_e4m3fn, got {self.block_scale.dtype}")
+        _check_codes(self.codes, self.block_scale)
         if self.global_scale.dtype != torch.float32:
             raise TypeError(f"global_scale must be float32, got {self.global_scale.dtype}")
-        lead, half_k = self.codes.shape[:-1], self.codes.shape[-1]
-        if self.block_scale.shape != (*lead, half_k * 2 // BLOCK_SIZE) or half_k % 8:
-            raise ValueError(
-                f"codes {tuple(self.codes.shape)} and block_scale "
-                f"{tuple(self.block_scale.shape)} do not describe [..., K] with K % 16 == 0"
-            )
+        lead = self.codes.shape[:-1]
         if self.global_scale.dim() != self.codes.dim():
             raise ValueError(
                 f"global_scale {tuple(self.global_scale.shape)} must have one entry per dim of "
@@ -86,3 +95,52 @@ class NVFP4Tensor:
                 self.global_scale.view(torch.int32), other.global_scale.view(torch.int32)
             )
         )
+
+
+@dataclass(frozen=True, slots=True)
+class NVFP4Rows:
+    """Rows quantized with one global scale each (``scaling="row"``), as a paged KV cache holds
+    them: codes and block scales as in `NVFP4Tensor`, and in place of each row's FP32 global
+    scale the row's amax ``max |x|`` in x's dtype (NaN or inf where the row is not finite).
+
+    The recipe's global scale is a function of that amax (`reference.global_scale_from_amax`),
+    and the amax of a BF16 row is a BF16 value, so a BF16 row keeps 2 bytes of scale instead of
+    4 and loses nothing: `reference.rows_tensor` gives back the `NVFP4Tensor`, bit for bit.
+
+    - ``codes``        uint8                     ``[..., K // 2]``
+    - ``block_scale``  float8_e4m3fn             ``[..., K // 16]``
+    - ``amax``         bfloat16/float16/float32  ``[..., 1]``
+    """
+
+    codes: torch.Tensor
+    block_scale: torch.Tensor
+    amax: torch.Tensor
+
+    def __post_init__(self) -> None:
+        _check_codes(self.codes, self.block_scale)
+        if self.amax.dtype not in ROW_AMAX_DTYPES:
+            raise TypeError(f"amax must be one of {ROW_AMAX_DTYPES}, got {self.amax.dtype}")
+        if self.amax.shape != (*self.codes.shape[:-1], 1):
+            raise ValueError(
+                f"amax {tuple(self.amax.shape)} must hold one value per row of codes "
+                f"{tuple(self.codes.shape)}: {(*self.codes.shape[:-1], 1)}"
+            )
+
+    @property
+    def shape(self) -> torch.Size:
+        """The logical (unpacked) shape ``[..., K]``."""
+        return torch.Size((*self.codes.shape[:-1], self.codes.shape[-1] * 2))
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.codes, self.block_scale, self.amax
+
+    def map(self, fn) -> NVFP4Rows:
+        """Apply ``fn`` to each member tensor (indexing along leading dims, ``.to(device)``)."""
+        return NVFP4Rows(codes=fn(self.codes), block_scale=fn(self.block_scale), amax=fn(self.amax))
+
+
+ROW_AMAX_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -12,7 +12,7 @@ import torch
 
 from fp4rl.fp4.reference import Scaling
 from fp4rl.fp4.rounding import CompactCodes
-from fp4rl.fp4.tensor import NVFP4Tensor
+from fp4rl.fp4.tensor import NVFP4Rows, NVFP4Tensor
 from fp4rl.kernels import (
     dequant,
     expert_sort,
@@ -64,16 +64,16 @@ def quantize(
     return nearest.launch(x, scaling=scaling, global_scale=global_scale, fake=False)
 
 
-def quantize_into(x_TKD: torch.Tensor, pages: NVFP4Tensor, slots_T: torch.Tensor) -> None:
+def quantize_into(x_TKD: torch.Tensor, pages: NVFP4Rows, slots_T: torch.Tensor) -> None:
     """`reference.quantize_into`: per-row quantization stored straight into paged rows."""
     nearest.launch_into(x_TKD, pages, slots_T)
 
 
 def quantize_into_pair(
     k_TKD: torch.Tensor,
-    k_pages: NVFP4Tensor,
+    k_pages: NVFP4Rows,
     v_TKD: torch.Tensor,
-    v_pages: NVFP4Tensor,
+    v_pages: NVFP4Rows,
     slots_T: torch.Tensor,
 ) -> None:
     """`quantize_into` of K and of V at the same slots, in one launch."""

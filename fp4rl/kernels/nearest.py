@@ -14,7 +14,8 @@ One kernel; SCALE_SOURCE says where each row's FP32 global scale comes from:
 
 With SCATTER (per-row scaling only) row ``r`` of x is stored as row ``slots[r // heads] * heads
 + r % heads`` of the outputs: x ``[T, heads, K]`` quantized straight into a paged KV cache's
-NVFP4 pages at the tokens' slots (`launch_into`), with the bits of `launch`. With PAIRED, grid
+NVFP4 pages at the tokens' slots (`launch_into`), with the bits of `launch`, each row's amax
+stored in x's dtype where `launch` stores its global scale (`NVFP4Rows`). With PAIRED, grid
 axis 1 picks one of two such (x, pages) sets at the same slots: a layer's K and V in one launch
 (`launch_into_pair`).
 
@@ -30,7 +31,7 @@ import triton.language as tl
 
 from fp4rl.fp4 import reference
 from fp4rl.fp4.reference import Scaling
-from fp4rl.fp4.tensor import NVFP4Tensor
+from fp4rl.fp4.tensor import NVFP4Rows, NVFP4Tensor
 from fp4rl.kernels import amax, dependent_launch, expert_quant
 from fp4rl.kernels.dependent_launch import wait_for_prior
 from fp4rl.kernels.launch import (
@@ -45,7 +46,13 @@ from fp4rl.kernels.launch import (
     rows_per_group,
     word_view,
 )
-from fp4rl.kernels.numerics import global_scale_from_amax, is_finite, max_nan, ratio_divisor
+from fp4rl.kernels.numerics import (
+    global_scale_from_amax,
+    is_finite,
+    max_nan,
+    nan_like,
+    ratio_divisor,
+)
 from fp4rl.kernels.tiles import block_amax, load_pairs, program_rows, quantize_chunk, row_amax
 
 
@@ -108,8 +115,10 @@ def _quantize_kernel(
             amax_bits_R = tl.load(scale_in_G + group_R, mask=row_ok_R, other=0)
             amax_R = amax_bits_R.to(tl.float32, bitcast=True)
         s_R = global_scale_from_amax(amax_R, is_finite(amax_R))
-        if SCATTER:  # groups are rows
-            tl.store(global_scale_G + out_R, s_R, mask=row_ok_R)
+        if SCATTER:  # groups are rows, whose pages keep the amax (x's dtype: exact)
+            kept_R = tl.where(is_finite(amax_R), amax_R, nan_like(amax_R))
+            tl.store(global_scale_G + out_R, kept_R.to(global_scale_G.dtype.element_ty),
+                     mask=row_ok_R)  # fmt: skip
         elif not FAKE:  # one store per group: by the program holding its first row
             tl.store(global_scale_G + group_R, s_R, mask=row_ok_R & (rows_R % rows_per_group == 0))
     scale_R, d_scaled_R, reciprocal_R = ratio_divisor(s_R)
@@ -192,12 +201,13 @@ def launch(
     )
 
 
-def launch_into(x_TKD: torch.Tensor, pages: NVFP4Tensor, slots_T: torch.Tensor) -> None:
-    """Store ``reference.quantize(x_TKD, scaling="row")`` (one global scale per ``[t, h]`` row)
-    as rows ``slots_T[t]`` of ``pages`` (`NVFP4Tensor` ``[N, P, heads, K / 2]`` codes and the
-    like: slot ``n * P + p``), bitwise what `launch` returns, in one launch: no quantized copy of
-    x is made. ``slots_T`` (int64, distinct, any stride: a view of the engine's staged rows)
-    must lie within the pages; that is not checked (it would need a device sync)."""
+def launch_into(x_TKD: torch.Tensor, pages: NVFP4Rows, slots_T: torch.Tensor) -> None:
+    """``reference.quantize_into``: ``reference.quantize(x_TKD, scaling="row")`` (one global
+    scale per ``[t, h]`` row) as rows ``slots_T[t]`` of ``pages`` (`NVFP4Rows` codes ``[N, P,
+    heads, K / 2]`` and the like: slot ``n * P + p``), each row's amax in place of its global
+    scale, in one launch: no quantized copy of x is made. ``slots_T`` (int64, distinct, any
+    stride: a view of the engine's staged rows) must lie within the pages; that is not checked
+    (it would need a device sync)."""
     _check_rows(x_TKD, pages, "x_TKD", "pages")
     _check_slots(slots_T, x_TKD)
     _scatter_rows(x_TKD, pages, x_TKD, pages, slots_T, paired=False)
@@ -205,9 +215,9 @@ def launch_into(x_TKD: torch.Tensor, pages: NVFP4Tensor, slots_T: torch.Tensor) 
 
 def launch_into_pair(
     k_TKD: torch.Tensor,
-    k_pages: NVFP4Tensor,
+    k_pages: NVFP4Rows,
     v_TKD: torch.Tensor,
-    v_pages: NVFP4Tensor,
+    v_pages: NVFP4Rows,
     slots_T: torch.Tensor,
 ) -> None:
     """`launch_into` of ``k_TKD`` into ``k_pages`` and of ``v_TKD`` (k's shape and dtype) into
@@ -224,7 +234,7 @@ def launch_into_pair(
     _scatter_rows(k_TKD, k_pages, v_TKD, v_pages, slots_T, paired=True)
 
 
-def _check_rows(x_TKD: torch.Tensor, pages: NVFP4Tensor, x_name: str, pages_name: str) -> None:
+def _check_rows(x_TKD: torch.Tensor, pages: NVFP4Rows, x_name: str, pages_name: str) -> None:
     """What `launch_into` needs of x ``[T, heads, K]`` and its pages; errors use the names."""
     try:
         check_x(x_TKD)
@@ -239,13 +249,12 @@ def _check_rows(x_TKD: torch.Tensor, pages: NVFP4Tensor, x_name: str, pages_name
             f"{pages_name} must be [N, P, heads, K] = [N, P, {heads}, {k}] for {x_name} of shape "
             f"{tuple(x_TKD.shape)}; got {tuple(pages.shape)}"
         )
-    if pages.global_scale.shape != (*lead, 1):
+    if pages.amax.dtype != x_TKD.dtype:
         raise ValueError(
-            f"{pages_name}.global_scale must hold one scale per row, shape {(*lead, 1)}; got "
-            f"{tuple(pages.global_scale.shape)}"
+            f"{pages_name} keep {pages.amax.dtype} amaxes but {x_name} is {x_TKD.dtype}; a row's "
+            "amax is kept in the row's own dtype"
         )
-    for name, t in (("codes", pages.codes), ("block_scale", pages.block_scale),
-                    ("global_scale", pages.global_scale)):  # fmt: skip
+    for name, t in zip(("codes", "block_scale", "amax"), pages.tensors(), strict=True):
         check_device(f"{pages_name}.{name}", t, x_TKD.device)
         check_contiguous(f"{pages_name}.{name}", t)
 
@@ -271,8 +280,8 @@ def _scatter_rows(x_TKD, pages, x2_TKD, pages2, slots_T, *, paired: bool) -> Non
     with device_of(x_TKD):
         _quantize_kernel[grid](
             pair_view(x_RK), word_view(pages.codes), pages.block_scale.view(torch.uint8), x_RK,
-            x_RK, pages.global_scale, slots_T, pair_view(x2_RK), word_view(pages2.codes),
-            pages2.block_scale.view(torch.uint8), pages2.global_scale, x_RK.shape[0], k, 1,
+            x_RK, pages.amax, slots_T, pair_view(x2_RK), word_view(pages2.codes),
+            pages2.block_scale.view(torch.uint8), pages2.amax, x_RK.shape[0], k, 1,
             heads, slots_T.stride(0), SCALE_SOURCE="row_amax", FAKE=False, SCATTER=True,
             PAIRED=paired, ONE_CHUNK=k <= meta["BLOCK_K"], **meta,
             **dependent_launch.keywords(x_TKD.device),

@@ -22,7 +22,7 @@ Numerics, the contract of `reference_decode` (the twin below: ``attend_fp32`` ov
   dtype: BF16 pages cast to it, NVFP4 pages decoded in registers as ``reference.dequantize``
   computes them, ``(e2m1 * f32(block_scale)) * global_scale`` in FP32, then cast (the decode is
   `moe_gemm`'s: the first product is exact, the second rounds once, for every global scale below
-  2**120).
+  2**120), each row's global scale made from the amax its pages keep.
 - Scores ``(q . k) * (1 / sqrt(D))`` and the softmax are FP32. With BF16 queries, q . k runs on
   the tensor cores (BF16 products are exact, FP32 sums) and so does p . v: each FP32
   probability is split into three BF16 parts whose sum is exactly p, so all three products are
@@ -54,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4rl.fp4.tensor import NVFP4Tensor
+from fp4rl.fp4.tensor import NVFP4Rows
 from fp4rl.kernels import dependent_launch
 from fp4rl.kernels.dependent_launch import wait_for_prior
 from fp4rl.kernels.launch import (
@@ -93,10 +93,10 @@ def _paged_decode_kernel(
     q_BHD,
     k_pages,
     k_block_scale,
-    k_global_scale,
+    k_amax,
     v_pages,
     v_block_scale,
-    v_global_scale,
+    v_amax,
     table_BN,
     context_B,
     out_BHD,
@@ -150,7 +150,7 @@ def _paged_decode_kernel(
         acc_DG = tl.zeros([D, BLOCK_G], tl.float32)
         for n0 in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
             ok_N, k_ND, v_ND = context_step(
-                k_pages, k_block_scale, k_global_scale, v_pages, v_block_scale, v_global_scale,
+                k_pages, k_block_scale, k_amax, v_pages, v_block_scale, v_amax,
                 table_row, n0, end, num_kv_heads, kv_head, BLOCK_N, PAGE, D, NVFP4, DTYPE,
             )  # fmt: skip
             scores = dot(k_ND, tl.trans(q_GD), tl.zeros([BLOCK_N, BLOCK_G], tl.float32))
@@ -168,7 +168,7 @@ def _paged_decode_kernel(
         acc_GD = tl.zeros([BLOCK_G, D], tl.float32)
         for n0 in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
             ok_N, k_ND, v_ND = context_step(
-                k_pages, k_block_scale, k_global_scale, v_pages, v_block_scale, v_global_scale,
+                k_pages, k_block_scale, k_amax, v_pages, v_block_scale, v_amax,
                 table_row, n0, end, num_kv_heads, kv_head, BLOCK_N, PAGE, D, NVFP4, DTYPE,
             )  # fmt: skip
             scores = dot(q_GD, tl.trans(k_ND), tl.zeros([BLOCK_G, BLOCK_N], tl.float32))
@@ -378,8 +378,8 @@ def launch(
     """Decode attention ``[B, Hq, D]`` in q's dtype (bfloat16 or float32): query b over the
     first ``context_B[b]`` tokens of its pages ``block_table_BN[b]`` (int32 block ids; columns
     past a context are not read). ``k``/``v``: one layer's pages, ``[num_blocks, P, K, D]``
-    values (bfloat16, float16 or float32) or `NVFP4Tensor`s with codes ``[num_blocks, P, K,
-    D/2]``, block scales ``[..., D/16]`` and global scales ``[..., 1]``.
+    values (bfloat16, float16 or float32) or `NVFP4Rows` with codes ``[num_blocks, P, K,
+    D/2]``, block scales ``[..., D/16]`` and row amaxes ``[..., 1]``.
 
     Not checked (it would need a device sync): that contexts fit their table (a longer one
     attends to the table's ``N * P`` tokens only) and that block ids within a context are
@@ -390,7 +390,7 @@ def launch(
     if type(k) is not type(v):
         raise TypeError(f"k and v pages must be of one format; got {type(k).__name__}/"
                         f"{type(v).__name__}")  # fmt: skip
-    nvfp4 = isinstance(k, NVFP4Tensor)
+    nvfp4 = isinstance(k, NVFP4Rows)
     k_shape, v_shape = tuple(k.shape), tuple(v.shape)
     if len(k_shape) != 4 or k_shape != v_shape:
         raise ValueError(

@@ -61,11 +61,16 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from fp4rl.fp4.format import GLOBAL_SCALE_DIVISOR, MIN_GLOBAL_SCALE
 from fp4rl.kernels import dependent_launch, fragments
 from fp4rl.kernels.launch import register_kernels_refusal
 from fp4rl.kernels.numerics import GLOBAL_SCALE_BIAS
 
 HEADS = gl.constexpr(8)  # the MMA's N: the query heads of one KV head, padded
+_DIVISOR = gl.constexpr(GLOBAL_SCALE_DIVISOR)
+_MIN_SCALE = gl.constexpr(MIN_GLOBAL_SCALE)
+# RN(1 / 2688) in FP32
+_RECIPROCAL = gl.constexpr(torch.tensor(1.0 / GLOBAL_SCALE_DIVISOR, dtype=torch.float32).item())
 
 
 @gluon.constexpr_function
@@ -99,12 +104,35 @@ def _value_layout(block_n, cols):
 
 
 @gluon.jit
-def _pages_step(pages, block_scale, global_scale, table_row, n0, end, num_kv_heads, kv_head,
+def global_scales(amax_N):
+    """The FP32 global scales of rows from the amaxes their pages keep, bit for bit
+    `numerics.global_scale_from_amax`'s but for the NaN's payload: ``amax / 2688`` correctly
+    rounded, 0 below MIN_GLOBAL_SCALE (masked rows load an amax of 0), a NaN where the amax is
+    not finite (from the arithmetic: inf - inf).
+
+    The quotient of a BF16 or FP16 amax is Markstein's: ``q = amax * y`` for ``y = RN(1 /
+    2688)``, then ``q + (amax - 2688 q) * y`` in one rounding (the residual is exact). For every
+    finite BF16 and FP16 amax this is the IEEE quotient once flushed below MIN_GLOBAL_SCALE,
+    checked value by value; three FP32 instructions where ``div.rn.f32`` costs about fifteen.
+    FP32 amaxes, not covered by that check, take ``div.rn.f32``."""
+    a = amax_N.to(gl.float32)
+    if amax_N.dtype == gl.float32:
+        s = gl.div_rn(a, gl.full_like(a, _DIVISOR))
+        s = gl.where(gl.abs(a) < float("inf"), s, float("nan"))
+    else:
+        q = a * _RECIPROCAL
+        s = gl.fma(gl.fma(-q, _DIVISOR, a), _RECIPROCAL, q)
+    return gl.where(s < _MIN_SCALE, 0.0, s)
+
+
+@gluon.jit
+def _pages_step(pages, block_scale, amax, table_row, n0, end, num_kv_heads, kv_head,
                 words_l: gl.constexpr, blocks_l: gl.constexpr, BLOCK_N: gl.constexpr,
                 PAGE: gl.constexpr, D: gl.constexpr):  # fmt: skip
-    """The codes ``[BLOCK_N, W]``, block-scale bytes ``[BLOCK_N, D/16]`` and global scales of
-    tokens ``n0 .. n0 + BLOCK_N`` in the layouts given; zeros past ``end`` (cache row = slot *
-    K + kv head, the slot found through the sequence's block table)."""
+    """The codes ``[BLOCK_N, W]``, block-scale bytes ``[BLOCK_N, D/16]`` and row amaxes of
+    tokens ``n0 .. n0 + BLOCK_N`` in the layouts given, as loaded (nothing waits on them here:
+    the next step's are loaded ahead); zeros past ``end`` (cache row = slot * K + kv head, the
+    slot found through the sequence's block table)."""
     i_N = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, blocks_l))
     ok_N = n0 + i_N < end
     if PAGE % BLOCK_N == 0:  # steps start at multiples of BLOCK_N: a step lies in one page
@@ -118,19 +146,21 @@ def _pages_step(pages, block_scale, global_scale, table_row, n0, end, num_kv_hea
     scales = gl.load(
         block_scale + rows_N[:, None] * (D // 16) + block_B[None, :], mask=ok_N[:, None], other=0
     )
-    s_N = gl.load(global_scale + rows_N, mask=ok_N, other=0.0)
+    amax_N = gl.load(amax + rows_N, mask=ok_N, other=0.0)
     rows_W = gl.convert_layout(rows_N, gl.SliceLayout(1, words_l), assert_trivial=True)
     ok_W = gl.convert_layout(ok_N, gl.SliceLayout(1, words_l), assert_trivial=True)
     word_W = gl.arange(0, D // 8, layout=gl.SliceLayout(0, words_l))
     words = gl.load(pages + rows_W[:, None] * (D // 8) + word_W[None, :], mask=ok_W[:, None],
                     other=0)  # fmt: skip
-    return words, scales, s_N
+    return words, scales, amax_N
 
 
 @gluon.jit
-def _decoded(words, scales, s_N, words_l: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr):
+def _decoded(words, scales, amax_N, words_l: gl.constexpr, BLOCK_N: gl.constexpr,
+             D: gl.constexpr):  # fmt: skip
     """``[BLOCK_N, D]`` BF16 values of a step's codes, real order, in the threads that hold the
-    codes: ``round((e2m1 * sf) * s)`` by byte-table lookup."""
+    codes: ``round((e2m1 * sf) * s)`` by byte-table lookup, s from the rows' amaxes."""
+    s_N = global_scales(amax_N)
     sf = scales.to(gl.float8e4nv, bitcast=True).to(gl.float32)
     return fragments.looked_up(words, sf, (s_N * GLOBAL_SCALE_BIAS)[:, None], BLOCK_N, D, words_l)
 
@@ -176,10 +206,10 @@ def _paged_decode_registers_kernel(
     q_BHD,
     k_pages,
     k_block_scale,
-    k_global_scale,
+    k_amax,
     v_pages,
     v_block_scale,
-    v_global_scale,
+    v_amax,
     table_BN,
     context_B,
     out_BHD,
@@ -229,27 +259,27 @@ def _paged_decode_registers_kernel(
     m_H = gl.full([HEADS], float("-inf"), gl.float32, layout=gl.SliceLayout(0, mma))
     l_H = gl.zeros([HEADS], gl.float32, layout=gl.SliceLayout(0, mma))
     acc = gl.zeros([D, HEADS], gl.float32, layout=mma)  # O^T, rows in the output order
-    k_words, k_scales, k_s = _pages_step(
-        k_pages, k_block_scale, k_global_scale, table_row, start, end, num_kv_heads, kv_head,
+    k_words, k_scales, k_maxes = _pages_step(
+        k_pages, k_block_scale, k_amax, table_row, start, end, num_kv_heads, kv_head,
         kw_l, kb_l, BLOCK_N, PAGE, D,
     )  # fmt: skip
-    v_words, v_scales, v_s = _pages_step(
-        v_pages, v_block_scale, v_global_scale, table_row, start, end, num_kv_heads, kv_head,
+    v_words, v_scales, v_maxes = _pages_step(
+        v_pages, v_block_scale, v_amax, table_row, start, end, num_kv_heads, kv_head,
         vw_l, vb_l, BLOCK_N, PAGE, D,
     )  # fmt: skip
     for n0 in range(start, end, BLOCK_N):
         # The next step's pages in flight while this one computes (zeros past the end).
         next_k = _pages_step(
-            k_pages, k_block_scale, k_global_scale, table_row, n0 + BLOCK_N, end, num_kv_heads,
+            k_pages, k_block_scale, k_amax, table_row, n0 + BLOCK_N, end, num_kv_heads,
             kv_head, kw_l, kb_l, BLOCK_N, PAGE, D,
         )  # fmt: skip
         next_v = _pages_step(
-            v_pages, v_block_scale, v_global_scale, table_row, n0 + BLOCK_N, end, num_kv_heads,
+            v_pages, v_block_scale, v_amax, table_row, n0 + BLOCK_N, end, num_kv_heads,
             kv_head, vw_l, vb_l, BLOCK_N, PAGE, D,
         )  # fmt: skip
 
         # Scores S^T = K . q^T [BLOCK_N, HEADS]: the keys are the MMA's rows.
-        k_ND = _decoded(k_words, k_scales, k_s, kw_l, BLOCK_N, D)
+        k_ND = _decoded(k_words, k_scales, k_maxes, kw_l, BLOCK_N, D)
         k_a = gl.convert_layout(fragments.hardware_order(k_ND, BLOCK_N, D), a_l,
                                 assert_trivial=True)  # fmt: skip
         scores = mma_v2(k_a, q_b, gl.zeros([BLOCK_N, HEADS], gl.float32, layout=mma))
@@ -267,7 +297,7 @@ def _paged_decode_registers_kernel(
         rest = p - p1.to(gl.float32)
         p2 = rest.to(gl.bfloat16)
         p3 = (rest - p2.to(gl.float32)).to(gl.bfloat16)
-        v_ND = _decoded(v_words, v_scales, v_s, vw_l, BLOCK_N, D)
+        v_ND = _decoded(v_words, v_scales, v_maxes, vw_l, BLOCK_N, D)
         v_a = gl.convert_layout(gl.permute(_output_order(v_ND, BLOCK_N, D), [1, 0]), a_l,
                                 assert_trivial=True)  # fmt: skip
         # Once the running maxima stop moving (alpha == 1 in every head, the usual case after a
@@ -277,8 +307,8 @@ def _paged_decode_registers_kernel(
         acc = mma_v2(v_a, _as_operand_b(p1, b_l, BLOCK_N), acc)
         acc = mma_v2(v_a, _as_operand_b(p2, b_l, BLOCK_N), acc)
         acc = mma_v2(v_a, _as_operand_b(p3, b_l, BLOCK_N), acc)
-        k_words, k_scales, k_s = next_k
-        v_words, v_scales, v_s = next_v
+        k_words, k_scales, k_maxes = next_k
+        v_words, v_scales, v_maxes = next_v
 
     # Heads as rows from here on, the head dim back in real order.
     acc_HD = gl.convert_layout(_real_order(gl.permute(acc, [1, 0]), HEADS, D), io_l)
@@ -309,7 +339,7 @@ def check_launch(q_BHD: torch.Tensor, nvfp4: bool, head_dim: int, group: int) ->
     """Raise ValueError naming the value unless this kernel can run the launch: NVFP4 pages,
     `supported` queries, head dim and group, a CUDA GPU of sm_89 or newer."""
     if not nvfp4:
-        raise ValueError("a registers DecodeTile is for NVFP4 pages; k and v are not NVFP4Tensors")
+        raise ValueError("a registers DecodeTile is for NVFP4 pages; k and v are not NVFP4Rows")
     if not supported(q_BHD.dtype, head_dim, group):
         raise ValueError(
             f"a registers DecodeTile takes bfloat16 queries, head dim 128 and at most 8 "
@@ -320,9 +350,9 @@ def check_launch(q_BHD: torch.Tensor, nvfp4: bool, head_dim: int, group: int) ->
 
 
 def members(pages) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(codes as int32 words, block-scale bytes, global scales) of an `NVFP4Tensor`'s pages, as
-    this kernel reads them (the launcher has checked them with `paged_kv.page_members`)."""
-    return pages.codes.view(torch.int32), pages.block_scale.view(torch.uint8), pages.global_scale
+    """(codes as int32 words, block-scale bytes, row amaxes) of `NVFP4Rows` pages, as this
+    kernel reads them (the launcher has checked them with `paged_kv.page_members`)."""
+    return pages.codes.view(torch.int32), pages.block_scale.view(torch.uint8), pages.amax
 
 
 def launch_kernel(grid, q_BHD, k, v, block_table_BN, context_B, out_BHD, parts, *, split_tokens,

@@ -7,9 +7,11 @@ tiles of a prefill segment's query tokens) step through a context BLOCK_N tokens
 them: BF16 pages cast to the query dtype, NVFP4 pages decoded in registers as
 ``reference.dequantize`` computes them (``(e2m1 * f32(block_scale)) * global_scale`` in FP32,
 then cast; the first product is exact, the second rounds once, for every global scale below
-2**120). `probabilities_times_values` multiplies FP32 probabilities by BF16 V exactly on the
-tensor cores: each probability as three BF16 parts whose sum is exactly p. The kernels'
-contract, and the twins they are tested against, are in their own modules.
+2**120), each row's global scale made from the amax its pages keep (`NVFP4Rows`) as the
+quantizer made it (`numerics.global_scale_from_amax`). `probabilities_times_values` multiplies
+FP32 probabilities by BF16 V exactly on the tensor cores: each probability as three BF16 parts
+whose sum is exactly p. The kernels' contract, and the twins they are tested against, are in
+their own modules.
 
 Legend: N tokens of a step, D head dim, W = D / 8 int32 words of packed codes per row.
 """
@@ -21,18 +23,20 @@ import triton
 import triton.language as tl
 
 from fp4rl.fp4 import reference
-from fp4rl.fp4.tensor import NVFP4Tensor
+from fp4rl.fp4.tensor import NVFP4Rows
 from fp4rl.kernels.launch import check_contiguous, check_kernel_device
 from fp4rl.kernels.numerics import (
     BLOCK_SCALE_BIAS,
     GLOBAL_SCALE_BIAS,
     dot,
     e4m3_value,
+    global_scale_from_amax,
+    is_finite,
     packed_code,
     round_to,
 )
 
-KVPages = torch.Tensor | NVFP4Tensor  # [num_blocks, P, K, D] values, or the NVFP4 members
+KVPages = torch.Tensor | NVFP4Rows  # [num_blocks, P, K, D] values, or the NVFP4 members
 
 
 @triton.jit
@@ -72,8 +76,23 @@ def _block_scales(block_scale, rows_N, ok_N, D: tl.constexpr):
 
 
 @triton.jit
+def row_global_scales(amax, rows_N, ok_N):
+    """The global scales of cache rows ``rows_N`` from the amaxes their pages keep (any float
+    dtype: exact in FP32), as the quantizer computed them; 0 where ``ok_N`` is False. A 2-byte
+    amax is read as the 4-byte word that holds it (`page_members` checks that the pages' words
+    are whole): loads of 4 bytes or more are what the software pipeline prefetches."""
+    if amax.dtype.element_ty == tl.float32:
+        amax_N = tl.load(amax + rows_N, mask=ok_N, other=0.0)
+    else:
+        words = tl.load(amax.to(tl.pointer_type(tl.int32)) + rows_N // 2, mask=ok_N, other=0)
+        half = (words >> ((rows_N % 2) * 16).to(tl.int32)) & 0xFFFF
+        amax_N = half.to(tl.int16).to(amax.dtype.element_ty, bitcast=True).to(tl.float32)
+    return global_scale_from_amax(amax_N, is_finite(amax_N))
+
+
+@triton.jit
 def _load_kv(
-    pages, block_scale, global_scale, rows_N, ok_N, D: tl.constexpr, NVFP4: tl.constexpr,
+    pages, block_scale, amax, rows_N, ok_N, D: tl.constexpr, NVFP4: tl.constexpr,
     DTYPE: tl.constexpr,
 ):  # fmt: skip
     """The ``[BLOCK_N, D]`` K or V values of cache rows ``rows_N`` (row = slot * K + kv head) in
@@ -85,7 +104,7 @@ def _load_kv(
         )
         sf = _block_scales(block_scale, rows_N, ok_N, D)
         sf_W = tl.reshape(tl.join(sf, sf), [rows_N.shape[0], W])  # a block is two words
-        s_N = tl.load(global_scale + rows_N, mask=ok_N, other=0.0) * GLOBAL_SCALE_BIAS
+        s_N = row_global_scales(amax, rows_N, ok_N) * GLOBAL_SCALE_BIAS
         # Joined as [..., b2, b1, b0] for J = 4 * b2 + 2 * b1 + b0: element 8 * word + J.
         evens = tl.join(
             tl.join(
@@ -161,7 +180,7 @@ def probabilities_times_values(p, v, acc, TWIN: tl.constexpr, KEYS_FIRST: tl.con
 
 @triton.jit
 def context_step(
-    k_pages, k_block_scale, k_global_scale, v_pages, v_block_scale, v_global_scale, table_row,
+    k_pages, k_block_scale, k_amax, v_pages, v_block_scale, v_amax, table_row,
     n0, end, num_kv_heads, kv_head, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
     NVFP4: tl.constexpr, DTYPE: tl.constexpr,
 ):  # fmt: skip
@@ -172,8 +191,8 @@ def context_step(
     ok_N = t_N < end
     page_N = tl.load(table_row + t_N // PAGE, mask=ok_N, other=0)
     rows_N = (page_N.to(tl.int64) * PAGE + t_N % PAGE) * num_kv_heads + kv_head
-    k_ND = _load_kv(k_pages, k_block_scale, k_global_scale, rows_N, ok_N, D, NVFP4, DTYPE)
-    v_ND = _load_kv(v_pages, v_block_scale, v_global_scale, rows_N, ok_N, D, NVFP4, DTYPE)
+    k_ND = _load_kv(k_pages, k_block_scale, k_amax, rows_N, ok_N, D, NVFP4, DTYPE)
+    v_ND = _load_kv(v_pages, v_block_scale, v_amax, rows_N, ok_N, D, NVFP4, DTYPE)
     return ok_N, k_ND, v_ND
 
 
@@ -204,19 +223,21 @@ def check_queries(name: str, q: torch.Tensor, dims: str) -> None:
 
 
 def page_members(name: str, pages: KVPages) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(values or codes as int32 words, block-scale bytes, global scales) for the kernel; a
-    BF16 cache passes its values thrice (the scale pointers are not read)."""
-    if isinstance(pages, NVFP4Tensor):
-        lead = tuple(pages.codes.shape[:-1])
-        if pages.global_scale.shape != (*lead, 1):
-            raise ValueError(
-                f"{name}.global_scale must hold one scale per token-head, shape {(*lead, 1)}; "
-                f"got {tuple(pages.global_scale.shape)}"
-            )
-        for member, t in zip(
-            ("codes", "block_scale", "global_scale"), pages.tensors(), strict=True
-        ):
+    """(values or codes as int32 words, block-scale bytes, row amaxes) for the kernel; a BF16
+    cache passes its values thrice (the scale pointers are not read)."""
+    if isinstance(pages, NVFP4Rows):
+        for member, t in zip(("codes", "block_scale", "amax"), pages.tensors(), strict=True):
             check_contiguous(f"{name}.{member}", t)
+        amax = pages.amax
+        if amax.element_size() == 2:  # read as whole 4-byte words (`row_global_scales`)
+            start = amax.data_ptr() - amax.untyped_storage().data_ptr()
+            words_end = start + 4 * -(-amax.numel() // 2)
+            if amax.data_ptr() % 4 or words_end > amax.untyped_storage().nbytes():
+                raise ValueError(
+                    f"{name}.amax must lie in whole 4-byte words of its storage (4-byte aligned, "
+                    f"an even count or a spare value after it); got {amax.numel()} values at "
+                    f"{amax.data_ptr():#x}"
+                )
         if pages.codes.data_ptr() % 4:  # read as int32 words of 8 codes
             raise ValueError(
                 f"{name}.codes must be 4-byte aligned; got address {pages.codes.data_ptr():#x}"
@@ -228,7 +249,7 @@ def page_members(name: str, pages: KVPages) -> tuple[torch.Tensor, torch.Tensor,
                     f"{name}.block_scale must be 4-byte aligned; got address {scales.data_ptr():#x}"
                 )
             scales = scales.view(torch.int32)
-        return pages.codes.view(torch.int32), scales, pages.global_scale
+        return pages.codes.view(torch.int32), scales, pages.amax
     if pages.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"{name} pages must be bfloat16, float16 or float32; got {pages.dtype}")
     check_contiguous(name, pages)
@@ -238,6 +259,7 @@ def page_members(name: str, pages: KVPages) -> tuple[torch.Tensor, torch.Tensor,
 def read_rows(pages: KVPages, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The K or V rows ``[*slots.shape, K, D]`` of cache ``slots`` in ``dtype``, as
     ``KVCache.read`` returns them: BF16 pages cast, NVFP4 rows `reference.dequantize`d."""
-    if isinstance(pages, NVFP4Tensor):
-        return reference.dequantize(pages.map(lambda m: m.flatten(0, 1)[slots]), dtype)
+    if isinstance(pages, NVFP4Rows):
+        rows = reference.rows_tensor(pages.map(lambda m: m.flatten(0, 1)[slots]))
+        return reference.dequantize(rows, dtype)
     return pages.flatten(0, 1)[slots].to(dtype)

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4rl.fp4.tensor import NVFP4Tensor
+from fp4rl.fp4.tensor import NVFP4Rows
 from fp4rl.kernels.launch import check_contiguous, check_device, device_of
 from fp4rl.kernels.numerics import dot, round_to
 from fp4rl.kernels.paged_kv import (
@@ -56,10 +56,10 @@ def _paged_prefill_kernel(
     q_THD,
     k_pages,
     k_block_scale,
-    k_global_scale,
+    k_amax,
     v_pages,
     v_block_scale,
-    v_global_scale,
+    v_amax,
     table_SN,
     segments_S3,
     tiles_P2,
@@ -105,7 +105,7 @@ def _paged_prefill_kernel(
     acc_RD = tl.zeros([ROWS, D], tl.float32)
     for n0 in tl.range(0, end, BLOCK_N, num_stages=NUM_STAGES):
         ok_N, k_ND, v_ND = context_step(
-            k_pages, k_block_scale, k_global_scale, v_pages, v_block_scale, v_global_scale,
+            k_pages, k_block_scale, k_amax, v_pages, v_block_scale, v_amax,
             table_row, n0, end, num_kv_heads, kv_head, BLOCK_N, PAGE, D, NVFP4, DTYPE,
         )  # fmt: skip
         scores = dot(q_RD, tl.trans(k_ND), tl.zeros([ROWS, BLOCK_N], tl.float32))
@@ -213,7 +213,7 @@ def launch(
 ) -> torch.Tensor:
     """Write the prefill rows of ``out_THD`` (``[T, Hq, D]``, q's dtype; other rows are not
     touched): each segment's queries over its cached context through its block table. ``k``,
-    ``v``: one layer's pages, ``[num_blocks, P, K, D]`` values or `NVFP4Tensor`s (as for
+    ``v``: one layer's pages, ``[num_blocks, P, K, D]`` values or `NVFP4Rows` (as for
     `paged_attention.launch`). Returns ``out_THD``.
 
     Not checked (it would need a device sync or a walk over the plan): that the segments' rows
@@ -241,7 +241,7 @@ def launch(
             f"query heads Hq={Hq} over the pages' K={K} KV heads must give the plan's group of "
             f"{prefill.group}"
         )
-    nvfp4 = isinstance(k, NVFP4Tensor)
+    nvfp4 = isinstance(k, NVFP4Rows)
     tile = prefill.tile
     if nvfp4 and q_THD.dtype == torch.bfloat16 and not bf16_nvfp4_supported(D, tile.block_n):
         raise ValueError(

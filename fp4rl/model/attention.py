@@ -8,8 +8,9 @@ full-sequence forward, the paged cache in `fp4rl.rollout` for generation. `atten
 rollout's attention arithmetic, lives here so that both sides can run it. The layer owns its KV
 format, built from the precision plan (`Bf16KV`, or `Nvfp4KV` with the layer's K and V
 `Fp4Site`s), and hands it to the backend with the new K/V (`NewKV`): the trainer attends over
-the sites' values, the cache stores the sites' `NVFP4Tensor`s, so an NVFP4 KV entry has the
-same bits on both sides and no caller states the KV format a second time.
+the sites' values, the cache stores the rows the sites round to nearest (quantized straight
+into its pages), so an NVFP4 KV entry has the same bits on both sides and no caller states the
+KV format a second time.
 
 Legend: T tokens (flattened over sequences), H hidden, Hq/Hkv query/kv heads, D head dim.
 """
@@ -26,7 +27,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp4rl import ops
 from fp4rl.fp4 import NVFP4Tensor
 from fp4rl.model.layers import RMSNorm, RopeTables, normed_rope, project
 from fp4rl.model.sites import Capture, Fp4Site
@@ -67,21 +67,22 @@ class Nvfp4KV:
         )
 
     def store(self, kv: NewKV, cache, layer: int, slots_T: torch.Tensor) -> None:
-        """`packed()`'s entries stored into the cache's pages. Where neither site follows
-        guidance nor is recorded (`Fp4Site.follows_nothing`) both are quantized straight from
-        the K/V values in one op (`ops.quantize_into_pair`: one launch on the GPU); otherwise
-        each site stores its own (`Fp4Site.store`). The pages get the same bits either way."""
-        k_pages, v_pages = cache.nvfp4_pages(layer)
-        sites = (self.k_site, self.v_site)
-        if all(site.follows_nothing(kv.guidance, kv.capture) for site in sites):
-            k_TKD, v_TKD = kv.k_TKD.detach(), kv.v_TKD.detach()
-            try:
-                ops.quantize_into_pair(k_TKD, k_pages, v_TKD, v_pages, slots_T)
-            except ValueError as err:
-                raise ValueError(f"layers.{self.k_site.layer} K/V sites: {err}") from err
-            return
-        self.k_site.store(kv.k_TKD, k_pages, slots_T, kv.guidance, kv.capture)
-        self.v_site.store(kv.v_TKD, v_pages, slots_T, kv.guidance, kv.capture)
+        """K and V quantized per token-head straight into the cache's pages (`KVCache.write`:
+        `ops.quantize_into_pair`, one launch on the GPU), bitwise the rows `packed()` gives; a
+        site whose record the capture keeps makes it (`Fp4Site.quantize`). The pages keep
+        rows rounded to nearest (each with its amax in place of its global scale), so a site
+        that would follow guidance here is refused rather than stored otherwise."""
+        sites = ((self.k_site, kv.k_TKD), (self.v_site, kv.v_TKD))
+        for site, _ in sites:
+            if site.follows(kv.guidance):
+                raise ValueError(
+                    f"layers.{site.layer} site '{site.name}' follows guidance, but a paged NVFP4 "
+                    "KV cache keeps rows rounded to nearest"
+                )
+        for site, x in sites:
+            if not site.follows_nothing(kv.guidance, kv.capture):
+                site.quantize(x, kv.guidance, kv.capture)  # its record
+        cache.write(layer, slots_T, kv.k_TKD.detach(), kv.v_TKD.detach())
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,8 +104,8 @@ class NewKV:
         return self.format.packed(self.k_TKD, self.v_TKD, self.guidance, self.capture)
 
     def store(self, cache, layer: int, slots_T: torch.Tensor) -> None:
-        """Write `packed()`'s entries into a paged ``cache`` (`fp4rl.rollout.KVCache`: its
-        ``write`` and ``nvfp4_pages``) at ``slots_T``, recording what `packed()` records."""
+        """Write `packed()`'s entries into a paged ``cache`` (`fp4rl.rollout.KVCache.write`) at
+        ``slots_T``, recording what `packed()` records."""
         self.format.store(self, cache, layer, slots_T)
 
 

@@ -15,8 +15,7 @@ from typing import Protocol
 import torch
 
 from fp4rl.fp4 import CompactCodes, NVFP4Tensor, SparseCodes
-from fp4rl.fp4.reference import put_rows
-from fp4rl.ops import dequantize, fake_quantize, quantize_into, quantize_site
+from fp4rl.ops import dequantize, fake_quantize, quantize_site
 from fp4rl.records import GuidanceMap, SiteKey
 
 
@@ -117,31 +116,16 @@ class Fp4Site:
         stores. Its dequantized value is bitwise what ``self(x, guidance, capture)`` returns."""
         return self._quantize(x, self._guidance(guidance, x, None), capture, None)
 
-    def store(
-        self,
-        x_TKD: torch.Tensor,
-        pages: NVFP4Tensor,
-        slots_T: torch.Tensor,
-        guidance: GuidanceMap | None = None,
-        capture: Capture | None = None,
-    ) -> None:
-        """Store ``self.quantize(x_TKD, guidance, capture)``'s rows at ``slots_T`` of a paged
-        cache's ``pages`` (`reference.put_rows`). A site that follows no guidance and whose
-        record nobody keeps quantizes straight into the pages (`ops.quantize_into`: one kernel
-        on the GPU, the same bits)."""
-        if self.follows_nothing(guidance, capture):
-            with self._named():
-                quantize_into(x_TKD.detach(), pages, slots_T)
-            return
-        g = self._guidance(guidance, x_TKD, None)
-        put_rows(pages, slots_T, self._quantize(x_TKD, g, capture, None))
+    def follows(self, guidance: GuidanceMap | None) -> bool:
+        """Whether this site rounds toward a record of ``guidance`` (else to nearest)."""
+        return guidance is not None and self.guided
 
     def follows_nothing(self, guidance: GuidanceMap | None, capture: Capture | None) -> bool:
         """Whether this site rounds to nearest and nobody keeps its record: then a kernel may
-        quantize it on the way (`store`, the experts' SwiGLU) without making its
+        quantize it on the way (the KV store, the experts' SwiGLU) without making its
         `NVFP4Tensor`."""
-        unguided = guidance is None or not self.guided
-        return unguided and (capture is None or not capture.records(self.layer, self.name))
+        recorded = capture is not None and capture.records(self.layer, self.name)
+        return not self.follows(guidance) and not recorded
 
     def _quantize(self, x, g, capture, row_order) -> NVFP4Tensor:
         x = x.detach()
@@ -159,7 +143,7 @@ class Fp4Site:
 
     def _guidance(self, guidance: GuidanceMap | None, x: torch.Tensor, row_order):
         """This site's record, checked against the values it will round (canonical layout)."""
-        if guidance is None or not self.guided:
+        if not self.follows(guidance):
             return None
         try:
             g = guidance[(self.layer, self.name)]

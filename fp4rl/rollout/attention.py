@@ -124,9 +124,9 @@ class AttentionMetadata:
 class PagedAttention:
     """`fp4rl.model.attention.AttentionBackend` over a `KVCache` for one step.
 
-    Stores what the layer's KV sites produce (`NewKV.store`: the tensors of a BF16 layer, the
-    `NVFP4Tensor`s of an NVFP4 one, recorded by the sites when the forward captures; unrecorded
-    NVFP4 rows are quantized straight into the pages), then attends over the cache.
+    Stores what the layer's KV sites produce (`NewKV.store`: the tensors of a BF16 layer; an
+    NVFP4 one's rows quantized straight into the pages, each site's `NVFP4Tensor` recorded
+    beside them when the forward's capture keeps it), then attends over the cache.
     """
 
     def __init__(self, cache: KVCache, meta: AttentionMetadata) -> None:

@@ -4,13 +4,15 @@ Legend: N blocks, B block size (token slots per block), K kv heads, D head dim, 
 written this step, C context tokens gathered. A *slot* is ``block * B + offset``.
 
 - "bf16" pages hold K and V as the model gave them: ``[N, B, K, D]`` in the model dtype.
-- "nvfp4" pages hold what the layer's K (after RoPE) and V `Fp4Site`s produce,
-  ``quantize(x_TKD, scaling="row")``: one FP32 global scale per token-head and 1x16 E4M3 block
-  scales along D, i.e. an `NVFP4Tensor` whose members are ``codes [N, B, K, D/2]``,
-  ``block_scale [N, B, K, D/16]`` and ``global_scale [N, B, K, 1]`` (4.5 bits per value plus 4
-  bytes per token-head). Reading dequantizes in the query dtype, which is exactly the
-  trainer's fake quantization ``dequantize(quantize(x, scaling="row"), x.dtype)``:
-  quantization is per row, so gathering rows before dequantizing changes no bit.
+- "nvfp4" pages hold what the layer's K (after RoPE) and V `Fp4Site`s produce rounding to
+  nearest, ``quantize(x_TKD, scaling="row")``: 1x16 E4M3 block scales along D and one global
+  scale per token-head, kept as the `NVFP4Rows` ``codes [N, B, K, D/2]``, ``block_scale [N, B,
+  K, D/16]`` and ``amax [N, B, K, 1]``: each token-head's amax in the model dtype, of which its
+  FP32 global scale is a function (`reference.global_scale_from_amax`), 2 bytes instead of 4 in
+  BF16. A token-head costs 4.5 bits per value plus 2 bytes. Reading dequantizes in the query
+  dtype, which is exactly the trainer's fake quantization ``dequantize(quantize(x,
+  scaling="row"), x.dtype)``: quantization is per row, so gathering rows before dequantizing
+  changes no bit.
 
 The format is chosen per layer (the precision plan keeps boundary layers in BF16). This module
 owns the bytes; who reads which slots is `fp4rl.rollout.attention`'s business.
@@ -22,11 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
-from fp4rl.fp4 import BLOCK_SIZE, NVFP4Tensor
-from fp4rl.fp4.reference import put_rows
-from fp4rl.model.attention import KVEntry
+from fp4rl import ops
+from fp4rl.fp4 import BLOCK_SIZE
+from fp4rl.fp4.reference import rows_tensor
+from fp4rl.fp4.tensor import NVFP4Rows
 from fp4rl.model.precision import KV_FORMATS
-from fp4rl.ops import dequantize
 from fp4rl.rollout.config import EngineConfig
 
 
@@ -48,10 +50,10 @@ class KVCacheSpec:
 
     def bytes_per_token(self) -> int:
         """K and V bytes of one token over all layers."""
-        K, D = self.num_kv_heads, self.head_dim
+        K, D, itemsize = self.num_kv_heads, self.head_dim, self.dtype.itemsize
         per_format = {
-            "bf16": K * D * self.dtype.itemsize,
-            "nvfp4": K * (D // 2 + D // BLOCK_SIZE + 4),  # codes + e4m3 scales + fp32 scale
+            "bf16": K * D * itemsize,
+            "nvfp4": K * (D // 2 + D // BLOCK_SIZE + itemsize),  # codes, e4m3 scales, amax
         }
         return 2 * sum(per_format[fmt] for fmt in self.layer_formats)
 
@@ -89,29 +91,34 @@ class _Bf16Pages:
         return self.k_NBKD, self.v_NBKD
 
 
-def _empty_nvfp4(num_blocks, block_size, K, D, device) -> NVFP4Tensor:
+def _empty_rows(num_blocks, block_size, K, D, dtype, device) -> NVFP4Rows:
     lead = (num_blocks, block_size, K)
-    return NVFP4Tensor(
+    rows = num_blocks * block_size * K
+    # A spare amax after an odd count: kernels read 2-byte amaxes as whole 4-byte words.
+    amax = torch.zeros(rows + rows % 2, dtype=dtype, device=device)[:rows]
+    return NVFP4Rows(
         codes=torch.zeros(*lead, D // 2, dtype=torch.uint8, device=device),
         block_scale=torch.zeros(*lead, D // BLOCK_SIZE, dtype=torch.float8_e4m3fn, device=device),
-        global_scale=torch.zeros(*lead, 1, dtype=torch.float32, device=device),
+        amax=amax.view(*lead, 1),
     )
 
 
 class _Nvfp4Pages:
     def __init__(self, num_blocks, block_size, K, D, dtype, device) -> None:
-        self.k = _empty_nvfp4(num_blocks, block_size, K, D, device)
-        self.v = _empty_nvfp4(num_blocks, block_size, K, D, device)
+        self.k = _empty_rows(num_blocks, block_size, K, D, dtype, device)
+        self.v = _empty_rows(num_blocks, block_size, K, D, dtype, device)
 
-    def write(self, slots_T, k: NVFP4Tensor, v: NVFP4Tensor) -> None:
-        put_rows(self.k, slots_T, k)
-        put_rows(self.v, slots_T, v)
+    def write(self, slots_T, k_TKD, v_TKD) -> None:
+        ops.quantize_into_pair(k_TKD, self.k, v_TKD, self.v, slots_T)
 
     def read(self, slots_C, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         def rows(m: torch.Tensor) -> torch.Tensor:
             return m.flatten(0, 1)[slots_C]
 
-        return dequantize(self.k.map(rows), dtype), dequantize(self.v.map(rows), dtype)
+        return (
+            ops.dequantize(rows_tensor(self.k.map(rows)), dtype),
+            ops.dequantize(rows_tensor(self.v.map(rows)), dtype),
+        )
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (*self.k.tensors(), *self.v.tensors())
@@ -130,31 +137,27 @@ class KVCache:
             for fmt in spec.layer_formats
         ]
 
-    def write(self, layer: int, slots_T: torch.Tensor, k: KVEntry, v: KVEntry) -> None:
-        """Store this step's K/V entries of ``layer`` at ``slots_T``: tensors ``[T, K, D]``
-        for a "bf16" layer, the K/V sites' `NVFP4Tensor`s for an "nvfp4" one."""
-        formats = {"nvfp4" if isinstance(x, NVFP4Tensor) else "bf16" for x in (k, v)}
-        given = formats.pop() if len(formats) == 1 else "mixed"
-        self._check_format(layer, given, f"{type(k).__name__}/{type(v).__name__}")
-        self.layers[layer].write(slots_T, k, v)
+    def write(
+        self, layer: int, slots_T: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor
+    ) -> None:
+        """Store this step's K/V values ``[T, K, D]`` of ``layer`` at ``slots_T`` in the layer's
+        format: as they are in a "bf16" layer; in an "nvfp4" one quantized per token-head
+        straight into the pages (`ops.quantize_into_pair`: one launch on the GPU), bitwise what
+        the layer's K/V sites give rounding to nearest."""
+        for name, x in (("k_TKD", k_TKD), ("v_TKD", v_TKD)):
+            if not isinstance(x, torch.Tensor) or x.dtype != self.spec.dtype:
+                what = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+                raise TypeError(
+                    f"layers.{layer}: the cache stores K/V values in {self.spec.dtype}; "
+                    f"{name} is {what}"
+                )
+        try:
+            self.layers[layer].write(slots_T, k_TKD, v_TKD)
+        except ValueError as err:
+            raise ValueError(f"layers.{layer} K/V: {err}") from err
 
-    def nvfp4_pages(self, layer: int) -> tuple[NVFP4Tensor, NVFP4Tensor]:
-        """``layer``'s K and V pages, for a model whose NVFP4 K/V sites quantize straight into
-        them (`fp4rl.model.attention.Nvfp4KV.store`)."""
-        self._check_format(layer, "nvfp4", "NVFP4 rows")
-        p = self.layers[layer]
-        return p.k, p.v
-
-    def _check_format(self, layer: int, given: str, entries: str) -> None:
-        fmt = self.spec.layer_formats[layer]
-        if given != fmt:
-            raise TypeError(
-                f"layers.{layer}: the cache holds {fmt} KV but was given {entries} entries; the "
-                "cache and the model must come from one precision plan"
-            )
-
-    def pages(self, layer: int) -> tuple[KVEntry, KVEntry]:
-        """``layer``'s K and V pages as stored: ``[N, B, K, D]`` tensors or `NVFP4Tensor`s."""
+    def pages(self, layer: int) -> tuple[torch.Tensor | NVFP4Rows, torch.Tensor | NVFP4Rows]:
+        """``layer``'s K and V pages as stored: ``[N, B, K, D]`` tensors or `NVFP4Rows`."""
         p = self.layers[layer]
         return (p.k, p.v) if isinstance(p, _Nvfp4Pages) else (p.k_NBKD, p.v_NBKD)
 

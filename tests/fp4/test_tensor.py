@@ -1,9 +1,13 @@
-"""NVFP4Tensor's layout checks: a container that cannot describe a [..., K] tensor is refused."""
+"""NVFP4Tensor's and NVFP4Rows' layout checks (a container that cannot describe a [..., K]
+tensor is refused), and rows kept with their amax giving back quantize's tensor."""
+
+import math
 
 import pytest
 import torch
 
-from fp4rl.fp4.tensor import NVFP4Tensor
+from fp4rl.fp4 import reference
+from fp4rl.fp4.tensor import NVFP4Rows, NVFP4Tensor
 
 
 def parts(lead=(4, 3), k=32, scale_shape=None):
@@ -33,3 +37,47 @@ def test_wrong_rank_dtype_and_block_count_are_refused():
         NVFP4Tensor(codes, block_scale, global_scale.double())
     with pytest.raises(ValueError, match="do not describe"):
         NVFP4Tensor(codes, block_scale[..., :1], global_scale)
+
+
+def test_rows_hold_one_amax_per_row_in_a_float_dtype():
+    codes, block_scale, _ = parts()
+    rows = NVFP4Rows(codes, block_scale, torch.zeros(4, 3, 1, dtype=torch.bfloat16))
+    assert rows.shape == (4, 3, 32) and rows.map(lambda m: m[1:]).shape == (3, 3, 32)
+    with pytest.raises(ValueError, match=r"amax \(4, 1, 1\) must hold one value per row of codes "
+                                         r"\(4, 3, 16\): \(4, 3, 1\)"):  # fmt: skip
+        NVFP4Rows(codes, block_scale, torch.zeros(4, 1, 1))
+    with pytest.raises(TypeError, match="amax must be one of"):
+        NVFP4Rows(codes, block_scale, torch.zeros(4, 3, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="do not describe"):
+        NVFP4Rows(codes, block_scale[..., :1], torch.zeros(4, 3, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_rows_give_back_the_tensor_that_quantize_makes(dtype):
+    """Rows kept with their amax (`quantize_into`) give back `quantize`'s global scales bit for
+    bit, the flushed, the smallest kept, the largest and the poisoned (inf, NaN) ones among
+    them."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(12, 2, 32, generator=g)
+    x[0, 0] *= 2.0**-140  # flushed to a global scale of 0 (subnormal in FP32)
+    x[0, 1] = 0.0
+    x[1, 0, 5] = 2688 * 2.0**-117  # the smallest global scale kept, if the row is below it
+    x[1, 0] *= x[1, 0].abs() <= x[1, 0, 5]
+    x[2, 0, 3] = 60000.0
+    x[3, 0, 7], x[3, 1, 9] = math.inf, math.nan
+    x = x.to(dtype)
+    pages = NVFP4Rows(
+        torch.zeros(4, 4, 2, 16, dtype=torch.uint8),
+        torch.zeros(4, 4, 2, 2, dtype=torch.float8_e4m3fn),
+        torch.zeros(4, 4, 2, 1, dtype=dtype),
+    )
+    slots = torch.randperm(16, generator=g)[:12]
+    reference.quantize_into(x, pages, slots)
+    got = reference.rows_tensor(pages.map(lambda m: m.flatten(0, 1)[slots]))
+    want = reference.quantize(x, scaling="row")
+    assert got.equal(want)
+    assert want.global_scale[0].eq(0).all() and want.global_scale[3].isnan().all()
+    if dtype != torch.float16:  # FP16 holds no amax that small
+        assert want.global_scale[1, 0].item() == 2.0**-117
+    with pytest.raises(ValueError, match=r"x_TKD is torch.float64 but the pages keep"):
+        reference.quantize_into(x.double(), pages, slots)

@@ -129,7 +129,6 @@ def random_paged_cache(fmt, page_dtype, num_blocks, page, heads, dim, *, seed, d
     """One layer's `KVCache` ("bf16" or "nvfp4" pages) whose every slot, the ones no context
     covers included, holds finite random K/V; drawn where they live (the GPU cases fill hundreds
     of MB), NVFP4 rows quantized per token-head."""
-    from fp4rl import ops
     from fp4rl.rollout.kv_cache import KVCache, KVCacheSpec
 
     spec = KVCacheSpec(layer_formats=(fmt,), num_kv_heads=heads, head_dim=dim, dtype=page_dtype)
@@ -141,8 +140,6 @@ def random_paged_cache(fmt, page_dtype, num_blocks, page, heads, dim, *, seed, d
         )
         for _ in range(2)
     )
-    if fmt == "nvfp4":
-        k, v = (ops.quantize(x, scaling="row") for x in (k, v))
     cache.write(0, torch.arange(num_blocks * page, device=device), k, v)
     return cache
 

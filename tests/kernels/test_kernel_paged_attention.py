@@ -31,7 +31,7 @@ from kernel_checks import (  # noqa: E402
     random_paged_cache,
 )
 
-from fp4rl.fp4.tensor import NVFP4Tensor  # noqa: E402
+from fp4rl.fp4.tensor import NVFP4Rows  # noqa: E402
 from fp4rl.kernels import paged_attention  # noqa: E402
 from fp4rl.kernels.paged_attention import DecodeTile, reference_decode  # noqa: E402
 from fp4rl.rollout.attention import AttentionMetadata, Segment, attend_fp32  # noqa: E402
@@ -159,18 +159,18 @@ def test_reference_decode_is_attend_fp32_over_cache_read(fmt, q_dtype):
     assert_bitwise(got, scene.spec(), f"reference_decode, {fmt}")
 
 
-def every_byte_pages(rows: int, dim: int, seed: int) -> NVFP4Tensor:
+def every_byte_pages(rows: int, dim: int, seed: int) -> NVFP4Rows:
     """``rows`` token-heads of random code bytes, block-scale bytes cycling through all 256
-    patterns (NaN ones included) and global scales from 0 and 2**-110 to 2**100, the recipe's
-    smallest (2**-117) and one just above it among them."""
+    patterns (NaN ones included) and BF16 amaxes whose global scales run from 0 (a zero amax,
+    and one just below the recipe's smallest scale, 2**-117) through that smallest scale and
+    one just above it to 2**100, with an inf and a NaN amax among them."""
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 256, (rows, dim // 2), generator=g, dtype=torch.uint8)
     block_bytes = (torch.arange(rows * dim // 16) % 256).to(torch.uint8).view(rows, dim // 16)
-    global_scale = torch.rand(rows, 1, generator=g) * 3
-    global_scale[:6, 0] = torch.tensor(
-        [0.0, 2.0**-110, 2.0**100, 1.7e-3, 2.0**-117, 1.5 * 2.0**-117]
-    )
-    return NVFP4Tensor(codes, block_bytes.view(torch.float8_e4m3fn), global_scale)
+    amax = torch.rand(rows, 1, generator=g) * 3 * 2688
+    amax[:9, 0] = torch.tensor([0.0, 2.0**-110, 2.0**100, 1.7e-3, 2.0**-117, 1.5 * 2.0**-117,
+                                2.0**-117.5, math.inf, math.nan]) * 2688  # fmt: skip
+    return NVFP4Rows(codes, block_bytes.view(torch.float8_e4m3fn), amax.to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("fmt", ["bf16 pages", "nvfp4"])
@@ -210,8 +210,8 @@ def assert_nan_confined(scene: Scene, config: DecodeTile, sequence: int, block: 
 
     def poison(where_T, head):
         for t in scene.pages():
-            if isinstance(t, NVFP4Tensor):
-                t.global_scale.flatten(0, 1)[where_T.to(device), head] = math.nan
+            if isinstance(t, NVFP4Rows):
+                t.amax.flatten(0, 1)[where_T.to(device), head] = math.nan
             else:
                 t.flatten(0, 1)[where_T.to(device), head] = math.nan
 
@@ -262,13 +262,16 @@ def test_checks_name_the_values(device):
     with pytest.raises(ValueError, match=r"context_B must be int32 of shape \(6,\); got "
                        r"torch.int64 of shape \(6,\)"):  # fmt: skip
         launch(q, k, v, table, ctx.long())
-    with pytest.raises(ValueError, match=r"k.global_scale must hold one scale per token-head, "
-                       r"shape \(.*, 4, 2, 1\); got \(1, 1, 1, 1\)"):  # fmt: skip
-        launch(q, NVFP4Tensor(k.codes, k.block_scale, k.global_scale[:1, :1, :1]), v, table, ctx)
     with pytest.raises(ValueError, match=r"k.codes must be contiguous"):
         strided = k.codes.transpose(0, 1).contiguous().transpose(0, 1)
-        launch(q, NVFP4Tensor(strided, k.block_scale, k.global_scale), v, table, ctx)
-    with pytest.raises(TypeError, match=r"one format; got NVFP4Tensor/Tensor"):
+        launch(q, NVFP4Rows(strided, k.block_scale, k.amax), v, table, ctx)
+    with pytest.raises(ValueError, match=r"k.amax must be contiguous"):
+        strided = k.amax.transpose(0, 1).contiguous().transpose(0, 1)
+        launch(q, NVFP4Rows(k.codes, k.block_scale, strided), v, table, ctx)
+    shifted = torch.zeros(k.amax.numel() + 1, dtype=k.amax.dtype, device=device)[1:]
+    with pytest.raises(ValueError, match=r"k.amax must lie in whole 4-byte words"):
+        launch(q, NVFP4Rows(k.codes, k.block_scale, shifted.view(k.amax.shape)), v, table, ctx)
+    with pytest.raises(TypeError, match=r"one format; got NVFP4Rows/Tensor"):
         launch(q, k, torch.zeros(k.shape, device=device), table, ctx)
     with pytest.raises(ValueError, match=r"both be \[num_blocks, P, K, D\]; got \(.*, 4, 2, 16\) "
                        r"and \(.*, 2, 2, 16\)"):  # fmt: skip

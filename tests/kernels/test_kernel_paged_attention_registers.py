@@ -89,9 +89,10 @@ def test_registers_context_of_one_returns_the_v_rows_bitwise_on_gpu(tile):
 @pytest.mark.gpu
 def test_registers_every_key_byte_within_the_bound_on_gpu():
     """K pages of every code byte, every block-scale byte but NaN ones and global scales from
-    2**-110 up: the scores take each through the register decode (checked against float64 over
-    the values ``KVCache.read`` returns). Queries are scaled down to keep the scores within
-    +-16: no probability reaches the subnormals, where float64 and FP32 exp part ways."""
+    2**-110 up (and one flushed to 0 below 2**-117): the scores take each through the register
+    decode (checked against float64 over the values ``KVCache.read`` returns). Queries are
+    scaled down to keep the scores within +-16: no probability reaches the subnormals, where
+    float64 and FP32 exp part ways."""
     scene = Scene("nvfp4", [40, 1, 77, 16], heads=(8, 1), dim=128, page=16, seed=9,
                   device="cuda", q_dtype=torch.bfloat16)  # fmt: skip
     scene.q_BHD.mul_(2.0**-14)
@@ -99,8 +100,8 @@ def test_registers_every_key_byte_within_the_bound_on_gpu():
     rows = every_byte_pages(pages.codes.numel() * 2 // 128, 128, seed=10)
     scale = rows.block_scale.view(torch.uint8)
     scale[(scale & 0x7F) == 0x7F] = 0x38  # E4M3 NaN -> 1.0: NaN scores would hide the rest
-    rows.global_scale.clamp_(max=2.0)  # keep the scores in exp's range
-    rows.global_scale[0] = 2.0**-110
+    rows.amax.nan_to_num_(nan=2688.0).clamp_(max=2.0 * 2688)  # scores in exp's range
+    rows.amax[0] = 2.0**-110 * 2688
     for page, value in zip(pages.tensors(), rows.tensors(), strict=True):
         page.copy_(value.view(page.shape))
     for tile in REGISTER_TILES.values():
@@ -196,11 +197,11 @@ def test_launcher_passes_the_register_kernel_its_arguments_by_name(device, monke
     assert recorder.grid == (3 * 2, 1)
     assert bound["q_BHD"] is scene.q_BHD and bound["out_BHD"] is out
     for name, pages in (("k", k), ("v", v)):
-        codes, scales, global_scale = (bound[f"{name}_{m}"] for m in
-                                       ("pages", "block_scale", "global_scale"))  # fmt: skip
+        codes, scales, amax = (bound[f"{name}_{m}"] for m in
+                               ("pages", "block_scale", "amax"))  # fmt: skip
         assert codes.dtype == torch.int32 and codes.data_ptr() == pages.codes.data_ptr(), name
         assert scales.dtype == torch.uint8 and scales.data_ptr() == pages.block_scale.data_ptr()
-        assert global_scale is pages.global_scale, name
+        assert amax is pages.amax, name
     assert bound["table_BN"] is scene.block_table_BN and bound["context_B"] is scene.context_B
     assert all(bound[p] is out for p in ("part_m", "part_l", "part_o"))  # unsplit: not written
     assert bound["softmax_scale"] == 1 / math.sqrt(128) and bound["num_kv_heads"] == 2
@@ -209,3 +210,40 @@ def test_launcher_passes_the_register_kernel_its_arguments_by_name(device, monke
     assert (bound["G"], bound["D"], bound["PAGE"], bound["BLOCK_N"]) == (4, 128, 16, 16)
     assert bound["SPLIT"] is False and bound["num_warps"] == 1
     assert bound["enable_fp_fusion"] is False
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_global_scales_are_the_quantizers_for_every_amax_on_gpu(dtype):
+    """`paged_attention_registers.global_scales` (Markstein's quotient for BF16 and FP16
+    amaxes, ``div.rn`` for FP32) against `reference.global_scale_from_amax` on the CPU: every
+    BF16 and FP16 bit pattern, and FP32 ones at random and around the flush, bit for bit but
+    for NaN payloads."""
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+    from fp4rl.fp4.reference import global_scale_from_amax
+    from fp4rl.kernels import paged_attention_registers as registers
+
+    @gluon.jit
+    def scales_kernel(amax, out, n, BLOCK: gl.constexpr):
+        i = gl.program_id(0) * BLOCK + gl.arange(0, BLOCK, gl.BlockedLayout([1], [32], [4], [0]))
+        ok = i < n
+        gl.store(out + i, registers.global_scales(gl.load(amax + i, mask=ok, other=0.0)), mask=ok)
+
+    if dtype == torch.float32:
+        g = torch.Generator().manual_seed(0)
+        bits = torch.randint(-(2**31), 2**31 - 1, (1 << 22,), generator=g, dtype=torch.int32)
+        near = torch.tensor(2688 * 2.0**-117).view(torch.int32) + torch.arange(-4096, 4096)
+        amax = torch.cat([bits, near.to(torch.int32)]).view(torch.float32)
+    else:
+        amax = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    out = torch.empty(amax.shape, dtype=torch.float32, device="cuda")
+    scales_kernel[(-(-amax.numel() // 512),)](amax.cuda(), out, amax.numel(), BLOCK=512,
+                                              num_warps=4)  # fmt: skip
+    got, want = out.cpu(), global_scale_from_amax(amax)
+    assert torch.equal(got.isnan(), want.isnan()), "NaN positions"
+    finite = ~want.isnan()
+    differ = got[finite].view(torch.int32) != want[finite].view(torch.int32)
+    examples = amax[finite][differ][:4].tolist()
+    assert not differ.any(), f"{int(differ.sum())} scales differ, e.g. for amaxes {examples}"

@@ -21,7 +21,7 @@ from kernel_checks import (  # noqa: E402
     random_paged_cache,
 )
 
-from fp4rl.fp4.tensor import NVFP4Tensor  # noqa: E402
+from fp4rl.fp4.tensor import NVFP4Rows  # noqa: E402
 from fp4rl.kernels import paged_prefill  # noqa: E402
 from fp4rl.kernels.paged_prefill import PrefillTile, reference_prefill  # noqa: E402
 from fp4rl.rollout.attention import attend_fp32  # noqa: E402
@@ -149,8 +149,8 @@ def test_reference_prefill_is_attend_fp32_over_cache_read(fmt):
 
 def poison(scene: Scene, slots: torch.Tensor, head: int) -> None:
     for t in scene.pages():
-        if isinstance(t, NVFP4Tensor):
-            t.global_scale.flatten(0, 1)[slots.to(scene.device), head] = math.nan
+        if isinstance(t, NVFP4Rows):
+            t.amax.flatten(0, 1)[slots.to(scene.device), head] = math.nan
         else:
             t.flatten(0, 1)[slots.to(scene.device), head] = math.nan
 

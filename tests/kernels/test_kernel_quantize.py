@@ -23,6 +23,7 @@ from kernel_checks import (  # noqa: E402
 from fp4rl import kernels  # noqa: E402
 from fp4rl.fp4 import reference as R  # noqa: E402
 from fp4rl.fp4.format import MIN_GLOBAL_SCALE  # noqa: E402
+from fp4rl.fp4.tensor import NVFP4Rows  # noqa: E402
 from fp4rl.kernels import launch, nearest  # noqa: E402
 
 # (shape, scaling): rows 1, 3, 17, 33; per-expert [E, N, K] with 2 trailing dims; 4-D groups.
@@ -139,16 +140,17 @@ def test_nonfinite_values_poison_their_group(device, dtype):
     check_quantize(x, "row", global_scale=torch.full((5, 1), 0.01, device=device))
 
 
-def paged(num_slots: int, heads: int, k: int, device) -> "R.NVFP4Tensor":
-    """Pages ``[num_slots / 4, 4, heads, k]`` filled with a recognisable pattern."""
+def paged(num_slots: int, heads: int, k: int, device, dtype=torch.bfloat16) -> NVFP4Rows:
+    """Pages ``[num_slots / 4, 4, heads, k]`` filled with a recognisable pattern, their amaxes
+    in ``dtype``."""
     lead = (num_slots // 4, 4, heads)
     fill = torch.arange(math.prod(lead) * k // 2, dtype=torch.int64) % 251
-    return R.NVFP4Tensor(
+    return NVFP4Rows(
         codes=fill.to(torch.uint8).view(*lead, k // 2).to(device),
         block_scale=torch.full((*lead, k // 16), 0x38, dtype=torch.uint8)
         .view(torch.float8_e4m3fn)
         .to(device),
-        global_scale=torch.full((*lead, 1), 7.0).to(device),
+        amax=torch.full((*lead, 1), 7.0, dtype=dtype).to(device),
     )
 
 
@@ -166,9 +168,9 @@ def test_quantize_into_pages_is_quantize_then_put(device, dtype, tokens, heads, 
     slots = torch.randperm(8 * tokens + 8, generator=g)[:tokens]
     slots = torch.stack([slots, -slots], dim=1).to(device)[:, 0]
     assert slots.stride(0) == 2
-    want = paged(8 * tokens + 8, heads, k, "cpu")
-    R.put_rows(want, slots.cpu(), R.quantize(x.cpu(), scaling="row"))
-    got = paged(8 * tokens + 8, heads, k, device)
+    want = paged(8 * tokens + 8, heads, k, "cpu", dtype)
+    R.quantize_into(x.cpu(), want, slots.cpu())
+    got = paged(8 * tokens + 8, heads, k, device, dtype)
     kernels.quantize_into(x, got, slots)
     assert_nvfp4_equal(cpu(got), want, f"quantize_into {dtype} {tuple(x.shape)}")
 
@@ -183,29 +185,28 @@ def test_quantize_into_checks_name_the_values(device):
         kernels.quantize_into(x.view(6, 32), pages, slots)
     with pytest.raises(ValueError, match=r"slots_T must be int64 of shape \(3,\); got torch.int32"):
         kernels.quantize_into(x, pages, slots.to(torch.int32))
-    with pytest.raises(ValueError, match="global_scale must hold one scale per row"):
-        kernels.quantize_into(
-            x, dataclasses.replace(pages, global_scale=torch.ones(1, 1, 1, 1, device=device)), slots
-        )
+    with pytest.raises(ValueError, match=r"pages keep torch.float32 amaxes but x_TKD is "
+                                         r"torch.bfloat16"):  # fmt: skip
+        kernels.quantize_into(x, paged(16, 2, 32, device, torch.float32), slots)
 
 
-def random_pages(num_blocks: int, page: int, heads: int, k: int, device, seed: int):
-    """Pages ``[num_blocks, page, heads, k]`` of random bytes, scales included: a slot written
-    by mistake, or left unwritten, shows."""
+def random_pages(num_blocks: int, page: int, heads: int, k: int, device, seed: int, dtype):
+    """Pages ``[num_blocks, page, heads, k]`` of random bytes, scales and ``dtype`` amaxes
+    included: a slot written by mistake, or left unwritten, shows."""
     g = torch.Generator().manual_seed(seed)
     lead = (num_blocks, page, heads)
 
     def noise(*shape):
         return torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
 
-    return R.NVFP4Tensor(
+    return NVFP4Rows(
         codes=noise(*lead, k // 2).to(device),
         block_scale=noise(*lead, k // 16).view(torch.float8_e4m3fn).to(device),
-        global_scale=noise(*lead, 4).view(torch.float32).to(device),
+        amax=noise(*lead, dtype.itemsize).view(dtype).to(device),
     )
 
 
-def clone_pages(pages: "R.NVFP4Tensor") -> "R.NVFP4Tensor":
+def clone_pages(pages: NVFP4Rows) -> NVFP4Rows:
     return pages.map(torch.clone)
 
 
@@ -213,8 +214,8 @@ def check_pair_into(k, v, slots, k_pages, v_pages, what: str) -> None:
     """One paired launch stores, in pages of random bytes, what two single launches store and
     what the reference stores: K's rows into K's pages, V's into V's, nothing else touched."""
     want = [clone_pages(p).map(lambda m: m.cpu()) for p in (k_pages, v_pages)]
-    R.put_rows(want[0], slots.cpu(), R.quantize(k.cpu(), scaling="row"))
-    R.put_rows(want[1], slots.cpu(), R.quantize(v.cpu(), scaling="row"))
+    R.quantize_into(k.cpu(), want[0], slots.cpu())
+    R.quantize_into(v.cpu(), want[1], slots.cpu())
     single = [clone_pages(p) for p in (k_pages, v_pages)]
     kernels.quantize_into(k, single[0], slots)
     kernels.quantize_into(v, single[1], slots)
@@ -239,16 +240,16 @@ def test_quantize_into_pair_is_two_quantize_into(device, dtype, tokens, heads, k
     slots = torch.randperm(4 * (2 * tokens + 2), generator=g)[:tokens]
     slots = torch.stack([slots, -slots], dim=1).to(device)[:, 0]
     assert slots.stride(0) == 2
-    pages = [random_pages(2 * tokens + 2, 4, heads, k, device, seed=s) for s in (1, 2)]
+    pages = [random_pages(2 * tokens + 2, 4, heads, k, device, s, dtype) for s in (1, 2)]
     check_pair_into(k_TKD, v_TKD, slots, *pages, f"{dtype} {tuple(k_TKD.shape)}")
 
 
 def test_quantize_into_pair_checks_name_k_or_v(device):
     k = randn((3, 2, 32), torch.bfloat16, device, seed=0)
     v = randn((3, 2, 32), torch.bfloat16, device, seed=1)
-    k_pages, v_pages = (random_pages(4, 4, 2, 32, device, seed=s) for s in (0, 1))
+    k_pages, v_pages = (random_pages(4, 4, 2, 32, device, s, torch.bfloat16) for s in (0, 1))
     slots = torch.tensor([5, 0, 9], device=device)
-    wide = random_pages(4, 4, 4, 32, device, seed=2)
+    wide = random_pages(4, 4, 4, 32, device, 2, torch.bfloat16)
     with pytest.raises(
         ValueError, match=r"v_pages must be \[N, P, heads, K\] = \[N, P, 2, 32\] for v"
     ):
@@ -263,13 +264,13 @@ def test_quantize_into_pair_checks_name_k_or_v(device):
     with pytest.raises(TypeError, match=r"v_TKD: NVFP4 quantization takes .* got torch.int32"):
         kernels.quantize_into_pair(k, k_pages, v.to(torch.int32), v_pages, slots)
     other_dtype = r"v_TKD must have k_TKD's shape \(3, 2, 32\) and dtype torch.bfloat16; got "
+    half_pages = random_pages(4, 4, 2, 32, device, 3, torch.float16)
     with pytest.raises(ValueError, match=other_dtype + r"\(3, 2, 32\) torch.float16"):
-        kernels.quantize_into_pair(k, k_pages, v.half(), v_pages, slots)
+        kernels.quantize_into_pair(k, k_pages, v.half(), half_pages, slots)
     with pytest.raises(ValueError, match=r"v_TKD must have k_TKD's shape \(3, 2, 32\)"):
         kernels.quantize_into_pair(k, k_pages, v[:2], v_pages, slots)
-    bad_scale = dataclasses.replace(k_pages, global_scale=torch.ones(1, 1, 1, 1, device=device))
-    with pytest.raises(ValueError, match="k_pages.global_scale must hold one scale per row"):
-        kernels.quantize_into_pair(k, bad_scale, v, v_pages, slots)
+    with pytest.raises(ValueError, match="k_pages keep torch.float16 amaxes but k_TKD is"):
+        kernels.quantize_into_pair(k, half_pages, v, v_pages, slots)
     strided = dataclasses.replace(v_pages, codes=v_pages.codes.transpose(0, 1))
     with pytest.raises(ValueError, match=r"v_pages.codes must be contiguous"):
         kernels.quantize_into_pair(k, k_pages, v, strided, slots)
@@ -379,5 +380,5 @@ def test_quantize_into_pair_at_model_shapes_on_gpu(tokens):
     k = randn((tokens, 4, 128), torch.bfloat16, "cuda", seed=tokens)
     v = randn((tokens, 4, 128), torch.bfloat16, "cuda", seed=tokens + 1)
     slots = torch.randperm(64 * 16, generator=torch.Generator().manual_seed(tokens))[:tokens]
-    pages = [random_pages(64, 16, 4, 128, "cuda", seed=s) for s in (1, 2)]
+    pages = [random_pages(64, 16, 4, 128, "cuda", s, torch.bfloat16) for s in (1, 2)]
     check_pair_into(k, v, slots.cuda(), *pages, f"bf16 {tuple(k.shape)}")

@@ -72,7 +72,8 @@ def reference_attention(self, x_TH, backend, rope, guidance=None, capture=None):
 def reference_paged_attend(self, layer, q_THD, kv):
     """Decode rows gathered from the queries and scattered into the output, in every step."""
     m = self.meta
-    self.cache.write(layer, m.slots_T, *kv.packed())
+    kv.packed()  # the sites' records, where a capture keeps them
+    self.cache.write(layer, m.slots_T, kv.k_TKD, kv.v_TKD)
     o_THD = torch.empty_like(q_THD)
     fused = None
     if m.decode_rows_B.numel():

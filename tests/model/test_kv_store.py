@@ -1,7 +1,7 @@
-"""How an NVFP4-KV layer stores its new K and V rows in the paged cache (`Nvfp4KV.store`): where
-neither site follows guidance nor is recorded, both go straight into the pages through one op
-(`ops.quantize_into_pair`: one launch on the GPU); otherwise each site stores its own. The
-pages get the same bits either way, and the pair op is asked for exactly in the first case."""
+"""How an NVFP4-KV layer stores its new K and V rows in the paged cache (`Nvfp4KV.store`): both
+go straight into the pages through one op (`ops.quantize_into_pair`: one launch on the GPU),
+whether or not a capture records the sites (a recorded site also makes its record). The pages
+keep rows rounded to nearest, so a site that would follow guidance is refused."""
 
 import pytest
 import torch
@@ -72,11 +72,10 @@ def page_bytes(cache: KVCache) -> torch.Tensor:
 
 @pytest.mark.parametrize("device", DEVICES)
 @torch.inference_mode()
-def test_the_pair_path_and_the_two_site_path_fill_the_cache_alike(device, pair_calls):
+def test_recorded_or_not_the_pages_are_filled_alike(device, pair_calls):
     """A packed model's forwards through the rollout backend (prefills, then decodes) leave
-    every page bitwise the same whether the NVFP4 layers stored K and V through the pair op
-    (nothing recorded) or site by site (K recorded: its record written, V quantized straight
-    in); the pair op is asked for once per NVFP4 layer per step in the first case only."""
+    every page bitwise the same whether a capture records the K sites or not, and the pair op
+    is asked for once per NVFP4 layer per step either way."""
     precision = tiny_precision("nvfp4")  # layers 1 and 2 of 4 hold NVFP4 KV
     qat = qat_model(precision, config=tiny_config(head_dim=32), dtype=torch.bfloat16, device=device)
     model = packed_twin(qat, precision)
@@ -93,43 +92,51 @@ def test_the_pair_path_and_the_two_site_path_fill_the_cache_alike(device, pair_c
         assert len(pair_calls) == before + nvfp4_layers
         capture = Keeps("k")
         model.hidden_states(tokens_T, PagedAttention(caches[1], meta), capture=capture)
-        assert len(pair_calls) == before + nvfp4_layers
+        assert len(pair_calls) == before + 2 * nvfp4_layers
         assert {key for key in capture.sites if key[1] == "k"} == {(1, "k"), (2, "k")}
     assert_bitwise(page_bytes(caches[0]), page_bytes(caches[1]), "pages")
     assert not torch.equal(page_bytes(caches[0]), start)  # the steps did write
 
 
 @pytest.mark.parametrize(
-    ("guided_sites", "guided", "kept", "pair"),
+    ("guided_sites", "guided", "kept", "refused"),
     [
-        ((), False, None, True),
-        (SITES, False, None, True),  # guided sites, but this forward follows no record
-        ((), True, None, True),  # a record is given, but the policy guides neither site
-        ((), False, (), True),  # a capture that keeps neither site
-        ((), False, ("expert_input",), True),
-        ((), False, ("k",), False),
-        ((), False, ("v",), False),
-        (("v",), True, None, False),
-        (("k", "v"), True, (), False),
+        ((), False, None, None),
+        (SITES, False, None, None),  # guided sites, but this forward follows no record
+        ((), True, None, None),  # a record is given, but the policy guides neither site
+        ((), False, (), None),  # a capture that keeps neither site
+        ((), False, ("expert_input",), None),
+        ((), False, ("k",), None),
+        ((), False, ("v",), None),
+        (("v",), True, None, "v"),
+        (("k", "v"), True, (), "k"),
     ],
 )
-def test_the_pair_op_is_asked_for_exactly_when_both_sites_follow_nothing(
-    pair_calls, guided_sites, guided, kept, pair
+def test_the_pages_hold_the_nearest_rows_and_guided_sites_are_refused(
+    pair_calls, guided_sites, guided, kept, refused
 ):
-    """Either way the pages hold what writing the sites' quantized entries stores."""
+    """Whatever the capture keeps, the pages hold what writing the K/V values stores (one pair
+    op); a site following guidance is refused by name, and nothing is written."""
     g = torch.Generator().manual_seed(1)
     k, v = (torch.randn(5, 2, 32, generator=g).to(torch.bfloat16) for _ in range(2))
     slots = torch.tensor([13, 2, 30, 7, 21])
     spec = KVCacheSpec(("bf16", "nvfp4"), num_kv_heads=2, head_dim=32, dtype=torch.bfloat16)
     caches = [random_cache(spec, "cpu") for _ in range(2)]
-    # The rollout's own nearest records: following them changes no bit.
+    start = page_bytes(caches[0])
     guidance = {(1, s): ops.quantize(x, scaling="row") for s, x in (("k", k), ("v", v))}
     capture = None if kept is None else Keeps(*kept)
     kv = NewKV(k, v, Nvfp4KV(1, guided_sites), guidance if guided else None, capture)
+    if refused is not None:
+        with pytest.raises(ValueError, match=rf"layers.1 site '{refused}' follows guidance"):
+            kv.store(caches[0], 1, slots)
+        assert pair_calls == [] and torch.equal(page_bytes(caches[0]), start)
+        return
     kv.store(caches[0], 1, slots)
-    assert len(pair_calls) == int(pair)
-    caches[1].write(1, slots, ops.quantize(k, scaling="row"), ops.quantize(v, scaling="row"))
+    assert len(pair_calls) == 1
+    caches[1].write(1, slots, k, v)
     assert_bitwise(page_bytes(caches[0]), page_bytes(caches[1]), "pages")
+    recorded = {key[1] for key in capture.sites} if capture is not None else set()
+    assert recorded == set(kept or ()) & {"k", "v"}
 
 
 def test_pair_errors_name_the_layer(monkeypatch):
@@ -140,5 +147,5 @@ def test_pair_errors_name_the_layer(monkeypatch):
     spec = KVCacheSpec(layer_formats=("nvfp4",), num_kv_heads=2, head_dim=32, dtype=torch.float32)
     cache = KVCache(spec, num_blocks=2, block_size=4, device="cpu")
     k = torch.zeros(1, 2, 32)
-    with pytest.raises(ValueError, match=r"layers.0 K/V sites: v_pages must be"):
+    with pytest.raises(ValueError, match=r"layers.0 K/V: v_pages must be"):
         NewKV(k, k, Nvfp4KV(0, ())).store(cache, 0, torch.tensor([3]))

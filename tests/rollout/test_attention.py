@@ -13,10 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fp4rl.fp4.reference import rows_tensor
 from fp4rl.model.attention import Bf16KV, NewKV, Nvfp4KV
 from fp4rl.model.precision import SITES
 from fp4rl.model.sites import SiteRecords
-from fp4rl.ops import dequantize, quantize, quantize_into
+from fp4rl.ops import dequantize, quantize
 from fp4rl.rollout.attention import (
     STORE_AT_EXIT_MIN_DECODES,
     AttentionMetadata,
@@ -111,7 +112,7 @@ def test_copy_blocks_copies_every_layer_and_member():
     x = torch.randn(2, 1, 16)
     slots = torch.tensor([2, 3])  # block 1
     cache.write(0, slots, x, -x)
-    cache.write(1, slots, quantize(x, scaling="row"), quantize(-x, scaling="row"))
+    cache.write(1, slots, x, -x)
     cache.copy_blocks([(1, 3)])
     for layer in range(2):
         a = cache.read(layer, slots, torch.float32)
@@ -124,19 +125,21 @@ def test_metadata_rejects_a_table_too_short():
         AttentionMetadata.build([Segment([0], 3, 2)], 4, "cpu")
 
 
-def test_cache_refuses_entries_of_another_format():
+def test_cache_refuses_entries_it_cannot_store_exactly():
+    """K/V values in another dtype than the cache's (an NVFP4 layer keeps each row's amax in
+    it) or quantized entries are refused, naming the layer."""
     spec = KVCacheSpec(
-        layer_formats=("bf16", "nvfp4"), num_kv_heads=1, head_dim=16, dtype=torch.float32
+        layer_formats=("bf16", "nvfp4"), num_kv_heads=1, head_dim=16, dtype=torch.bfloat16
     )
     cache = KVCache(spec, num_blocks=4, block_size=2, device="cpu")
     x, slots = torch.randn(2, 1, 16), torch.tensor([0, 1])
-    with pytest.raises(TypeError, match="layers.1: the cache holds nvfp4 KV but was given Tensor"):
-        cache.write(1, slots, x, x)
+    for layer in (0, 1):
+        with pytest.raises(TypeError, match=rf"layers.{layer}: .* torch.bfloat16; k_TKD is "
+                                            r"torch.float32"):  # fmt: skip
+            cache.write(layer, slots, x, x.bfloat16())
     q = quantize(x, scaling="row")
-    with pytest.raises(TypeError, match="layers.0: the cache holds bf16 KV but was given NVFP4"):
-        cache.write(0, slots, q, q)
-    with pytest.raises(TypeError, match="layers.0: the cache holds bf16 KV but was given NVFP4"):
-        cache.nvfp4_pages(0)
+    with pytest.raises(TypeError, match=r"layers.1: .*; v_TKD is NVFP4Tensor"):
+        cache.write(1, slots, x.bfloat16(), q)
 
 
 class _Keeps(SiteRecords):
@@ -147,35 +150,30 @@ class _Keeps(SiteRecords):
 
 
 @pytest.mark.parametrize("capture", [None, _Keeps()], ids=["unrecorded", "k recorded"])
-def test_nvfp4_sites_store_the_bits_of_quantize_then_write(monkeypatch, capture):
-    """An NVFP4 layer's K/V sites store into the pages what writing their quantized entries
-    stores; sites whose records nobody keeps quantize straight into the pages (K and V in one
-    call), a recorded one is recorded first."""
+def test_nvfp4_sites_store_the_bits_of_quantize(monkeypatch, capture):
+    """An NVFP4 layer's K/V go straight into the pages, K and V in one call, recorded or not;
+    the pages hold the sites' nearest rows (each with its amax in place of its global scale),
+    and a recorded site's record is its `NVFP4Tensor`."""
     from fp4rl import ops
-    from fp4rl.model import sites
 
     g = torch.Generator().manual_seed(3)
     spec = KVCacheSpec(layer_formats=("nvfp4",), num_kv_heads=HKV, head_dim=D, dtype=torch.bfloat16)
-    caches = [KVCache(spec, num_blocks=8, block_size=BLOCK, device="cpu") for _ in range(2)]
+    cache = KVCache(spec, num_blocks=8, block_size=BLOCK, device="cpu")
     k, v = (torch.randn(6, HKV, D, generator=g).to(torch.bfloat16) for _ in range(2))
     slots = torch.randperm(8 * BLOCK, generator=g)[:6]
-    direct, paired = [], []
-    monkeypatch.setattr(
-        sites, "quantize_into", lambda x, *a: direct.append(x) or quantize_into(x, *a)
-    )
+    paired = []
     pair = ops.quantize_into_pair
     monkeypatch.setattr(
         ops, "quantize_into_pair", lambda kx, *a: paired.append((kx, a[1])) or pair(kx, *a)
     )
-    NewKV(k, v, Nvfp4KV(0, SITES), capture=capture).store(caches[0], 0, slots)
-    caches[1].write(0, slots, quantize(k, scaling="row"), quantize(v, scaling="row"))
-    for got, want in zip(caches[0].layers[0].tensors(), caches[1].layers[0].tensors(), strict=True):
-        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
-    if capture is None:  # both straight into the pages, in one call
-        assert direct == [] and len(paired) == 1
-        assert torch.equal(paired[0][0], k) and torch.equal(paired[0][1], v)
-    else:
-        assert paired == [] and len(direct) == 1 and torch.equal(direct[0], v)
+    NewKV(k, v, Nvfp4KV(0, SITES), capture=capture).store(cache, 0, slots)
+    assert len(paired) == 1
+    assert torch.equal(paired[0][0], k) and torch.equal(paired[0][1], v)
+    for pages, x in zip(cache.pages(0), (k, v), strict=True):
+        got = rows_tensor(pages.map(lambda m: m.flatten(0, 1)[slots]))
+        assert got.equal(quantize(x, scaling="row"))
+        assert torch.equal(pages.amax.flatten(0, 1)[slots], x.abs().amax(-1, keepdim=True))
+    if capture is not None:
         assert list(capture.sites) == [(0, "k")] and capture.sites[(0, "k")].equal(
             quantize(k, scaling="row")
         )
