@@ -37,8 +37,23 @@ def _check_codes(codes: torch.Tensor, block_scale: torch.Tensor) -> None:
         )
 
 
+class _PackedCodes:
+    """What both containers read off their packed codes."""
+
+    __slots__ = ()
+
+    @property
+    def shape(self) -> torch.Size:
+        """The logical (unpacked) shape ``[..., K]``."""
+        return torch.Size((*self.codes.shape[:-1], self.codes.shape[-1] * 2))
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+
 @dataclass(frozen=True, slots=True)
-class NVFP4Tensor:
+class NVFP4Tensor(_PackedCodes):
     codes: torch.Tensor  # uint8 [..., K/2]
     block_scale: torch.Tensor  # float8_e4m3fn [..., K/16]
     global_scale: torch.Tensor  # float32, broadcastable to [..., 1]
@@ -60,15 +75,6 @@ class NVFP4Tensor:
             raise ValueError(
                 f"global_scale {tuple(self.global_scale.shape)} does not broadcast to {target}"
             )
-
-    @property
-    def shape(self) -> torch.Size:
-        """The logical (unpacked) shape ``[..., K]``."""
-        return torch.Size((*self.codes.shape[:-1], self.codes.shape[-1] * 2))
-
-    @property
-    def device(self) -> torch.device:
-        return self.codes.device
 
     @property
     def nbytes(self) -> int:
@@ -98,7 +104,7 @@ class NVFP4Tensor:
 
 
 @dataclass(frozen=True, slots=True)
-class NVFP4Rows:
+class NVFP4Rows(_PackedCodes):
     """Rows quantized with one global scale each (``scaling="row"``), as a paged KV cache holds
     them: codes and block scales as in `NVFP4Tensor`, and in place of each row's FP32 global
     scale the row's amax ``max |x|`` in x's dtype (NaN or inf where the row is not finite).
@@ -125,15 +131,6 @@ class NVFP4Rows:
                 f"amax {tuple(self.amax.shape)} must hold one value per row of codes "
                 f"{tuple(self.codes.shape)}: {(*self.codes.shape[:-1], 1)}"
             )
-
-    @property
-    def shape(self) -> torch.Size:
-        """The logical (unpacked) shape ``[..., K]``."""
-        return torch.Size((*self.codes.shape[:-1], self.codes.shape[-1] * 2))
-
-    @property
-    def device(self) -> torch.device:
-        return self.codes.device
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.codes, self.block_scale, self.amax
