@@ -38,9 +38,8 @@ from fp4rl.fp4.format import (
     MIN_GLOBAL_SCALE,
     SIGN_BIT,
 )
-from fp4rl.fp4.tensor import NVFP4Rows, NVFP4Tensor
+from fp4rl.fp4.tensor import SUPPORTED_DTYPES, NVFP4Rows, NVFP4Tensor
 
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 Scaling = str | int  # "tensor", "row", or the number of trailing dims sharing one global scale
 
 

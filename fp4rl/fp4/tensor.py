@@ -22,6 +22,9 @@ import torch
 
 from fp4rl.fp4.format import BLOCK_SIZE
 
+# The dtypes quantization takes, and so those a row's amax is kept in (`NVFP4Rows`).
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
 
 def _check_codes(codes: torch.Tensor, block_scale: torch.Tensor) -> None:
     """The dtypes and shapes of packed codes ``[..., K / 2]`` and their scales ``[..., K / 16]``."""
@@ -107,7 +110,7 @@ class NVFP4Tensor(_PackedCodes):
 class NVFP4Rows(_PackedCodes):
     """Rows quantized with one global scale each (``scaling="row"``), as a paged KV cache holds
     them: codes and block scales as in `NVFP4Tensor`, and in place of each row's FP32 global
-    scale the row's amax ``max |x|`` in x's dtype (NaN or inf where the row is not finite).
+    scale the row's amax ``max |x|`` in x's dtype (NaN where the row is not finite).
 
     The recipe's global scale is a function of that amax (`reference.global_scale_from_amax`),
     and the amax of a BF16 row is a BF16 value, so a BF16 row keeps 2 bytes of scale instead of
@@ -124,8 +127,8 @@ class NVFP4Rows(_PackedCodes):
 
     def __post_init__(self) -> None:
         _check_codes(self.codes, self.block_scale)
-        if self.amax.dtype not in ROW_AMAX_DTYPES:
-            raise TypeError(f"amax must be one of {ROW_AMAX_DTYPES}, got {self.amax.dtype}")
+        if self.amax.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"amax must be one of {SUPPORTED_DTYPES}, got {self.amax.dtype}")
         if self.amax.shape != (*self.codes.shape[:-1], 1):
             raise ValueError(
                 f"amax {tuple(self.amax.shape)} must hold one value per row of codes "
@@ -138,6 +141,3 @@ class NVFP4Rows(_PackedCodes):
     def map(self, fn) -> NVFP4Rows:
         """Apply ``fn`` to each member tensor (indexing along leading dims, ``.to(device)``)."""
         return NVFP4Rows(codes=fn(self.codes), block_scale=fn(self.block_scale), amax=fn(self.amax))
-
-
-ROW_AMAX_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
