@@ -7,9 +7,9 @@ tokens, the stretches combined by `paged_attention`'s second kernel), written in
 dialect so that the layouts are chosen here. Both products are chains of
 ``mma.sync.m16n8k16`` whose operands live in registers (`fragments`): each thread decodes
 exactly the K and V values its fragments hold, the probabilities cross lanes only by
-``movmatrix`` (an 8 x 8 transpose in registers), and nothing passes through shared memory in
-the loop. (`paged_attention`'s Triton program, compiled for sm_90, stores each decoded tile to
-shared memory and loads it back in the operand's layout.)
+``movmatrix`` (an 8 x 8 transpose in registers), and no K or V value passes through shared
+memory in the loop. (`paged_attention`'s Triton program, compiled for sm_90, stores each
+decoded tile to shared memory and loads it back in the operand's layout.)
 
 The products are transposed, the keys and the head dim as the MMA's rows (M) and the G <= 8
 query heads as its 8 columns (N), so no row of the MMA is padding: ``S^T = K . q^T`` and
@@ -34,7 +34,8 @@ rows, K^T and V as operand B): a third fewer products, half the softmax, and 160
 thread instead of 228 (SASS for sm_90, `python benchmarks/sass.py`).
 
 Decode: byte tables per block and PRMT lookups (`fragments.byte_tables`, `fragments.look_up`);
-K's and V's blocks each have their tables built once, by the one thread that holds them.
+K's and V's blocks each have their tables built once, by the one thread that holds them, and
+each row's global scale is computed once, by one lane (`_row_lanes`).
 
 Numerics: `paged_attention`'s contract, op for op. K and V enter the products as
 ``round_bf16((e2m1 * sf) * s)``, the values ``KVCache.read`` returns; BF16 products are exact
@@ -103,6 +104,15 @@ def _value_layout(block_n, cols):
     return gl.DistributedLinearLayout(regs, lanes, [], [], [block_n, cols])
 
 
+@gluon.constexpr_function
+def _row_lanes(block_n):
+    """``[BLOCK_N]`` rows one a lane (up to 32 rows; with 16 the upper lanes repeat the lower):
+    a row's amax is loaded and its global scale computed once there, then moved to the lanes
+    that hold the row's blocks (4 of them for K, 8 for V), where each lane used to compute the
+    scale of every row it holds: 2 K and 4 V rows a 16-token step."""
+    return gl.BlockedLayout([max(1, block_n // 32)], [32], [1], [0])
+
+
 @gluon.jit
 def global_scales(amax_N):
     """The FP32 global scales of rows from the amaxes their pages keep, bit for bit
@@ -127,8 +137,8 @@ def global_scales(amax_N):
 
 @gluon.jit
 def _pages_step(pages, block_scale, amax, table_row, n0, end, num_kv_heads, kv_head,
-                words_l: gl.constexpr, blocks_l: gl.constexpr, BLOCK_N: gl.constexpr,
-                PAGE: gl.constexpr, D: gl.constexpr):  # fmt: skip
+                words_l: gl.constexpr, blocks_l: gl.constexpr, rows_l: gl.constexpr,
+                BLOCK_N: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr):  # fmt: skip
     """The codes ``[BLOCK_N, W]``, block-scale bytes ``[BLOCK_N, D/16]`` and row amaxes of
     tokens ``n0 .. n0 + BLOCK_N`` in the layouts given, as loaded (nothing waits on them here:
     the next step's are loaded ahead); zeros past ``end`` (cache row = slot * K + kv head, the
@@ -146,7 +156,13 @@ def _pages_step(pages, block_scale, amax, table_row, n0, end, num_kv_heads, kv_h
     scales = gl.load(
         block_scale + rows_N[:, None] * (D // 16) + block_B[None, :], mask=ok_N[:, None], other=0
     )
-    amax_N = gl.load(amax + rows_N, mask=ok_N, other=0.0)
+    # The amaxes one row a lane (`_row_lanes`), each row's scale computed once (`_decoded`).
+    j_N = gl.arange(0, BLOCK_N, layout=rows_l)
+    if PAGE % BLOCK_N == 0:
+        rows_J = (page * PAGE + n0 % PAGE + j_N) * num_kv_heads + kv_head
+    else:
+        rows_J = gl.convert_layout(rows_N, rows_l)
+    amax_N = gl.load(amax + rows_J, mask=n0 + j_N < end, other=0.0)
     rows_W = gl.convert_layout(rows_N, gl.SliceLayout(1, words_l), assert_trivial=True)
     ok_W = gl.convert_layout(ok_N, gl.SliceLayout(1, words_l), assert_trivial=True)
     word_W = gl.arange(0, D // 8, layout=gl.SliceLayout(0, words_l))
@@ -156,11 +172,13 @@ def _pages_step(pages, block_scale, amax, table_row, n0, end, num_kv_heads, kv_h
 
 
 @gluon.jit
-def _decoded(words, scales, amax_N, words_l: gl.constexpr, BLOCK_N: gl.constexpr,
-             D: gl.constexpr):  # fmt: skip
+def _decoded(words, scales, amax_N, words_l: gl.constexpr, blocks_l: gl.constexpr,
+             BLOCK_N: gl.constexpr, D: gl.constexpr):  # fmt: skip
     """``[BLOCK_N, D]`` BF16 values of a step's codes, real order, in the threads that hold the
-    codes: ``round((e2m1 * sf) * s)`` by byte-table lookup, s from the rows' amaxes."""
-    s_N = global_scales(amax_N)
+    codes: ``round((e2m1 * sf) * s)`` by byte-table lookup, s from the rows' amaxes (one a
+    lane, `_row_lanes`), moved to the lanes of the rows' blocks: K's by warp shuffles, V's
+    (four rows a lane) through 64 bytes of shared memory, as Triton lowers the two."""
+    s_N = gl.convert_layout(global_scales(amax_N), gl.SliceLayout(1, blocks_l))
     sf = scales.to(gl.float8e4nv, bitcast=True).to(gl.float32)
     return fragments.looked_up(words, sf, (s_N * GLOBAL_SCALE_BIAS)[:, None], BLOCK_N, D, words_l)
 
@@ -237,6 +255,7 @@ def _paged_decode_registers_kernel(
     kb_l: gl.constexpr = _key_layout(BLOCK_N, D // 16)
     vw_l: gl.constexpr = _value_layout(BLOCK_N, D // 8)
     vb_l: gl.constexpr = _value_layout(BLOCK_N, D // 16)
+    rows_l: gl.constexpr = _row_lanes(BLOCK_N)
     io_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
 
     b = gl.program_id(0) // num_kv_heads
@@ -261,25 +280,25 @@ def _paged_decode_registers_kernel(
     acc = gl.zeros([D, HEADS], gl.float32, layout=mma)  # O^T, rows in the output order
     k_words, k_scales, k_maxes = _pages_step(
         k_pages, k_block_scale, k_amax, table_row, start, end, num_kv_heads, kv_head,
-        kw_l, kb_l, BLOCK_N, PAGE, D,
+        kw_l, kb_l, rows_l, BLOCK_N, PAGE, D,
     )  # fmt: skip
     v_words, v_scales, v_maxes = _pages_step(
         v_pages, v_block_scale, v_amax, table_row, start, end, num_kv_heads, kv_head,
-        vw_l, vb_l, BLOCK_N, PAGE, D,
+        vw_l, vb_l, rows_l, BLOCK_N, PAGE, D,
     )  # fmt: skip
     for n0 in range(start, end, BLOCK_N):
         # The next step's pages in flight while this one computes (zeros past the end).
         next_k = _pages_step(
             k_pages, k_block_scale, k_amax, table_row, n0 + BLOCK_N, end, num_kv_heads,
-            kv_head, kw_l, kb_l, BLOCK_N, PAGE, D,
+            kv_head, kw_l, kb_l, rows_l, BLOCK_N, PAGE, D,
         )  # fmt: skip
         next_v = _pages_step(
             v_pages, v_block_scale, v_amax, table_row, n0 + BLOCK_N, end, num_kv_heads,
-            kv_head, vw_l, vb_l, BLOCK_N, PAGE, D,
+            kv_head, vw_l, vb_l, rows_l, BLOCK_N, PAGE, D,
         )  # fmt: skip
 
         # Scores S^T = K . q^T [BLOCK_N, HEADS]: the keys are the MMA's rows.
-        k_ND = _decoded(k_words, k_scales, k_maxes, kw_l, BLOCK_N, D)
+        k_ND = _decoded(k_words, k_scales, k_maxes, kw_l, kb_l, BLOCK_N, D)
         k_a = gl.convert_layout(fragments.hardware_order(k_ND, BLOCK_N, D), a_l,
                                 assert_trivial=True)  # fmt: skip
         scores = mma_v2(k_a, q_b, gl.zeros([BLOCK_N, HEADS], gl.float32, layout=mma))
@@ -297,7 +316,7 @@ def _paged_decode_registers_kernel(
         rest = p - p1.to(gl.float32)
         p2 = rest.to(gl.bfloat16)
         p3 = (rest - p2.to(gl.float32)).to(gl.bfloat16)
-        v_ND = _decoded(v_words, v_scales, v_maxes, vw_l, BLOCK_N, D)
+        v_ND = _decoded(v_words, v_scales, v_maxes, vw_l, vb_l, BLOCK_N, D)
         v_a = gl.convert_layout(gl.permute(_output_order(v_ND, BLOCK_N, D), [1, 0]), a_l,
                                 assert_trivial=True)  # fmt: skip
         # Once the running maxima stop moving (alpha == 1 in every head, the usual case after a

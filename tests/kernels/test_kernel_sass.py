@@ -1,8 +1,8 @@
 """The Gluon register kernels compiled for sm_90 on any machine (`benchmarks/sass.py`, through
 ``fp4rl bench sass``): what the GPU tests cannot show off the GPU. Compiling checks every
 layout change the kernels assert to be a register renaming; the SASS shows their loops free of
-shared memory, as designed, issuing exactly the mma.sync products a pass needs, and the
-launchers' default tiles free of spills."""
+shared memory, as designed (but for a few bytes of the attention's row scales), issuing exactly
+the mma.sync products a pass needs, and the launchers' default tiles free of spills."""
 
 import re
 
@@ -24,6 +24,10 @@ NO_SPILLS = {
     "gemm:w13:narrow",
     "gemm:w13:short",
 }  # the launchers' tiles at decode batches
+# Shared-memory instructions a loop may hold: none, but for the attention's V row scales (one
+# FP32 value a row, computed by one lane and moved to the 8 lanes that hold the row's block:
+# one store and one load a step, as Triton lowers that move).
+SHARED_OPS = {"attention:16": 2}
 
 
 def test_register_kernels_compile_for_sm90_without_shared_memory_in_their_loops(capfd):
@@ -37,7 +41,8 @@ def test_register_kernels_compile_for_sm90_without_shared_memory_in_their_loops(
     assert set(rows) == set(CASES), out
     for case, (_, _, regs, stack, _, loop, per_value, alu, mma, shared_ops, _) in rows.items():
         assert 0 < int(regs) <= 255, (case, regs)
-        assert int(shared_ops) == 0, f"{case}: {shared_ops} shared-memory instructions in the loop"
+        allowed = SHARED_OPS.get(case, 0)
+        assert int(shared_ops) <= allowed, f"{case}: {shared_ops} shared-memory ops in the loop"
         assert int(loop) > 0 and float(per_value) > 0, (case, loop)
         assert 0 < float(alu) < float(per_value), (case, alu, per_value)
         issued, needed = re.fullmatch(r"(\d+) \((\d+)\)", mma).groups()
