@@ -117,10 +117,21 @@ class LogitsTile:
             raise ValueError(f"num_warps must be 1, 2, 4 or 8; got {self.num_warps}")
 
 
+# From 16 rows: 8 rows of 32 experts on 4 warps. On one H200 (`python benchmarks/router.py
+# --tiles 8:32:4,...`, twice) the logits took 12.1 against 13.8-14.0 us at 256 rows for the 16
+# rows of 16 experts on 8 warps taken before, 3.8-3.9 against 4.4 at 64, 3.3-3.4 against
+# 3.5-3.6 at 16 (BENCHMARKS.md, "The router's logits tile").
+WIDE_TILE = LogitsTile(block_t=8, block_e=32, num_warps=4)
+WIDE_TILE_MIN_ROWS = 16
+
+
 def tile_for(T: int) -> LogitsTile:
-    """One row per program at batch 1 (W's read over the most SMs), up to 16 rows of 16 experts
-    from batch 16 (W read from L2 T / 16 times); about 64 accumulators per thread."""
-    block_t = min(16, triton.next_power_of_2(max(T, 1)))
+    """One row per program at batch 1 (W's read over the most SMs), up to 8 rows of 16 experts
+    below 16 rows, then `WIDE_TILE` (W read from L2 T / 8 times, x E / 32 times); about 64
+    accumulators per thread."""
+    if T >= WIDE_TILE_MIN_ROWS:
+        return WIDE_TILE
+    block_t = triton.next_power_of_2(max(T, 1))
     block_e = 8 if block_t <= 4 else 16
     num_warps = max(1, min(8, block_t * block_e * LANES // 2048))
     return LogitsTile(block_t=block_t, block_e=block_e, num_warps=num_warps)
