@@ -108,8 +108,8 @@ def _value_layout(block_n, cols):
 def _row_lanes(block_n):
     """``[BLOCK_N]`` rows one a lane (up to 32 rows; with 16 the upper lanes repeat the lower):
     a row's amax is loaded and its global scale computed once there, then moved to the lanes
-    that hold the row's blocks (4 of them for K, 8 for V), where each lane used to compute the
-    scale of every row it holds: 2 K and 4 V rows a 16-token step."""
+    that hold the row's blocks (4 of them for K, 8 for V), instead of each of those lanes
+    computing the scale of every row it holds (2 K and 4 V rows a 16-token step)."""
     return gl.BlockedLayout([max(1, block_n // 32)], [32], [1], [0])
 
 
