@@ -35,14 +35,26 @@ from fp4rl.kernels.tiles import fake_quantize_rows, load_pairs, program_rows, st
 DTYPES = (torch.bfloat16,)
 MAX_WIDTH = 8192  # intermediate values per row held in registers (one chunk)
 # Below this many rows (decode batches) each program takes one row, so that a batch-1 step's
-# 8 rows run on 8 SMs rather than 2; from it on, 4096 values per program. Rows are independent
-# (the site's reductions are maxima), so the results do not depend on the choice.
+# 8 rows run on 8 SMs rather than 2; from it on, 2048 values per program (two rows of
+# Qwen3-30B-A3B's 768). Rows are independent (the site's reductions are maxima), so the results
+# do not depend on the choice. On one H200 (QUANTIZE, I = 768, CUDA-graph replays, two calls;
+# BENCHMARKS.md "The SwiGLU's programs"), two rows a program against the four of 4096 values
+# taken before: 2,048 rows 7.4-7.7 against 9.1-9.4 us, 4,096 rows 12.3 against 16.7, 32,768
+# rows 75.9 against 91.7.
 FEW_ROWS = 1024
+# Launches of fewer rows than this (a few tokens' experts) run each row on 8 warps instead of
+# 4: 8 rows (one token) 2.2-2.4 against 2.7-3.0 us in the same two calls.
+FEWEST_ROWS = 64
 
 
 def rows_per_program(A: int, I: int) -> int:  # noqa: E741 - the legend's name
     """Rows each program takes for ``A`` rows of ``I`` intermediate values."""
-    return 1 if A < FEW_ROWS else max(1, 4096 // triton.next_power_of_2(I))
+    return 1 if A < FEW_ROWS else max(1, 2048 // triton.next_power_of_2(I))
+
+
+def warps_for(A: int) -> int:
+    """Warps of each program for a launch of ``A`` rows (no bit depends on it)."""
+    return 8 if A < FEWEST_ROWS else 4
 
 
 @triton.jit
@@ -110,7 +122,7 @@ def launch(gate_up: torch.Tensor, *, quantize: bool = False) -> torch.Tensor:
     with device_of(gate_up):
         _swiglu_kernel[(triton.cdiv(A, block_r),)](
             pair_view(gate_up.view(2 * A, I)), out, A, I,
-            QUANTIZE=quantize, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4,
+            QUANTIZE=quantize, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=warps_for(A),
             # The division and the site's scale arithmetic must not fuse into FMAs.
             enable_fp_fusion=False,
             **dependent_launch.keywords(gate_up.device),

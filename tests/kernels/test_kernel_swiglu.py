@@ -66,9 +66,11 @@ def test_fused_site_is_the_fake_quantization_of_the_output(device, A, I):  # noq
 
 @pytest.mark.parametrize("quantize", [False, True])
 def test_rows_do_not_depend_on_the_launch_size(device, quantize):
-    """A decode batch (one row per program) and a long one (several) give the same rows."""
+    """A decode batch (one row per program, 8 warps) and a long one (several rows, 4 warps)
+    give the same rows."""
     I = 32  # noqa: E741
     assert swiglu.rows_per_program(7, I) == 1 < swiglu.rows_per_program(swiglu.FEW_ROWS, I)
+    assert swiglu.warps_for(7) != swiglu.warps_for(swiglu.FEW_ROWS)
     x = gate_up(swiglu.FEW_ROWS + 3, I, seed=5).to(device)
     many = swiglu.launch(x, quantize=quantize)
     few = swiglu.launch(x[:7], quantize=quantize)
