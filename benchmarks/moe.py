@@ -69,9 +69,10 @@ def main() -> None:
         "--register-configs",
         default="auto,16:64:128:4:2,16:64:128:4:1,16:128:128:4:2,8:64:256:4:2,16:64:64:4:2,"
         "32:64:128:4:2,16:128:64:8:2",
-        help="tiles for (e), BLOCK_M:BLOCK_N:BLOCK_K:WARPS:STAGES[:SPLIT_K] or auto (STAGES >= "
-        "2: the next step's words loaded ahead; SPLIT_K of the warps share each column, each "
-        "with its own BLOCK_K of a step), comma-separated; suffix '+lut' decodes by byte-table "
+        help="tiles for (e), BLOCK_M:BLOCK_N:BLOCK_K:WARPS:STAGES[:SPLIT_K[:CLAMP]] or auto "
+        "(STAGES >= 2: the next step's words loaded ahead; SPLIT_K of the warps share each "
+        "column, each with its own BLOCK_K of a step; CLAMP 1: GemmTile.clamp_rows), "
+        "comma-separated; suffix '+lut' decodes by byte-table "
         "lookup, '+arith' by arithmetic per code (moe_gemm_registers.LOOKUP; no suffix: its "
         "default); ignored without a GPU",
     )
@@ -99,7 +100,7 @@ def main() -> None:
     for spec in filter(None, args.register_configs.split(",") if cuda else []):
         tile, _, lookup = spec.partition("+")
         register_variants[spec] = (
-            None if tile == "auto" else GemmTile(*(int(v) for v in tile.split(":"))),
+            None if tile == "auto" else register_tile(tile),
             {"": None, "lut": True, "arith": False}[lookup],
         )
     torch.manual_seed(0)
@@ -246,6 +247,12 @@ def measure(
         f"{v:.1f}" for v in bf16_times.values()
     ) + " |"  # fmt: skip
     return row, tiles, bf16_tiles, register_tiles
+
+
+def register_tile(spec: str) -> GemmTile:
+    """A register tile from BLOCK_M:BLOCK_N:BLOCK_K:WARPS:STAGES[:SPLIT_K[:CLAMP]]."""
+    ints = [int(v) for v in spec.split(":")]
+    return GemmTile(*ints[:6], *(bool(v) for v in ints[6:]))
 
 
 def register_launch(s, tile: GemmTile | None, lookup: bool | None) -> torch.Tensor:

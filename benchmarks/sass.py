@@ -88,6 +88,7 @@ def gemm_case(weight: str, tile_name: str, lookup: bool) -> Case:
             LOOKUP=lookup and tile.block_k >= 64,
             WARPS_N=warps_n,
             SPLIT=tile.split_k,
+            CLAMP_ROWS=tile.clamp_rows,
             PDL=True,
         ),  # fmt: skip
         warps,

@@ -247,7 +247,10 @@ class GemmTile:
     kernel, whose MMA takes 8 rows), ``num_stages`` of loads in flight. ``split_k`` (register
     kernel only) of the ``num_warps`` share each column, each taking its own ``block_k`` of a
     step: a step then covers ``split_k * block_k`` of K, and the warps' sums are added at the
-    end."""
+    end. ``clamp_rows`` (register kernel only): a tile's rows past the expert's last read that
+    row again, unmasked, instead of masked loads with a zero fill; the extra rows' products land
+    in accumulator columns that are never stored. No bit changes; the compiled loop does (fewer
+    instructions, another register allocation), so it is set where it measured faster."""
 
     block_m: int
     block_n: int
@@ -255,6 +258,7 @@ class GemmTile:
     num_warps: int
     num_stages: int
     split_k: int = 1
+    clamp_rows: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -346,8 +350,14 @@ REGISTERS_SPLIT_MIN_STEPS = 8
 # against the wide tile's 136.3 / 77.0; at 96 and 192 tokens the two GEMMs together are within
 # 1 % and 2 % of the tiles on either side (one H200, `python benchmarks/moe.py --tokens
 # 48,64,96,128,160,192,256`, BENCHMARKS.md "Routed-expert GEMM: a 16-row tile for mid-sized
-# batches").
-REGISTERS_MEDIUM_TILE = GemmTile(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=2)
+# batches"). Its rows are clamped (`GemmTile.clamp_rows`): under Triton 3.6 that compiles to 128
+# registers instead of 136, four programs a multiprocessor instead of three, and at 128 tokens
+# w13 took 117.3-118.1 against 125.1-127.0 us, w2 62.7-63.0 against 68.2-68.5 (one H200,
+# `python benchmarks/moe.py --tokens 1,8,64,128,256`, the two trees alternately, twice;
+# BENCHMARKS.md "Routed-expert GEMM: clamped rows"). The other tiles measured slower clamped.
+REGISTERS_MEDIUM_TILE = GemmTile(
+    block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=2, clamp_rows=True
+)
 REGISTERS_MEDIUM_ROWS = (6.0, 10.0)  # rows per expert on average: above the first, up to the second
 # Past 10 rows per expert: 32 rows and 128 columns of 4 warps (each warp's 32 columns share its
 # copy of the rows); at 256 tokens 171 against 280 us (w13) and 82 against 149 (w2).

@@ -180,6 +180,13 @@ def _decode(words, scale, s, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
 
 
 @gluon.jit
+def _rows_of(ptrs, row_ok, other, CLAMPED: gl.constexpr):
+    """A load of x's rows (or their ids): masked to the tile's rows, or, with rows clamped into
+    them, unmasked."""
+    return gl.load(ptrs) if CLAMPED else gl.load(ptrs, mask=row_ok, other=other)
+
+
+@gluon.jit
 def _expert_tile(counts_E, tile, num_rows, E, BLOCK_M: gl.constexpr, BLOCK_E: gl.constexpr,
                  NUM_WARPS: gl.constexpr):  # fmt: skip
     """(tiles in all, expert, first row, end of the expert's rows), as `moe_gemm`'s. Every warp
@@ -228,6 +235,7 @@ def _moe_gemm_registers_kernel(
     LOOKUP: gl.constexpr,
     WARPS_N: gl.constexpr,
     SPLIT: gl.constexpr,
+    CLAMP_ROWS: gl.constexpr,
     PDL: gl.constexpr,
 ):
     dependent_launch.gluon_wait_for_prior(PDL)
@@ -248,10 +256,12 @@ def _moe_gemm_registers_kernel(
     u_U = gl.arange(0, SPLIT * BLOCK_M, layout=gl.SliceLayout(1, x_l))
     m_U, slice_U = _unstacked(u_U, BLOCK_M, SPLIT)
     rows_U = row0 + m_U
+    if CLAMP_ROWS:  # rows past the tile's last read that row again (see `GemmTile.clamp_rows`)
+        rows_U = gl.minimum(rows_U, rows_end - 1)
     row_ok_U = rows_U < rows_end
     x_rows_U = rows_U.to(gl.int64)
     if GATHER:  # x holds tokens: row a of the product is token order[a] // top_k
-        x_rows_U = gl.load(order_A + rows_U, mask=row_ok_U, other=0).to(gl.int64) // top_k
+        x_rows_U = _rows_of(order_A + rows_U, row_ok_U, 0, CLAMP_ROWS).to(gl.int64) // top_k
     k_K = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, x_l))
     x_ptrs = x_AK + x_rows_U[:, None] * K + k_K[None, :]
 
@@ -294,7 +304,7 @@ def _moe_gemm_registers_kernel(
             w_VK = _decode(words, sf * BLOCK_SCALE_BIAS, s_V[:, None], SPLIT * BLOCK_N, BLOCK_K)
         w = fragments.hardware_order(w_VK, SPLIT * BLOCK_N, BLOCK_K)
         w = gl.convert_layout(_stacked(w, SPLIT), weights_l, assert_trivial=True)
-        x_UK = gl.load(x_ptrs, mask=row_ok_U[:, None], other=0.0)
+        x_UK = _rows_of(x_ptrs, row_ok_U[:, None], 0.0, CLAMP_ROWS)
         x = _stacked_t(fragments.hardware_order(x_UK, SPLIT * BLOCK_M, BLOCK_K), SPLIT)
         acc = mma_v2(w, gl.convert_layout(x, rows_l, assert_trivial=True), acc)
         word_ptrs += STEP // 8
@@ -370,7 +380,7 @@ def launch_kernel(grid, x_AK, members, counts_E, y_AN, order_A, *, A, E, N, K, r
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         BLOCK_E=triton.next_power_of_2(E), PREFETCH=tile.num_stages >= 2,
         LOOKUP=LOOKUP and tile.block_k >= 64, WARPS_N=tile.num_warps // tile.split_k,
-        SPLIT=tile.split_k, num_warps=tile.num_warps,
+        SPLIT=tile.split_k, CLAMP_ROWS=tile.clamp_rows, num_warps=tile.num_warps,
         # Products feed additions only inside the MMA; no FMA may merge the two scalings.
         enable_fp_fusion=False,
         **dependent_launch.keywords(x_AK.device),

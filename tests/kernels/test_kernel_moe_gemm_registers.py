@@ -5,6 +5,7 @@ bitwise the gathered product. The kernel is Gluon, compiled only: its tests run 
 under both of its decodes; on the CPU only the checks and tile rules run.
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -39,8 +40,11 @@ REGISTER_TILES = [
     GemmTile(block_m=16, block_n=16, block_k=64, num_warps=4, num_stages=2, split_k=4),
     GemmTile(block_m=8, block_n=32, block_k=128, num_warps=4, num_stages=1, split_k=2),
     GemmTile(block_m=16, block_n=64, block_k=64, num_warps=8, num_stages=2, split_k=2),
+    # Rows past an expert's last read it again, unmasked.
+    GemmTile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=2, clamp_rows=True),
 ]
 SPLIT_TILE = REGISTER_TILES[6]
+CLAMPED_TILE = REGISTER_TILES[9]
 
 
 DECODES = pytest.mark.parametrize("lookup", [False, True], ids=["arithmetic", "lookup"])
@@ -104,7 +108,7 @@ def test_registers_qwen3_shapes_on_gpu(shape, tokens, decode):
     w = random_weights(128, n, k, "cuda", seed=tokens)
     counts = routed(tokens, 128, 8, g)
     x = torch.randn(int(counts.sum()), k, generator=g).to(torch.bfloat16).cuda()
-    for tile in (None, REGISTER_TILES[2], SPLIT_TILE):
+    for tile in (None, REGISTER_TILES[2], SPLIT_TILE, CLAMPED_TILE):
         y = moe_gemm.launch(x, w, counts.cuda(), config=tile, registers=True)
         assert_fp32_accumulated(y, x, w, counts, f"registers {shape} {tokens} tokens {tile}")
 
@@ -122,7 +126,7 @@ def test_registers_gather_poison_and_graph_on_gpu(decode):
     order = torch.argsort(ids.flatten(), stable=True).cuda()
     counts = torch.bincount(ids.flatten(), minlength=128).cuda()
     x = torch.randn(tokens, k, generator=g).to(torch.bfloat16).cuda()
-    for tile in (None, SPLIT_TILE):
+    for tile in (None, SPLIT_TILE, CLAMPED_TILE):
         got = moe_gemm.launch(x, w, counts, order_A=order, top_k=top_k, config=tile,
                               registers=True)  # fmt: skip
         rows = x[order // top_k].contiguous()
@@ -155,6 +159,29 @@ def test_registers_gather_poison_and_graph_on_gpu(decode):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(y, moe_gemm.launch(rows_in, w, counts_in, registers=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [REGISTER_TILES[1], REGISTER_TILES[2], SPLIT_TILE], ids=str)
+def test_clamped_rows_store_the_masked_tiles_bits_on_gpu(tile):
+    """A tile with its rows clamped stores bitwise what the same tile with masked rows stores
+    (each output column is one row's), gathered or not, with experts' rows ending mid-tile."""
+    n, k = QWEN3_SHAPES["w2"]
+    g = torch.Generator().manual_seed(31)
+    w = random_weights(128, n, k, "cuda", seed=31)
+    tokens, top_k = 45, 8
+    ids = torch.randn(tokens, 128, generator=g).topk(top_k, dim=-1).indices
+    order = torch.argsort(ids.flatten(), stable=True).cuda()
+    counts = torch.bincount(ids.flatten(), minlength=128).cuda()
+    x = torch.randn(tokens, k, generator=g).to(torch.bfloat16).cuda()
+    clamped = dataclasses.replace(tile, clamp_rows=True)
+    gathered = {"order_A": order, "top_k": top_k}
+    for rows, how in ((x, gathered), (x[order // top_k].contiguous(), {})):
+        masked_y, clamped_y = (
+            moe_gemm.launch(rows, w, counts, config=t, registers=True, **how)
+            for t in (tile, clamped)
+        )
+        assert torch.equal(clamped_y.view(torch.int16), masked_y.view(torch.int16)), (tile, how)
 
 
 @pytest.mark.gpu
