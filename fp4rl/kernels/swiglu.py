@@ -101,10 +101,18 @@ def supported(gate_up: torch.Tensor) -> bool:
     return gate_up.shape[1] // 2 <= MAX_WIDTH
 
 
-def launch(gate_up: torch.Tensor, *, quantize: bool = False) -> torch.Tensor:
+def launch(
+    gate_up: torch.Tensor,
+    *,
+    quantize: bool = False,
+    rows: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
     """``silu(gate) * up`` ``[A, I]`` of ``gate_up [A, 2I]`` (`supported` must hold), bitwise
     the eager formulation on the GPU; with ``quantize``, its per-row NVFP4 fake quantization
-    (``fake_quantize(h, scaling="row")``, bitwise)."""
+    (``fake_quantize(h, scaling="row")``, bitwise). ``rows`` a program and ``num_warps`` other
+    than `rows_per_program`'s and `warps_for`'s are for benchmarking variants; no bit depends
+    on them."""
     check_kernel_device("gate_up", gate_up)
     if not supported(gate_up):
         raise ValueError(
@@ -118,11 +126,15 @@ def launch(gate_up: torch.Tensor, *, quantize: bool = False) -> torch.Tensor:
     if A == 0:
         return out
     block_k = triton.next_power_of_2(I)
-    block_r = rows_per_program(A, I)
+    block_r = rows_per_program(A, I) if rows is None else rows
+    warps = warps_for(A) if num_warps is None else num_warps
+    for name, v in (("rows", block_r), ("num_warps", warps)):
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"swiglu.launch: {name} must be a power of two; got {v}")
     with device_of(gate_up):
         _swiglu_kernel[(triton.cdiv(A, block_r),)](
             pair_view(gate_up.view(2 * A, I)), out, A, I,
-            QUANTIZE=quantize, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=warps_for(A),
+            QUANTIZE=quantize, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=warps,
             # The division and the site's scale arithmetic must not fuse into FMAs.
             enable_fp_fusion=False,
             **dependent_launch.keywords(gate_up.device),

@@ -75,10 +75,17 @@ def test_rows_do_not_depend_on_the_launch_size(device, quantize):
     many = swiglu.launch(x, quantize=quantize)
     few = swiglu.launch(x[:7], quantize=quantize)
     assert_same_values(few, many[:7].cpu(), "first 7 rows")
+    # Any other rows a program and warps, as benchmarks/swiglu.py times them: the same rows.
+    other = swiglu.launch(x, quantize=quantize, rows=4, num_warps=2)
+    assert_same_values(other, many.cpu(), "4 rows a program on 2 warps")
 
 
 def test_checks_name_the_values(device):
     x = gate_up(2, 32, seed=0).to(device)
+    with pytest.raises(ValueError, match=r"rows must be a power of two; got 3"):
+        swiglu.launch(x, rows=3)
+    with pytest.raises(ValueError, match=r"num_warps must be a power of two; got 6"):
+        swiglu.launch(x, num_warps=6)
     with pytest.raises(ValueError, match=r"got torch.float32 of shape \(2, 64\)"):
         swiglu.launch(x.float())
     with pytest.raises(
