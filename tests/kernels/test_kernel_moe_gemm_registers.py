@@ -113,19 +113,27 @@ def test_registers_qwen3_shapes_on_gpu(shape, tokens, decode):
         assert_fp32_accumulated(y, x, w, counts, f"registers {shape} {tokens} tokens {tile}")
 
 
+def dispatched(tokens, top_k, seed):
+    """(generator, w2-shaped weights of 128 experts, x [tokens, K], the dispatch order, the
+    expert counts) of random top-k routing, on the GPU."""
+    n, k = QWEN3_SHAPES["w2"]
+    g = torch.Generator().manual_seed(seed)
+    w = random_weights(128, n, k, "cuda", seed=seed)
+    ids = torch.randn(tokens, 128, generator=g).topk(top_k, dim=-1).indices
+    order = torch.argsort(ids.flatten(), stable=True).cuda()
+    counts = torch.bincount(ids.flatten(), minlength=128).cuda()
+    x = torch.randn(tokens, k, generator=g).to(torch.bfloat16).cuda()
+    return g, w, x, order, counts
+
+
 @pytest.mark.gpu
 @DECODES
 def test_registers_gather_poison_and_graph_on_gpu(decode):
     """Rows read through the dispatch order are bitwise the gathered rows' product; NaN scales
     poison exactly the outputs they touch; a captured launch follows new counts and rows."""
-    n, k = QWEN3_SHAPES["w2"]
-    g = torch.Generator().manual_seed(23)
-    w = random_weights(128, n, k, "cuda", seed=23)
     tokens, top_k = 37, 8
-    ids = torch.randn(tokens, 128, generator=g).topk(top_k, dim=-1).indices
-    order = torch.argsort(ids.flatten(), stable=True).cuda()
-    counts = torch.bincount(ids.flatten(), minlength=128).cuda()
-    x = torch.randn(tokens, k, generator=g).to(torch.bfloat16).cuda()
+    g, w, x, order, counts = dispatched(tokens, top_k, seed=23)
+    k = x.shape[1]
     for tile in (None, SPLIT_TILE, CLAMPED_TILE):
         got = moe_gemm.launch(x, w, counts, order_A=order, top_k=top_k, config=tile,
                               registers=True)  # fmt: skip
@@ -166,14 +174,8 @@ def test_registers_gather_poison_and_graph_on_gpu(decode):
 def test_clamped_rows_store_the_masked_tiles_bits_on_gpu(tile):
     """A tile with its rows clamped stores bitwise what the same tile with masked rows stores
     (each output column is one row's), gathered or not, with experts' rows ending mid-tile."""
-    n, k = QWEN3_SHAPES["w2"]
-    g = torch.Generator().manual_seed(31)
-    w = random_weights(128, n, k, "cuda", seed=31)
-    tokens, top_k = 45, 8
-    ids = torch.randn(tokens, 128, generator=g).topk(top_k, dim=-1).indices
-    order = torch.argsort(ids.flatten(), stable=True).cuda()
-    counts = torch.bincount(ids.flatten(), minlength=128).cuda()
-    x = torch.randn(tokens, k, generator=g).to(torch.bfloat16).cuda()
+    top_k = 8
+    _, w, x, order, counts = dispatched(45, top_k, seed=31)
     clamped = dataclasses.replace(tile, clamp_rows=True)
     gathered = {"order_A": order, "top_k": top_k}
     for rows, how in ((x, gathered), (x[order // top_k].contiguous(), {})):
