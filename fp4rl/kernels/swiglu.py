@@ -37,14 +37,13 @@ MAX_WIDTH = 8192  # intermediate values per row held in registers (one chunk)
 # Below this many rows (decode batches) each program takes one row, so that a batch-1 step's
 # 8 rows run on 8 SMs rather than 2; from it on, 2048 values per program (two rows of
 # Qwen3-30B-A3B's 768). Rows are independent (the site's reductions are maxima), so the results
-# do not depend on the choice. On one H200 (QUANTIZE, I = 768, CUDA-graph replays, two calls;
-# BENCHMARKS.md "The SwiGLU's programs"), two rows a program against the four of 4096 values
-# taken before: 2,048 rows 7.4-7.7 against 9.1-9.4 us, 4,096 rows 12.3 against 16.7, 32,768
-# rows 75.9 against 91.7.
+# do not depend on the choice. A row a program runs on 8 warps, two rows on 4. On one H200
+# (`python benchmarks/swiglu.py`, QUANTIZE, I = 768, twice; BENCHMARKS.md "The SwiGLU's
+# programs"), against the four rows of 4 warps taken before from 1,024 rows and the 4 warps
+# below: 8 rows 1.74-1.75 against 2.29 us, 512 rows 2.84-2.90 against 2.98-3.05, 2,048 rows
+# 6.85-6.94 against 8.82-8.89, 4,096 rows 11.8-12.3 against 15.3-15.7, 32,768 rows 77.3-79.2
+# against 93.4-95.4.
 FEW_ROWS = 1024
-# Launches of fewer rows than this (a few tokens' experts) run each row on 8 warps instead of
-# 4: 8 rows (one token) 2.2-2.4 against 2.7-3.0 us in the same two calls.
-FEWEST_ROWS = 64
 
 
 def rows_per_program(A: int, I: int) -> int:  # noqa: E741 - the legend's name
@@ -54,7 +53,7 @@ def rows_per_program(A: int, I: int) -> int:  # noqa: E741 - the legend's name
 
 def warps_for(A: int) -> int:
     """Warps of each program for a launch of ``A`` rows (no bit depends on it)."""
-    return 8 if A < FEWEST_ROWS else 4
+    return 8 if A < FEW_ROWS else 4
 
 
 @triton.jit
