@@ -343,7 +343,7 @@ REGISTERS_SHORT_TILE = GemmTile(block_m=8, block_n=64, block_k=256, num_warps=4,
 REGISTERS_SPLIT_TILE = GemmTile(block_m=8, block_n=32, block_k=256, num_warps=4, num_stages=2,
                                 split_k=2)  # fmt: skip
 REGISTERS_SPLIT_MIN_STEPS = 8
-# Above 6 rows per expert on average, up to 10 (97 to 160 tokens at top-8 over 128 experts):
+# Above 6 rows per expert on average, up to 12 (97 to 192 tokens at top-8 over 128 experts):
 # 16 rows and 128 columns of 4 warps. Around 8 rows many experts need two 8-row tiles, each
 # decoding the expert's weights again: at 128 tokens w13 126.8 against 162.6 us for the 8-row
 # tile and 136.1 for the wide one, w2 71.5 against 86.0 and 76.3; at 160 tokens 133.8 / 73.1
@@ -355,11 +355,15 @@ REGISTERS_SPLIT_MIN_STEPS = 8
 # w13 took 117.3-118.1 against 125.1-127.0 us, w2 62.7-63.0 against 68.2-68.5 (one H200,
 # `python benchmarks/moe.py --tokens 1,8,64,128,256`, the two trees alternately, twice;
 # BENCHMARKS.md "Routed-expert GEMM: clamped rows"). The other tiles measured slower clamped.
+# Clamped, it also beat the wide tile at 192 tokens (12 rows per expert): w13 133.8 against
+# 138.7 us, w2 68.9 against 76.3; at 224 the two GEMMs together were 219.3 against 216.3 (one
+# H200, `python benchmarks/moe.py --tokens 160,192,224,256 --register-configs
+# auto,...,16:128:128:4:2:1:1`), so its range now reaches 12 rows.
 REGISTERS_MEDIUM_TILE = GemmTile(
     block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=2, clamp_rows=True
 )
-REGISTERS_MEDIUM_ROWS = (6.0, 10.0)  # rows per expert on average: above the first, up to the second
-# Past 10 rows per expert: 32 rows and 128 columns of 4 warps (each warp's 32 columns share its
+REGISTERS_MEDIUM_ROWS = (6.0, 12.0)  # rows per expert on average: above the first, up to the second
+# Past 12 rows per expert: 32 rows and 128 columns of 4 warps (each warp's 32 columns share its
 # copy of the rows); at 256 tokens 171 against 280 us (w13) and 82 against 149 (w2).
 REGISTERS_WIDE_TILE = GemmTile(block_m=32, block_n=128, block_k=128, num_warps=4, num_stages=2)
 
@@ -395,7 +399,7 @@ def register_config_for(num_rows: int, num_experts: int, k: int = 0) -> GemmTile
     """The register kernel's tile by rows per expert on average: `REGISTERS_TILE` below half a
     row (`REGISTERS_SPLIT_TILE` where the reduction ``k`` has at least
     `REGISTERS_SPLIT_MIN_STEPS` of its steps), `REGISTERS_SHORT_TILE` up to 6 rows,
-    `REGISTERS_MEDIUM_TILE` up to 10 (`REGISTERS_MEDIUM_ROWS`), `REGISTERS_WIDE_TILE` above
+    `REGISTERS_MEDIUM_TILE` up to 12 (`REGISTERS_MEDIUM_ROWS`), `REGISTERS_WIDE_TILE` above
     (narrowed to the weight's shape by the launcher, its warps cut to one per 16 columns)."""
     experts = max(num_experts, 1)
     low, high = REGISTERS_MEDIUM_ROWS

@@ -220,9 +220,9 @@ def test_register_tiles_by_rows_per_expert():
     assert moe_gemm.register_config_for(64, 128, k=2048) == moe_gemm.REGISTERS_SHORT_TILE
     for rows in (64, 512, 768):
         assert moe_gemm.register_config_for(rows, 128) == moe_gemm.REGISTERS_SHORT_TILE
-    for rows in (769, 1024, 1280):  # 97 to 160 tokens
+    for rows in (769, 1024, 1280, 1536):  # 97 to 192 tokens
         assert moe_gemm.register_config_for(rows, 128) == moe_gemm.REGISTERS_MEDIUM_TILE
-    assert moe_gemm.register_config_for(1281, 128) == moe_gemm.REGISTERS_WIDE_TILE
+    assert moe_gemm.register_config_for(1537, 128) == moe_gemm.REGISTERS_WIDE_TILE
     assert moe_gemm.REGISTERS_SHORT_TILE.block_m == 8
     assert moe_gemm.REGISTERS_MAX_ROWS_PER_EXPERT * 128 >= 2048  # 256 tokens at top-8
 
