@@ -16,6 +16,7 @@ CASES = [
     "attention:16",
     "gemm:w13:narrow",
     "gemm:w13:short",
+    "gemm:w13:medium",  # rows clamped (GemmTile.clamp_rows)
     "gemm:w2:wide",
     "gemm:w13:narrow:arith",
 ]
