@@ -360,10 +360,18 @@ def packed_code(words, J: tl.constexpr):
 @triton.jit
 def dot(a, b, acc):
     """``acc + a @ b``, FP32 accumulation: BF16 operands on the tensor cores (exact products),
-    FP32 operands as IEEE FP32. The interpreter multiplies BF16 operands as their raw 16-bit
-    integers, so there they are upcast (exactly) first."""
+    FP32 operands as IEEE FP32.
+
+    Under the interpreter the dot is numpy's matmul, which multiplies BF16 operands as their raw
+    16-bit integers and sums FP32 in an order of its own that changes with the shapes (its BLAS
+    blocking), so that a row's bits would depend on how many rows share the dot. There the
+    operands are upcast exactly to FP64, whose products of BF16 (and FP32) values are exact and
+    whose sum of one step is exact too unless its terms span some 2**29 (BF16) or more, and
+    that sum is rounded once to FP32 and added: the same bits for every shape."""
     if _INTERPRETED:
-        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        zero = tl.zeros(acc.shape, tl.float64)
+        step = tl.dot(a.to(tl.float64), b.to(tl.float64), zero, input_precision="ieee")
+        acc = acc + step.to(tl.float32)
     elif a.dtype == tl.float32:
         acc = tl.dot(a, b, acc, input_precision="ieee")
     else:
