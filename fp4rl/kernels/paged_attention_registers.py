@@ -106,11 +106,15 @@ def _value_layout(block_n, cols):
 
 @gluon.constexpr_function
 def _row_lanes(block_n):
-    """``[BLOCK_N]`` rows one a lane (up to 32 rows; with 16 the upper lanes repeat the lower):
-    a row's amax is loaded and its global scale computed once there, then moved to the lanes
-    that hold the row's blocks (4 of them for K, 8 for V), instead of each of those lanes
-    computing the scale of every row it holds (2 K and 4 V rows a 16-token step)."""
-    return gl.BlockedLayout([max(1, block_n // 32)], [32], [1], [0])
+    """``[BLOCK_N]`` rows one a lane (up to 32 rows; with 16 each row in two lanes): a row's
+    amax is loaded and its global scale computed once there, then moved to the lanes that hold
+    the row's blocks (4 of them for K, 8 for V), instead of each of those lanes computing the
+    scale of every row it holds (2 K and 4 V rows a 16-token step). Lane (g, c) takes row ``g +
+    8 (c % 2) + 16 (c // 2)``, the K rows ``g + 8 j`` of its own quad (`_key_layout`): one
+    butterfly shuffle moves K's two rows a lane where row r in lane r took two indexed ones."""
+    lanes = [[8], [16 if block_n > 16 else 0], [1], [2], [4]]
+    regs = [[32 << i] for i in _bits(max(1, block_n // 32))]
+    return gl.DistributedLinearLayout(regs, lanes, [], [], [block_n])
 
 
 @gluon.jit
@@ -131,56 +135,118 @@ def global_scales(amax_N):
         s = gl.where(gl.abs(a) < float("inf"), s, float("nan"))
     else:
         q = a * _RECIPROCAL
-        s = gl.fma(gl.fma(-q, _DIVISOR, a), _RECIPROCAL, q)
+        # q * -2688 is -(2688 q) exactly; -q would be 0 - q, one more instruction.
+        s = gl.fma(gl.fma(q, -_DIVISOR, a), _RECIPROCAL, q)
     return gl.where(s < _MIN_SCALE, 0.0, s)
 
 
 @gluon.jit
-def _pages_step(pages, block_scale, amax, table_row, n0, end, num_kv_heads, kv_head,
-                words_l: gl.constexpr, blocks_l: gl.constexpr, rows_l: gl.constexpr,
-                BLOCK_N: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr):  # fmt: skip
-    """The codes ``[BLOCK_N, W]``, block-scale bytes ``[BLOCK_N, D/16]`` and row amaxes of
-    tokens ``n0 .. n0 + BLOCK_N`` in the layouts given, as loaded (nothing waits on them here:
-    the next step's are loaded ahead); zeros past ``end`` (cache row = slot * K + kv head, the
-    slot found through the sequence's block table)."""
-    i_N = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, blocks_l))
-    ok_N = n0 + i_N < end
+def _step_offsets(num_kv_heads, kv_head, words_l: gl.constexpr, scales_l: gl.constexpr,
+                  rows_l: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                  PAIRS: gl.constexpr):  # fmt: skip
+    """What of a step's addresses no step changes, computed once before the loop: each code
+    word's, block scale's (or pair of block scales', where ``PAIRS``) and amax's offset in
+    elements from its step's first cache row ``slot * K`` (token i's row is ``(slot + i) * K +
+    kv head``), and the tokens' indices in the step, to mask with (`_pages_step`)."""
+    i_N = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, scales_l))
+    SCALES: gl.constexpr = D // 32 if PAIRS else D // 16
+    col_S = gl.arange(0, SCALES, layout=gl.SliceLayout(0, scales_l))
+    scales_NS = (i_N * num_kv_heads + kv_head)[:, None] * SCALES + col_S[None, :]
+    i_W = gl.convert_layout(i_N, gl.SliceLayout(1, words_l), assert_trivial=True)
+    word_W = gl.arange(0, D // 8, layout=gl.SliceLayout(0, words_l))
+    words_NW = (i_W * num_kv_heads + kv_head)[:, None] * (D // 8) + word_W[None, :]
+    j_N = gl.arange(0, BLOCK_N, layout=rows_l)
+    rows_J = j_N * num_kv_heads + kv_head
+    # Unsigned (no offset is negative): the loop adds each to a 64-bit address as it is, where
+    # a signed one would be sign-extended and its upper word kept live in a register.
+    return (words_NW.to(gl.uint32), scales_NS.to(gl.uint32), rows_J.to(gl.uint32), i_N, j_N)
+
+
+@gluon.jit
+def _pages_step(pages, block_scale, amax, table_row, n0, end, num_kv_heads, kv_head, offsets,
+                words_l: gl.constexpr, scales_l: gl.constexpr, rows_l: gl.constexpr,
+                BLOCK_N: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr,
+                PAIRS: gl.constexpr):  # fmt: skip
+    """The codes ``[BLOCK_N, W]``, block-scale bytes ``[BLOCK_N, D/16]`` (where ``PAIRS``, each
+    two of a row's as one 2-byte word ``[BLOCK_N, D/32]``) and row amaxes of tokens ``n0 .. n0
+    + BLOCK_N`` in the layouts given, as loaded (nothing waits on them here: the next step's
+    are loaded ahead); zeros past ``end`` (cache row = slot * K + kv head, the slot found
+    through the sequence's block table; ``offsets``: `_step_offsets`').
+
+    Where a step lies in one page, a step's address of each array is one 64-bit multiply-add,
+    base + ``slot * K`` rows (``IMAD.WIDE.U32``), to which each load adds its lane's 32-bit
+    offset. ``slot * K``, a cache row, is computed in 32 bits: a cache of 2^32 rows would hold
+    2 * 2^32 * D/2 bytes of K and V codes alone (512 GiB at D = 128); page indices, as slots,
+    are never negative. Where a step spans pages, each row finds its own."""
+    words_NW, scales_NS, rows_J, i_N, j_N = offsets
+    if PAIRS:
+        block_scale = block_scale.to(gl.pointer_type(gl.uint16))
+    SCALES: gl.constexpr = D // 32 if PAIRS else D // 16
+    left = end - n0  # token i is in the context where i < left, as n0 + i < end
+    ok_N = i_N < left
+    ok_W = gl.convert_layout(ok_N, gl.SliceLayout(1, words_l), assert_trivial=True)
     if PAGE % BLOCK_N == 0:  # steps start at multiples of BLOCK_N: a step lies in one page
-        page = gl.load(table_row + n0 // PAGE, mask=n0 < end, other=0).to(gl.int64)
-        rows_N = (page * PAGE + n0 % PAGE + i_N) * num_kv_heads + kv_head
+        t0 = n0.to(gl.uint32)  # never negative: unsigned, // and % need no sign fix-up
+        page = gl.load(table_row + t0 // PAGE, mask=n0 < end, other=0).to(gl.uint32)
+        row0 = ((page * PAGE + t0 % PAGE) * num_kv_heads.to(gl.uint32)).to(gl.uint64)
+        scales = gl.load(block_scale + row0 * SCALES + scales_NS, mask=ok_N[:, None], other=0)
+        # The amaxes one row a lane (`_row_lanes`), each row's scale computed once (`_decoded`).
+        amax_N = gl.load(amax + row0 + rows_J, mask=j_N < left, other=0.0)
+        words = gl.load(pages + row0 * (D // 8) + words_NW, mask=ok_W[:, None], other=0)
     else:
         t_N = n0 + i_N
         page_N = gl.load(table_row + t_N // PAGE, mask=ok_N, other=0)
         rows_N = (page_N.to(gl.int64) * PAGE + t_N % PAGE) * num_kv_heads + kv_head
-    block_B = gl.arange(0, D // 16, layout=gl.SliceLayout(0, blocks_l))
-    scales = gl.load(
-        block_scale + rows_N[:, None] * (D // 16) + block_B[None, :], mask=ok_N[:, None], other=0
-    )
-    # The amaxes one row a lane (`_row_lanes`), each row's scale computed once (`_decoded`).
-    j_N = gl.arange(0, BLOCK_N, layout=rows_l)
-    if PAGE % BLOCK_N == 0:
-        rows_J = (page * PAGE + n0 % PAGE + j_N) * num_kv_heads + kv_head
-    else:
-        rows_J = gl.convert_layout(rows_N, rows_l)
-    amax_N = gl.load(amax + rows_J, mask=n0 + j_N < end, other=0.0)
-    rows_W = gl.convert_layout(rows_N, gl.SliceLayout(1, words_l), assert_trivial=True)
-    ok_W = gl.convert_layout(ok_N, gl.SliceLayout(1, words_l), assert_trivial=True)
-    word_W = gl.arange(0, D // 8, layout=gl.SliceLayout(0, words_l))
-    words = gl.load(pages + rows_W[:, None] * (D // 8) + word_W[None, :], mask=ok_W[:, None],
-                    other=0)  # fmt: skip
+        col_S = gl.arange(0, SCALES, layout=gl.SliceLayout(0, scales_l))
+        scales = gl.load(block_scale + rows_N[:, None] * SCALES + col_S[None, :],
+                         mask=ok_N[:, None], other=0)  # fmt: skip
+        amax_N = gl.load(amax + gl.convert_layout(rows_N, rows_l), mask=j_N < left, other=0.0)
+        rows_W = gl.convert_layout(rows_N, gl.SliceLayout(1, words_l), assert_trivial=True)
+        word_W = gl.arange(0, D // 8, layout=gl.SliceLayout(0, words_l))
+        words = gl.load(pages + rows_W[:, None] * (D // 8) + word_W[None, :], mask=ok_W[:, None],
+                        other=0)  # fmt: skip
     return words, scales, amax_N
 
 
 @gluon.jit
+def _e4m3_pairs(pairs):
+    """The FP32 values of 2-byte words of two E4M3 block scales each (low byte first), by the
+    instructions Triton converts E4M3 with (``cvt.rn.f16x2.e4m3x2``, each half widened), fed the
+    word as loaded (Triton loads a lane's two bytes of a row as this one word): converted as
+    bytes, the word's two would be split apart as loaded and joined again for the conversion,
+    four instructions a word."""
+    return gl.inline_asm_elementwise(
+        """{ .reg .b16 lo, hi; .reg .b32 h;
+        cvt.rn.f16x2.e4m3x2 h, $2;
+        mov.b32 {lo, hi}, h;
+        cvt.f32.f16 $0, lo;
+        cvt.f32.f16 $1, hi; }""",
+        "=r,=r,h",
+        [pairs],
+        dtype=(gl.float32, gl.float32),
+        is_pure=True,
+        pack=1,
+    )
+
+
+@gluon.jit
 def _decoded(words, scales, amax_N, words_l: gl.constexpr, blocks_l: gl.constexpr,
-             BLOCK_N: gl.constexpr, D: gl.constexpr):  # fmt: skip
+             BLOCK_N: gl.constexpr, D: gl.constexpr, PAIRS: gl.constexpr):  # fmt: skip
     """``[BLOCK_N, D]`` BF16 values of a step's codes, real order, in the threads that hold the
     codes: ``round((e2m1 * sf) * s)`` by byte-table lookup, s from the rows' amaxes (one a
     lane, `_row_lanes`), moved to the lanes of the rows' blocks: K's by warp shuffles, V's
-    (four rows a lane) through 64 bytes of shared memory, as Triton lowers the two."""
-    s_N = gl.convert_layout(global_scales(amax_N), gl.SliceLayout(1, blocks_l))
-    sf = scales.to(gl.float8e4nv, bitcast=True).to(gl.float32)
-    return fragments.looked_up(words, sf, (s_N * GLOBAL_SCALE_BIAS)[:, None], BLOCK_N, D, words_l)
+    (four rows a lane) through 64 bytes of shared memory, as Triton lowers the two. ``scales``
+    as `_pages_step` loads them."""
+    # Biased in the one lane that computed it: one product a row (exact, a power of two),
+    # rather than one in each lane that holds the row.
+    s_N = gl.convert_layout(global_scales(amax_N) * GLOBAL_SCALE_BIAS, gl.SliceLayout(1, blocks_l))
+    if PAIRS:
+        lo, hi = _e4m3_pairs(scales)
+        sf = gl.reshape(gl.join(lo, hi), [BLOCK_N, D // 16])
+        sf = gl.convert_layout(sf, blocks_l, assert_trivial=True)
+    else:
+        sf = scales.to(gl.float8e4nv, bitcast=True).to(gl.float32)
+    return fragments.looked_up(words, sf, s_N[:, None], BLOCK_N, D, words_l)
 
 
 @gluon.jit
@@ -253,6 +319,10 @@ def _paged_decode_registers_kernel(
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     kw_l: gl.constexpr = _key_layout(BLOCK_N, D // 8)
     kb_l: gl.constexpr = _key_layout(BLOCK_N, D // 16)
+    # K's block scales as loaded: a lane's two of a row (its 32 values of the row) as one
+    # 2-byte word (`_e4m3_pairs`).
+    K_PAIRS: gl.constexpr = D % 128 == 0
+    ks_l: gl.constexpr = _key_layout(BLOCK_N, D // 32) if K_PAIRS else kb_l
     vw_l: gl.constexpr = _value_layout(BLOCK_N, D // 8)
     vb_l: gl.constexpr = _value_layout(BLOCK_N, D // 16)
     rows_l: gl.constexpr = _row_lanes(BLOCK_N)
@@ -278,27 +348,25 @@ def _paged_decode_registers_kernel(
     m_H = gl.full([HEADS], float("-inf"), gl.float32, layout=gl.SliceLayout(0, mma))
     l_H = gl.zeros([HEADS], gl.float32, layout=gl.SliceLayout(0, mma))
     acc = gl.zeros([D, HEADS], gl.float32, layout=mma)  # O^T, rows in the output order
+    k_at = _step_offsets(num_kv_heads, kv_head, kw_l, ks_l, rows_l, BLOCK_N, D, K_PAIRS)
+    v_at = _step_offsets(num_kv_heads, kv_head, vw_l, vb_l, rows_l, BLOCK_N, D, False)
     k_words, k_scales, k_maxes = _pages_step(
-        k_pages, k_block_scale, k_amax, table_row, start, end, num_kv_heads, kv_head,
-        kw_l, kb_l, rows_l, BLOCK_N, PAGE, D,
+        k_pages, k_block_scale, k_amax, table_row, start, end, num_kv_heads, kv_head, k_at,
+        kw_l, ks_l, rows_l, BLOCK_N, PAGE, D, K_PAIRS,
     )  # fmt: skip
     v_words, v_scales, v_maxes = _pages_step(
-        v_pages, v_block_scale, v_amax, table_row, start, end, num_kv_heads, kv_head,
-        vw_l, vb_l, rows_l, BLOCK_N, PAGE, D,
+        v_pages, v_block_scale, v_amax, table_row, start, end, num_kv_heads, kv_head, v_at,
+        vw_l, vb_l, rows_l, BLOCK_N, PAGE, D, False,
     )  # fmt: skip
     for n0 in range(start, end, BLOCK_N):
-        # The next step's pages in flight while this one computes (zeros past the end).
+        # The next step's K in flight while this one computes (zeros past the end).
         next_k = _pages_step(
             k_pages, k_block_scale, k_amax, table_row, n0 + BLOCK_N, end, num_kv_heads,
-            kv_head, kw_l, kb_l, rows_l, BLOCK_N, PAGE, D,
-        )  # fmt: skip
-        next_v = _pages_step(
-            v_pages, v_block_scale, v_amax, table_row, n0 + BLOCK_N, end, num_kv_heads,
-            kv_head, vw_l, vb_l, rows_l, BLOCK_N, PAGE, D,
+            kv_head, k_at, kw_l, ks_l, rows_l, BLOCK_N, PAGE, D, K_PAIRS,
         )  # fmt: skip
 
         # Scores S^T = K . q^T [BLOCK_N, HEADS]: the keys are the MMA's rows.
-        k_ND = _decoded(k_words, k_scales, k_maxes, kw_l, kb_l, BLOCK_N, D)
+        k_ND = _decoded(k_words, k_scales, k_maxes, kw_l, kb_l, BLOCK_N, D, K_PAIRS)
         k_a = gl.convert_layout(fragments.hardware_order(k_ND, BLOCK_N, D), a_l,
                                 assert_trivial=True)  # fmt: skip
         scores = mma_v2(k_a, q_b, gl.zeros([BLOCK_N, HEADS], gl.float32, layout=mma))
@@ -316,9 +384,16 @@ def _paged_decode_registers_kernel(
         rest = p - p1.to(gl.float32)
         p2 = rest.to(gl.bfloat16)
         p3 = (rest - p2.to(gl.float32)).to(gl.bfloat16)
-        v_ND = _decoded(v_words, v_scales, v_maxes, vw_l, vb_l, BLOCK_N, D)
+        v_ND = _decoded(v_words, v_scales, v_maxes, vw_l, vb_l, BLOCK_N, D, False)
         v_a = gl.convert_layout(gl.permute(_output_order(v_ND, BLOCK_N, D), [1, 0]), a_l,
                                 assert_trivial=True)  # fmt: skip
+        # The next step's V loaded only now that this one's is decoded: into the same
+        # registers, where loaded with K's the two steps' V would be live at once and each
+        # step's copied over the other's at the end of the loop.
+        next_v = _pages_step(
+            v_pages, v_block_scale, v_amax, table_row, n0 + BLOCK_N, end, num_kv_heads,
+            kv_head, v_at, vw_l, vb_l, rows_l, BLOCK_N, PAGE, D, False,
+        )  # fmt: skip
         # Once the running maxima stop moving (alpha == 1 in every head, the usual case after a
         # few steps) the rescale is skipped: multiplying by 1 changes no bit.
         if gl.sum((alpha != 1.0).to(gl.int32), 0) > 0:
@@ -380,7 +455,9 @@ def launch_kernel(grid, q_BHD, k, v, block_table_BN, context_B, out_BHD, parts, 
     layer's NVFP4 pages; ``parts``: the stretches' (m, l, o), or ``out_BHD`` thrice without
     splits)."""
     _, Hq, D = q_BHD.shape
-    _, page, num_kv_heads, _ = k.shape
+    blocks, page, num_kv_heads, _ = k.shape
+    if (rows := blocks * page * num_kv_heads) >= 2**32:  # a step's cache row is 32-bit
+        raise ValueError(f"a registers DecodeTile takes under 2**32 cache rows; got {rows}")
     _paged_decode_registers_kernel[grid](
         q_BHD, *members(k), *members(v), block_table_BN, context_B, out_BHD, *parts,
         1.0 / math.sqrt(D), num_kv_heads, block_table_BN.shape[1], split_tokens,
