@@ -150,6 +150,30 @@ def test_registers_checks_name_the_values(device):
         bf16.launch(config=tile)
 
 
+def test_registers_refuse_caches_of_2_32_rows():
+    """A step's cache row is computed in 32 bits: a cache of 2**32 rows (slots x KV heads) is
+    refused before anything is launched (shapes only, nothing allocated at that size)."""
+    from types import SimpleNamespace
+
+    from fp4rl.kernels import paged_attention_registers
+
+    q = torch.zeros(1, 32, 128, dtype=torch.bfloat16)
+    for blocks, refused in ((2**26, True), (2**26 - 1, False)):
+        pages = SimpleNamespace(shape=(blocks, 16, 4, 128))  # blocks x 16 slots x 4 heads
+        if refused:
+            with pytest.raises(ValueError, match=r"under 2\*\*32 cache rows; got 4294967296"):
+                paged_attention_registers.launch_kernel(
+                    (1, 1, 1), q, pages, pages, None, None, None, None, split_tokens=16,
+                    block_n=16,
+                )  # fmt: skip
+        else:  # past the check: the stand-in pages have no members to launch with
+            with pytest.raises(AttributeError):
+                paged_attention_registers.launch_kernel(
+                    (1, 1, 1), q, pages, pages, None, None, None, None, split_tokens=16,
+                    block_n=16,
+                )  # fmt: skip
+
+
 def test_launcher_takes_the_register_kernel_above_small_launches(device, monkeypatch):
     """`page_format` names the register kernel for NVFP4 pages under BF16 queries at head dim
     128 on a GPU; its plan keeps the Triton program's tiles up to SMALL_LAUNCH sequence-heads."""
