@@ -329,7 +329,7 @@ REGISTERS_MAX_ROWS_PER_EXPERT = 16.0
 # taken up to 8 rows (there w13 at 8 / 64 tokens 53.3 / 117.5 us against 57.5 / 123.8 for the
 # bucket's tile, w2 30.7 / 67.8 against 33.0 / 69.1).
 REGISTERS_TILE = GemmTile(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=2)
-# From half a row per expert on average (8 tokens at top-8 over 128 experts) to 6: the same
+# From half a row per expert on average (8 tokens at top-8 over 128 experts) to 5.5: the same
 # tile with 8 rows, half the rows of x loaded and multiplied (w13 at 8 / 64 tokens 48.5 / 101.7
 # us against 50.2 / 110.2 for 16 rows, w2 26.3 / 57.8 against 29.2 / 64.8). Below half a row
 # (one token) 16 rows measured faster: 14.0 against 17.0 us (w13), 7.5 against 7.9 (w2).
@@ -343,7 +343,7 @@ REGISTERS_SHORT_TILE = GemmTile(block_m=8, block_n=64, block_k=256, num_warps=4,
 REGISTERS_SPLIT_TILE = GemmTile(block_m=8, block_n=32, block_k=256, num_warps=4, num_stages=2,
                                 split_k=2)  # fmt: skip
 REGISTERS_SPLIT_MIN_STEPS = 8
-# Above 6 rows per expert on average, up to 12 (97 to 192 tokens at top-8 over 128 experts):
+# Above 5.5 rows per expert on average, up to 12 (89 to 192 tokens at top-8 over 128 experts):
 # 16 rows and 128 columns of 4 warps. Around 8 rows many experts need two 8-row tiles, each
 # decoding the expert's weights again: at 128 tokens w13 126.8 against 162.6 us for the 8-row
 # tile and 136.1 for the wide one, w2 71.5 against 86.0 and 76.3; at 160 tokens 133.8 / 73.1
@@ -358,11 +358,16 @@ REGISTERS_SPLIT_MIN_STEPS = 8
 # Clamped, it also beat the wide tile at 192 tokens (12 rows per expert): w13 133.8 against
 # 138.7 us, w2 68.9 against 76.3; at 224 the two GEMMs together were 219.3 against 216.3 (one
 # H200, `python benchmarks/moe.py --tokens 160,192,224,256 --register-configs
-# auto,...,16:128:128:4:2:1:1`), so its range now reaches 12 rows.
+# auto,...,16:128:128:4:2:1:1`), so its range now reaches 12 rows. Below 6 rows it beat the
+# 8-row tile at 96 tokens and about tied it at 88, the two GEMMs together 177.4 against
+# 189.3-190.4 us at 96, 177.6-177.9 against 178.8-179.9 at 88, and 176.5-177.8 against
+# 168.0-168.4 at 80 (one H200, `python benchmarks/moe.py --tokens 64,72,80,88,96,104,112,128`,
+# twice; BENCHMARKS.md "Routed-expert GEMM: the 16-row tile from 89 tokens"), so its range
+# starts above 5.5 rows.
 REGISTERS_MEDIUM_TILE = GemmTile(
     block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=2, clamp_rows=True
 )
-REGISTERS_MEDIUM_ROWS = (6.0, 12.0)  # rows per expert on average: above the first, up to the second
+REGISTERS_MEDIUM_ROWS = (5.5, 12.0)  # rows per expert on average: above the first, up to the second
 # Past 12 rows per expert: 32 rows and 128 columns of 4 warps (each warp's 32 columns share its
 # copy of the rows); at 256 tokens 171 against 280 us (w13) and 82 against 149 (w2).
 REGISTERS_WIDE_TILE = GemmTile(block_m=32, block_n=128, block_k=128, num_warps=4, num_stages=2)
@@ -398,7 +403,7 @@ def config_for(
 def register_config_for(num_rows: int, num_experts: int, k: int = 0) -> GemmTile:
     """The register kernel's tile by rows per expert on average: `REGISTERS_TILE` below half a
     row (`REGISTERS_SPLIT_TILE` where the reduction ``k`` has at least
-    `REGISTERS_SPLIT_MIN_STEPS` of its steps), `REGISTERS_SHORT_TILE` up to 6 rows,
+    `REGISTERS_SPLIT_MIN_STEPS` of its steps), `REGISTERS_SHORT_TILE` up to 5.5 rows,
     `REGISTERS_MEDIUM_TILE` up to 12 (`REGISTERS_MEDIUM_ROWS`), `REGISTERS_WIDE_TILE` above
     (narrowed to the weight's shape by the launcher, its warps cut to one per 16 columns)."""
     experts = max(num_experts, 1)
