@@ -16,6 +16,7 @@ import statistics
 import subprocess
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
@@ -73,15 +74,22 @@ def run_header(command: str) -> str:
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()
 
+    project = Path(__file__).resolve().parents[1]
+
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], capture_output=True, text=True, check=True).stdout
+        return subprocess.run(
+            ["git", "-C", str(project), *args], capture_output=True, text=True, check=True
+        ).stdout
 
     try:
+        # A copy of the tree inside another checkout would otherwise name that checkout's commit.
+        if Path(git("rev-parse", "--show-toplevel").strip()).resolve() != project:
+            raise OSError("not a checkout of its own")
         commit = git("rev-parse", "--short", "HEAD").strip()
         if git("status", "--porcelain", "--untracked-files=no").strip():
             commit += " + uncommitted changes"  # the figures are not that commit's
     except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
+        commit = "unknown (not a git checkout of its own)"
     return (
         f"`{command}` on {device or 'CPU'}, torch {torch.__version__}, triton "
         f"{triton.__version__}, {datetime.date.today().isoformat()}, commit {commit}"
