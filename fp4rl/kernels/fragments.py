@@ -90,11 +90,13 @@ def look_up(words, lo0, lo1, hi0, hi1):
     bytes; a sign-replicating PRMT of the word (and of the word shifted by a nibble) gives 0xFF
     for each negative code, whose top bit flips its high byte's sign (a block scale may be
     negative: the table then holds negative values); two PRMTs pair low and high bytes into
-    BF16x2 words. 15 instructions for 8 weights."""
+    BF16x2 words. 15 instructions for 8 weights, all but two on the ALU pipe, which bounds the
+    decoding kernels: the upper half word's selectors come down by ``mul.hi`` (an IMAD on the
+    FMA pipe) rather than a shift, and ptxas writes the nibble shift as an IMAD too."""
     return gl.inline_asm_elementwise(
         """{ .reg .b32 m, mh, w4, l0, h0, l1, h1, sg, q;
         and.b32 m, $8, 0x77777777;
-        shr.b32 mh, m, 16;
+        mul.hi.u32 mh, m, 65536;
         shl.b32 w4, $8, 4;
         prmt.b32 l0, $9, $10, m;
         prmt.b32 h0, $11, $12, m;

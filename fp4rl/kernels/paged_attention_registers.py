@@ -6,9 +6,9 @@ per sequence, KV head and stretch of the context, an online softmax over steps o
 tokens, the stretches combined by `paged_attention`'s second kernel), written in Triton's Gluon
 dialect so that the layouts are chosen here. Both products are chains of
 ``mma.sync.m16n8k16`` whose operands live in registers (`fragments`): each thread decodes
-exactly the K and V values its fragments hold, the probabilities cross lanes only by
-``movmatrix`` (an 8 x 8 transpose in registers), and no K or V value passes through shared
-memory in the loop. (`paged_attention`'s Triton program, compiled for sm_90, stores each
+exactly the K and V values its fragments hold, the probabilities and V's values cross lanes
+only by ``movmatrix`` (an 8 x 8 transpose in registers), and no K or V value passes through
+shared memory in the loop. (`paged_attention`'s Triton program, compiled for sm_90, stores each
 decoded tile to shared memory and loads it back in the operand's layout.)
 
 The products are transposed, the keys and the head dim as the MMA's rows (M) and the G <= 8
@@ -24,10 +24,12 @@ query heads as its 8 columns (N), so no row of the MMA is padding: ``S^T = K . q
   heads ``2c, 2c + 1``; a head's max and sum reduce over the 8 lane groups).
 - **Probabilities as operand B of O^T**: a thread needs keys ``2c, 2c + 1 (+ 8)`` of head g,
   the transpose of what it holds; one ``movmatrix`` per 8 keys moves them (`_as_operand_b`).
-- **V^T as operand A** ``[D, BLOCK_N]``, the head dim as the output's rows, permuted: output row
-  ``8 j + g`` (lane group g) is real ``d = (D/8) g + j``, so a thread holds ``D/8`` consecutive
-  values of each of its keys (``2c, 2c + 1, 2c + 8, 2c + 9`` per 16 tokens): one block of 16
-  codes for D = 128, two words and one scale. The output is permuted back when stored.
+- **V^T as operand A** ``[D, BLOCK_N]``: V is loaded and decoded in K's layout (the same
+  loads, the same lanes for each row's scale), which leaves a thread pairs of consecutive
+  values of one token where the product, reducing over the tokens, needs pairs of tokens; one
+  ``movmatrix`` per register pair transposes each 8 x 8 tile of 8 tokens by 8 values, off the
+  ALU pipe that bounds this kernel (`_as_operand_a`). The head dim comes out permuted as the
+  output's rows and is put back when stored (`_real_order`).
 
 Against the first layout of this kernel (q as operand A, its 8 heads twice over the MMA's 16
 rows, K^T and V as operand B): a third fewer products, half the softmax, and 160 registers a
@@ -82,9 +84,9 @@ def _bits(n):
 
 @gluon.constexpr_function
 def _key_layout(block_n, cols):
-    """K's ``[BLOCK_N, cols]`` words (``cols = D/8``) or block scales (``D/16``): lane (g, c)
-    holds keys ``g + 8 j`` and, of each, the columns its operand-B fragments need (`fragments`'
-    order); a block scale sits with the thread that holds its two words."""
+    """K's (and V's) ``[BLOCK_N, cols]`` words (``cols = D/8``) or block scales (``D/16``): lane
+    (g, c) holds keys ``g + 8 j`` and, of each, the columns its operand-A fragments need
+    (`fragments`' order); a block scale sits with the thread that holds its two words."""
     per = cols // 4  # columns a lane holds of a key
     regs = [[0, 1 << i] for i in _bits(per)] + [[8 << i, 0] for i in _bits(block_n // 8)]
     lanes = [[0, per], [0, 2 * per], [1, 0], [2, 0], [4, 0]]
@@ -92,26 +94,22 @@ def _key_layout(block_n, cols):
 
 
 @gluon.constexpr_function
-def _value_layout(block_n, cols):
-    """V's ``[BLOCK_N, cols]`` words (``cols = D/8``) or block scales (``D/16``): lane (g, c)
-    holds keys ``2c, 2c + 1, 2c + 8, 2c + 9`` of each 16 and, of each, the columns of values
-    ``(D/8) g ... (D/8) g + D/8 - 1``; a block scale sits with the thread that holds its two
-    words."""
-    per = cols // 8  # columns a lane holds of a key
-    regs = [[0, 1 << i] for i in _bits(per)] + [[1, 0], [8, 0]]
-    regs += [[16 << i, 0] for i in _bits(block_n // 16)]
-    lanes = [[2, 0], [4, 0], [0, per], [0, 2 * per], [0, 4 * per]]
-    return gl.DistributedLinearLayout(regs, lanes, [], [], [block_n, cols])
+def _pairs_layout(block_n, d):
+    """`_key_layout` of ``[BLOCK_N, D]`` values, its registers ordered value first, so that
+    each two consecutive values of a token are one register's pair (`_as_operand_a`)."""
+    regs = [[0, 1 << i] for i in _bits(d // 4)] + [[8 << i, 0] for i in _bits(block_n // 8)]
+    lanes = [[0, d // 4], [0, d // 2], [1, 0], [2, 0], [4, 0]]
+    return gl.DistributedLinearLayout(regs, lanes, [], [], [block_n, d])
 
 
 @gluon.constexpr_function
 def _row_lanes(block_n):
     """``[BLOCK_N]`` rows one a lane (up to 32 rows; with 16 each row in two lanes): a row's
-    amax is loaded and its global scale computed once there, then moved to the lanes that hold
-    the row's blocks (4 of them for K, 8 for V), instead of each of those lanes computing the
-    scale of every row it holds (2 K and 4 V rows a 16-token step). Lane (g, c) takes row ``g +
-    8 (c % 2) + 16 (c // 2)``, the K rows ``g + 8 j`` of its own quad (`_key_layout`): one
-    butterfly shuffle moves K's two rows a lane where row r in lane r took two indexed ones."""
+    amax is loaded and its global scale computed once there, then moved to the 4 lanes that
+    hold the row's blocks, instead of each of those lanes computing the scale of both rows it
+    holds. Lane (g, c) takes row ``g + 8 (c % 2) + 16 (c // 2)``, the rows ``g + 8 j`` of its
+    own quad (`_key_layout`, K's and V's): one butterfly shuffle moves a lane's two rows where
+    row r in lane r took two indexed ones."""
     lanes = [[8], [16 if block_n > 16 else 0], [1], [2], [4]]
     regs = [[32 << i] for i in _bits(max(1, block_n // 32))]
     return gl.DistributedLinearLayout(regs, lanes, [], [], [block_n])
@@ -234,9 +232,8 @@ def _decoded(words, scales, amax_N, words_l: gl.constexpr, blocks_l: gl.constexp
              BLOCK_N: gl.constexpr, D: gl.constexpr, PAIRS: gl.constexpr):  # fmt: skip
     """``[BLOCK_N, D]`` BF16 values of a step's codes, real order, in the threads that hold the
     codes: ``round((e2m1 * sf) * s)`` by byte-table lookup, s from the rows' amaxes (one a
-    lane, `_row_lanes`), moved to the lanes of the rows' blocks: K's by warp shuffles, V's
-    (four rows a lane) through 64 bytes of shared memory, as Triton lowers the two. ``scales``
-    as `_pages_step` loads them."""
+    lane, `_row_lanes`), moved by warp shuffles to the lanes of the rows' blocks. ``scales`` as
+    `_pages_step` loads them."""
     # Biased in the one lane that computed it: one product a row (exact, a power of two),
     # rather than one in each lane that holds the row.
     s_N = gl.convert_layout(global_scales(amax_N) * GLOBAL_SCALE_BIAS, gl.SliceLayout(1, blocks_l))
@@ -250,18 +247,36 @@ def _decoded(words, scales, amax_N, words_l: gl.constexpr, blocks_l: gl.constexp
 
 
 @gluon.jit
-def _output_order(t, ROWS_: gl.constexpr, D: gl.constexpr):
-    """``[ROWS_, D]``: real head-dim order -> the output's row order (module docstring), real
-    ``d = (D/8) g + j`` to row ``8 j + g`` of ``O^T``."""
-    t = gl.reshape(t, [ROWS_, 8, D // 8])
-    return gl.reshape(gl.permute(t, [0, 2, 1]), [ROWS_, D])
+def _as_operand_a(v, a_l: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr):
+    """``[BLOCK_N, D]`` BF16 values of V as decoded in K's layout (`_key_layout`: lane (g, c)
+    holds tokens ``g + 8 h`` and values ``(D/4) c ... (D/4) c + D/4 - 1`` of each) -> V^T as
+    operand A of ``O^T += V^T . P^T``, its rows in the output order (`_real_order`). The
+    product reduces over the tokens, so a lane must hold pairs of tokens where it decoded pairs
+    of values: each 8 x 8 tile of 8 tokens by a pair of values in each lane of a quad is
+    transposed by ``movmatrix`` (between lanes, off the ALU pipe), then the tensor relabelled.
+    """
+    # Consecutive values as consecutive registers, the pairs `fragments.look_up` packed.
+    v = gl.convert_layout(v, _pairs_layout(BLOCK_N, D), assert_trivial=True)
+    t = gl.inline_asm_elementwise(
+        "movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;",
+        "=r,r",
+        [v],
+        dtype=gl.bfloat16,
+        is_pure=True,
+        pack=2,
+    )
+    # t[8 h + g, (D/4) c + 8 w + 2 j + e] now holds V[8 h + 2 c + e, (D/4)(g // 2) + 8 w + 2 j
+    # + g % 2]: relabel (h, g, c, w, j, e) as V^T's row 8 (4 w + j) + g, token 8 h + 2 c + e.
+    t = gl.permute(gl.reshape(t, [BLOCK_N // 8, 8, 4, D // 32, 4, 2]), [3, 4, 1, 0, 2, 5])
+    return gl.convert_layout(gl.reshape(t, [D, BLOCK_N]), a_l, assert_trivial=True)
 
 
 @gluon.jit
 def _real_order(t, ROWS_: gl.constexpr, D: gl.constexpr):
-    """The inverse of `_output_order`."""
-    t = gl.reshape(t, [ROWS_, D // 8, 8])
-    return gl.reshape(gl.permute(t, [0, 2, 1]), [ROWS_, D])
+    """``[ROWS_, D]`` in the output's row order (`_as_operand_a`) -> real head-dim order: row
+    ``8 (4 w + j) + 2 g1 + g0`` of ``O^T`` is ``d = (D/4) g1 + 8 w + 2 j + g0``."""
+    t = gl.permute(gl.reshape(t, [ROWS_, D // 32, 4, 4, 2]), [0, 3, 1, 2, 4])
+    return gl.reshape(t, [ROWS_, D])
 
 
 @gluon.jit
@@ -323,8 +338,6 @@ def _paged_decode_registers_kernel(
     # 2-byte word (`_e4m3_pairs`).
     K_PAIRS: gl.constexpr = D % 128 == 0
     ks_l: gl.constexpr = _key_layout(BLOCK_N, D // 32) if K_PAIRS else kb_l
-    vw_l: gl.constexpr = _value_layout(BLOCK_N, D // 8)
-    vb_l: gl.constexpr = _value_layout(BLOCK_N, D // 16)
     rows_l: gl.constexpr = _row_lanes(BLOCK_N)
     io_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
 
@@ -349,14 +362,14 @@ def _paged_decode_registers_kernel(
     l_H = gl.zeros([HEADS], gl.float32, layout=gl.SliceLayout(0, mma))
     acc = gl.zeros([D, HEADS], gl.float32, layout=mma)  # O^T, rows in the output order
     k_at = _step_offsets(num_kv_heads, kv_head, kw_l, ks_l, rows_l, BLOCK_N, D, K_PAIRS)
-    v_at = _step_offsets(num_kv_heads, kv_head, vw_l, vb_l, rows_l, BLOCK_N, D, False)
+    v_at = _step_offsets(num_kv_heads, kv_head, kw_l, ks_l, rows_l, BLOCK_N, D, K_PAIRS)
     k_words, k_scales, k_maxes = _pages_step(
         k_pages, k_block_scale, k_amax, table_row, start, end, num_kv_heads, kv_head, k_at,
         kw_l, ks_l, rows_l, BLOCK_N, PAGE, D, K_PAIRS,
     )  # fmt: skip
     v_words, v_scales, v_maxes = _pages_step(
         v_pages, v_block_scale, v_amax, table_row, start, end, num_kv_heads, kv_head, v_at,
-        vw_l, vb_l, rows_l, BLOCK_N, PAGE, D, False,
+        kw_l, ks_l, rows_l, BLOCK_N, PAGE, D, K_PAIRS,
     )  # fmt: skip
     for n0 in range(start, end, BLOCK_N):
         # The next step's K in flight while this one computes (zeros past the end).
@@ -384,15 +397,14 @@ def _paged_decode_registers_kernel(
         rest = p - p1.to(gl.float32)
         p2 = rest.to(gl.bfloat16)
         p3 = (rest - p2.to(gl.float32)).to(gl.bfloat16)
-        v_ND = _decoded(v_words, v_scales, v_maxes, vw_l, vb_l, BLOCK_N, D, False)
-        v_a = gl.convert_layout(gl.permute(_output_order(v_ND, BLOCK_N, D), [1, 0]), a_l,
-                                assert_trivial=True)  # fmt: skip
+        v_ND = _decoded(v_words, v_scales, v_maxes, kw_l, kb_l, BLOCK_N, D, K_PAIRS)
+        v_a = _as_operand_a(v_ND, a_l, BLOCK_N, D)
         # The next step's V loaded only now that this one's is decoded: into the same
         # registers, where loaded with K's the two steps' V would be live at once and each
         # step's copied over the other's at the end of the loop.
         next_v = _pages_step(
             v_pages, v_block_scale, v_amax, table_row, n0 + BLOCK_N, end, num_kv_heads,
-            kv_head, v_at, vw_l, vb_l, rows_l, BLOCK_N, PAGE, D, False,
+            kv_head, v_at, kw_l, ks_l, rows_l, BLOCK_N, PAGE, D, K_PAIRS,
         )  # fmt: skip
         # Once the running maxima stop moving (alpha == 1 in every head, the usual case after a
         # few steps) the rescale is skipped: multiplying by 1 changes no bit.
