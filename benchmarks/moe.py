@@ -16,8 +16,8 @@ logits. Compared in the same run:
       as they lie (the launcher's BF16 tile, and the tiles of ``--bf16-configs``);
   (e) ``moe_gemm.launch(..., registers=True)`` on the packed weights of (a): the weights decoded
       into the tensor cores' register operands (`moe_gemm_registers`, GPU only), the tiles of
-      ``--register-configs`` ("auto": `moe_gemm.register_config_for`'s). The launcher's own
-      choice is (e) up to `moe_gemm.REGISTERS_MAX_ROWS_PER_EXPERT` rows per expert, else (a).
+      ``--register-configs`` ("auto": `moe_tiles.register_config_for`'s). The launcher's own
+      choice is (e) up to `moe_tiles.REGISTERS_MAX_ROWS_PER_EXPERT` rows per expert, else (a).
 Every variant is first checked against the plain-PyTorch twin (``moe_gemm.reference_gemm``).
 Times are CUDA-graph replays (the GPU's time) after warm-up, median over repeats, rotating over
 ``--layers`` sets of weights, rows and routing so that no call finds its experts in L2; inputs
@@ -43,7 +43,7 @@ from _timing import median_ms, report, run_header  # noqa: E402
 
 from fp4rl import ops  # noqa: E402
 from fp4rl.kernels import moe_gemm  # noqa: E402
-from fp4rl.kernels.moe_gemm import GemmTile  # noqa: E402
+from fp4rl.kernels.moe_tiles import GemmTile  # noqa: E402
 from fp4rl.model.experts import grouped_mm  # noqa: E402
 
 TOP_K = 8

@@ -61,15 +61,15 @@ def attention_case(block_n: int) -> Case:
 
 
 def gemm_case(weight: str, tile_name: str, lookup: bool) -> Case:
-    from fp4rl.kernels import moe_gemm
+    from fp4rl.kernels import moe_tiles
 
     n, k = {"w13": (1536, 2048), "w2": (2048, 768)}[weight]
     tile = {
-        "narrow": moe_gemm.REGISTERS_TILE,
-        "short": moe_gemm.REGISTERS_SHORT_TILE,
-        "medium": moe_gemm.REGISTERS_MEDIUM_TILE,
-        "wide": moe_gemm.REGISTERS_WIDE_TILE,
-        "split": moe_gemm.REGISTERS_SPLIT_TILE,
+        "narrow": moe_tiles.REGISTERS_TILE,
+        "short": moe_tiles.REGISTERS_SHORT_TILE,
+        "medium": moe_tiles.REGISTERS_MEDIUM_TILE,
+        "wide": moe_tiles.REGISTERS_WIDE_TILE,
+        "split": moe_tiles.REGISTERS_SPLIT_TILE,
     }[tile_name]
     tile = tile.fitted(n, k)
     warps_n = min(tile.num_warps // tile.split_k, tile.block_n // 16)

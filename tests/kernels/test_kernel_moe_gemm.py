@@ -22,8 +22,9 @@ from kernel_checks import cpu  # noqa: E402
 from fp4rl import kernels  # noqa: E402
 from fp4rl.fp4 import reference as R  # noqa: E402
 from fp4rl.fp4.tensor import NVFP4Tensor  # noqa: E402
-from fp4rl.kernels import moe_gemm  # noqa: E402
-from fp4rl.kernels.moe_gemm import GemmTile, reference_gemm  # noqa: E402
+from fp4rl.kernels import moe_gemm, moe_tiles  # noqa: E402
+from fp4rl.kernels.moe_gemm import reference_gemm  # noqa: E402
+from fp4rl.kernels.moe_tiles import GemmTile  # noqa: E402
 
 # Tiles a CPU run can afford that still cover both block-scale load paths (bytes below
 # BLOCK_K = 64, int32 words from 64 up), several row tiles per expert and partial ones.
@@ -123,15 +124,15 @@ def every_byte_weights(
 def test_tiles_narrow_only_where_the_grid_leaves_sms_idle():
     """One token's w13 (24 column tiles x 8 experts = 192 programs) on 132 SMs gets 32-wide
     tiles; its w2 (256 programs), four tokens and an unknown SM count keep the bucket's."""
-    bucket = moe_gemm.config_for(8, 128)
+    bucket = moe_tiles.config_for(8, 128)
     assert bucket.block_n == 64
-    assert moe_gemm.config_for(8, 128, n=1536, sms=132).block_n == 32
-    assert moe_gemm.config_for(8, 128, n=2048, sms=132) == bucket
-    assert moe_gemm.config_for(32, 128, n=1536, sms=132).block_n == 64
-    assert moe_gemm.config_for(8, 128, n=1536) == bucket
-    assert moe_gemm.config_for(1, 128, n=64, sms=132).block_n == 32  # never below 32
-    bf16 = moe_gemm.BF16_CONFIGS[0][1]  # BF16 weights: the sweep's own tiles, never narrowed
-    assert moe_gemm.config_for(8, 128, n=1536, sms=132, bf16=True) == bf16
+    assert moe_tiles.config_for(8, 128, n=1536, sms=132).block_n == 32
+    assert moe_tiles.config_for(8, 128, n=2048, sms=132) == bucket
+    assert moe_tiles.config_for(32, 128, n=1536, sms=132).block_n == 64
+    assert moe_tiles.config_for(8, 128, n=1536) == bucket
+    assert moe_tiles.config_for(1, 128, n=64, sms=132).block_n == 32  # never below 32
+    bf16 = moe_tiles.BF16_CONFIGS[0][1]  # BF16 weights: the sweep's own tiles, never narrowed
+    assert moe_tiles.config_for(8, 128, n=1536, sms=132, bf16=True) == bf16
 
 
 # With the global scale on the accumulator, a one-hot row's sum is one exact product
@@ -350,7 +351,7 @@ def test_qwen3_shapes_bf16_weights_on_gpu(shape, tokens):
     w = bf16_weights(128, n, k, "cuda", seed=tokens)
     counts = routed(tokens, 128, 8, g)
     x = torch.randn(int(counts.sum()), k, generator=g).to(torch.bfloat16).cuda()
-    for tile in (None, *(tile for _, tile in moe_gemm.CONFIGS[:3])):
+    for tile in (None, *(tile for _, tile in moe_tiles.CONFIGS[:3])):
         y = moe_gemm.launch(x, w, counts.cuda(), config=tile)
         assert_within_float64(y, x, w, counts, f"BF16 {shape} {tokens} tokens, tile {tile}")
 
@@ -390,7 +391,7 @@ def test_qwen3_weights_bitwise_on_gpu(shape, acc):
     w = random_weights(128, n, k, "cuda", seed=7)
     experts = [0, 5, 77, 127]
     x, counts = onehot_rows(k, experts, 128, "cuda")
-    for tile in (None, *(tile for _, tile in moe_gemm.CONFIGS)):
+    for tile in (None, *(tile for _, tile in moe_tiles.CONFIGS)):
         y = moe_gemm.launch(x, w, counts, config=tile, global_scale_on_accumulator=acc)
         assert_weights_bitwise(y, w, experts, f"{shape}, tile {tile}")
 

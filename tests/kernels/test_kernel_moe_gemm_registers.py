@@ -26,8 +26,8 @@ from test_kernel_moe_gemm import (  # noqa: E402
 
 from fp4rl.fp4.format import MIN_GLOBAL_SCALE  # noqa: E402
 from fp4rl.fp4.tensor import NVFP4Tensor  # noqa: E402
-from fp4rl.kernels import moe_gemm  # noqa: E402
-from fp4rl.kernels.moe_gemm import GemmTile  # noqa: E402
+from fp4rl.kernels import moe_gemm, moe_tiles  # noqa: E402
+from fp4rl.kernels.moe_tiles import GemmTile  # noqa: E402
 
 REGISTER_TILES = [
     None,  # the launcher's own choice
@@ -194,7 +194,7 @@ def test_decode_batches_take_the_register_kernel_on_gpu():
     n, k = QWEN3_SHAPES["w2"]
     g = torch.Generator().manual_seed(29)
     w = random_weights(128, n, k, "cuda", seed=29)
-    bound = int(moe_gemm.REGISTERS_MAX_ROWS_PER_EXPERT * 128) // 8
+    bound = int(moe_tiles.REGISTERS_MAX_ROWS_PER_EXPERT * 128) // 8
     for tokens, registers in ((8, True), (bound, True), (bound + 1, False)):
         counts = routed(tokens, 128, 8, g).cuda()
         x = torch.randn(tokens * 8, k, generator=g).to(torch.bfloat16).cuda()
@@ -203,7 +203,7 @@ def test_decode_batches_take_the_register_kernel_on_gpu():
         got = moe_gemm.launch(x, w, counts)
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), tokens
         assert not torch.equal(got.view(torch.int16), other.view(torch.int16)), tokens
-    tile = moe_gemm.config_for(64, 128)
+    tile = moe_tiles.config_for(64, 128)
     got = moe_gemm.launch(x[:64], w, counts, config=tile)
     assert torch.equal(got, moe_gemm.launch(x[:64], w, counts, config=tile, registers=False))
 
@@ -214,17 +214,17 @@ def test_register_tiles_by_rows_per_expert():
     expert, 16 rows and 128 columns up to 12, then the wide tile; the launcher's own choice
     reaches as far as REGISTERS_MAX_ROWS_PER_EXPERT."""
     for rows in (1, 8, 63):
-        assert moe_gemm.register_config_for(rows, 128) == moe_gemm.REGISTERS_TILE
-        assert moe_gemm.register_config_for(rows, 128, k=768) == moe_gemm.REGISTERS_TILE
-        assert moe_gemm.register_config_for(rows, 128, k=2048) == moe_gemm.REGISTERS_SPLIT_TILE
-    assert moe_gemm.register_config_for(64, 128, k=2048) == moe_gemm.REGISTERS_SHORT_TILE
+        assert moe_tiles.register_config_for(rows, 128) == moe_tiles.REGISTERS_TILE
+        assert moe_tiles.register_config_for(rows, 128, k=768) == moe_tiles.REGISTERS_TILE
+        assert moe_tiles.register_config_for(rows, 128, k=2048) == moe_tiles.REGISTERS_SPLIT_TILE
+    assert moe_tiles.register_config_for(64, 128, k=2048) == moe_tiles.REGISTERS_SHORT_TILE
     for rows in (64, 512, 704):  # 8 to 88 tokens
-        assert moe_gemm.register_config_for(rows, 128) == moe_gemm.REGISTERS_SHORT_TILE
+        assert moe_tiles.register_config_for(rows, 128) == moe_tiles.REGISTERS_SHORT_TILE
     for rows in (705, 768, 1024, 1280, 1536):  # 89 to 192 tokens
-        assert moe_gemm.register_config_for(rows, 128) == moe_gemm.REGISTERS_MEDIUM_TILE
-    assert moe_gemm.register_config_for(1537, 128) == moe_gemm.REGISTERS_WIDE_TILE
-    assert moe_gemm.REGISTERS_SHORT_TILE.block_m == 8
-    assert moe_gemm.REGISTERS_MAX_ROWS_PER_EXPERT * 128 >= 2048  # 256 tokens at top-8
+        assert moe_tiles.register_config_for(rows, 128) == moe_tiles.REGISTERS_MEDIUM_TILE
+    assert moe_tiles.register_config_for(1537, 128) == moe_tiles.REGISTERS_WIDE_TILE
+    assert moe_tiles.REGISTERS_SHORT_TILE.block_m == 8
+    assert moe_tiles.REGISTERS_MAX_ROWS_PER_EXPERT * 128 >= 2048  # 256 tokens at top-8
 
 
 def test_registers_checks_name_the_values(device):

@@ -1,0 +1,192 @@
+"""The routed-expert GEMM's tiles (`moe_gemm.launch`): what one program computes (`GemmTile`)
+and which tile a launch takes, by rows per expert on average, for each of the two programs
+(`moe_gemm`'s Triton program over packed or BF16 weights, `moe_gemm_registers`' Gluon
+program over packed weights). Every choice below was measured on one H200 at Qwen3-30B-A3B's
+expert shapes (`python benchmarks/moe.py`, BENCHMARKS.md "Routed-expert GEMM" and the
+sections after it); no tile changes a bit of the product, only the order of its FP32 sums.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class GemmTile:
+    """One program: ``block_m`` rows of one expert times ``block_n`` output columns, ``block_k``
+    of the reduction per step (each a power of two >= 16; ``block_m`` may be 8 for the register
+    kernel, whose MMA takes 8 rows), ``num_stages`` of loads in flight. ``split_k`` (register
+    kernel only) of the ``num_warps`` share each column, each taking its own ``block_k`` of a
+    step: a step then covers ``split_k * block_k`` of K, and the warps' sums are added at the
+    end. ``clamp_rows`` (register kernel only): a tile's rows past the expert's last read that
+    row again, unmasked, instead of masked loads with a zero fill; the extra rows' products land
+    in accumulator columns that are never stored. No bit changes; the compiled loop does (fewer
+    instructions, another register allocation), so it is set where it measured faster."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    split_k: int = 1
+    clamp_rows: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            v, least = getattr(self, name), 8 if name == "block_m" else 16
+            if v < least or v & (v - 1):
+                raise ValueError(f"GemmTile.{name} must be a power of two >= {least}; got {v}")
+        if self.split_k < 1 or self.split_k & (self.split_k - 1) or self.num_warps % self.split_k:
+            raise ValueError(
+                f"GemmTile.split_k must be a power of two dividing num_warps={self.num_warps}; "
+                f"got {self.split_k}"
+            )
+
+    def fitted(self, n: int, k: int) -> GemmTile:
+        """This tile narrowed where N or K is not a multiple of it (N, K multiples of 16): its
+        K step first, then its split."""
+        block_n, block_k, split_k = self.block_n, self.block_k, self.split_k
+        while n % block_n:
+            block_n //= 2
+        while k % (block_k * split_k):
+            if block_k > 64:
+                block_k //= 2
+            elif split_k > 1:
+                split_k //= 2
+            else:
+                block_k //= 2
+        return dataclasses.replace(self, block_n=block_n, block_k=block_k, split_k=split_k)
+
+
+# (most rows per expert on average, tile): the first bucket that holds A / E is used; the
+# token counts below are for top-8 over 128 experts. Chosen on one H200 at Qwen3-30B-A3B's
+# shapes (w13 [128, 1536, 2048], w2 [128, 2048, 768]) from the sweeps of benchmarks/moe.py
+# recorded in BENCHMARKS.md.
+CONFIGS: tuple[tuple[float, GemmTile], ...] = (
+    # Up to 4 tokens: few experts, few programs; long K steps keep more bytes in flight each.
+    (0.25, GemmTile(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3)),
+    # Decode batches up to 128 tokens: one tile of 16 rows per expert; 80 registers let
+    # several programs share an SM, and three stages (not four) let shared memory hold six.
+    (8.0, GemmTile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)),
+    # Up to 640 tokens: 32 rows, so that most experts are decoded once.
+    (40.0, GemmTile(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=4)),
+    # Prefill chunks up to 1536 tokens: 128 rows per tile.
+    (96.0, GemmTile(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)),
+    # Long prefill: a weight tile's decode is shared by 256 rows.
+    (float("inf"), GemmTile(block_m=256, block_n=128, block_k=64, num_warps=8, num_stages=3)),
+)
+
+
+# BF16 weights (the BF16 engine's experts): nothing to decode, so the weight tile goes from
+# shared memory to the tensor cores as loaded. From the sweep of `python benchmarks/moe.py`
+# (--bf16-configs, one H200, BENCHMARKS.md "Routed-expert GEMM"): the NVFP4 buckets' tiles were
+# the fastest or within 2 % from 8 tokens up, and at up to 4 tokens 64-wide K steps six deep
+# (w13 15.6 against 16.1 us at one token, w2 9.9 against 12.1). These tiles are not narrowed
+# (`config_for`): that rule was measured for the NVFP4 decode.
+BF16_CONFIGS: tuple[tuple[float, GemmTile], ...] = (
+    (0.25, GemmTile(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=6)),
+    *CONFIGS[1:],
+)
+
+
+# Batches of at most this many rows per expert on average (decode steps up to 256 tokens at
+# top-8 over 128 experts) take the register kernel (`moe_gemm_registers`) on packed weights,
+# with `register_config_for`'s tile: 1.08-1.56x the BF16 kernel's speed from 1 to 256 tokens,
+# where `moe_gemm`'s Triton program is 0.84-1.07x; at 1,024 tokens both NVFP4 programs are
+# 0.55-0.71x the BF16 kernel, and the Triton program is used (one H200, `python
+# benchmarks/moe.py`, BENCHMARKS.md "Routed-expert GEMM: the register kernel").
+REGISTERS_MAX_ROWS_PER_EXPERT = 16.0
+# Below half a row per expert (one token): 16 rows, 64 columns, 256-wide K steps, the tile once
+# taken up to 8 rows (there w13 at 8 / 64 tokens 53.3 / 117.5 us against 57.5 / 123.8 for the
+# bucket's tile, w2 30.7 / 67.8 against 33.0 / 69.1).
+REGISTERS_TILE = GemmTile(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=2)
+# From half a row per expert on average (8 tokens at top-8 over 128 experts) to 5.5: the same
+# tile with 8 rows, half the rows of x loaded and multiplied (w13 at 8 / 64 tokens 48.5 / 101.7
+# us against 50.2 / 110.2 for 16 rows, w2 26.3 / 57.8 against 29.2 / 64.8). Below half a row
+# (one token) 16 rows measured faster: 14.0 against 17.0 us (w13), 7.5 against 7.9 (w2).
+REGISTERS_SHORT_TILE = GemmTile(block_m=8, block_n=64, block_k=256, num_warps=4, num_stages=2)
+# Below half a row per expert, a long reduction (at least 8 of REGISTERS_TILE's K steps: w13's
+# K = 2048, not w2's 768) is split between two warps per column: 8 rows, 32 columns, each warp
+# its own 256 of a 512-wide step. A lone token's warps then each walk half as many steps: w13
+# at 1 / 4 tokens 11.8 / 29.3 us against 14.0 / 30.9 unsplit, while w2's three steps gain
+# nothing (8.1 against 7.7 us at one token) (one H200, `python benchmarks/moe.py`, BENCHMARKS.md
+# "Routed-expert GEMM: K split across warps").
+REGISTERS_SPLIT_TILE = GemmTile(block_m=8, block_n=32, block_k=256, num_warps=4, num_stages=2,
+                                split_k=2)  # fmt: skip
+REGISTERS_SPLIT_MIN_STEPS = 8
+# Above 5.5 rows per expert on average, up to 12 (89 to 192 tokens at top-8 over 128 experts):
+# 16 rows and 128 columns of 4 warps. Around 8 rows many experts need two 8-row tiles, each
+# decoding the expert's weights again: at 128 tokens w13 126.8 against 162.6 us for the 8-row
+# tile and 136.1 for the wide one, w2 71.5 against 86.0 and 76.3; at 160 tokens 133.8 / 73.1
+# against the wide tile's 136.3 / 77.0; at 96 and 192 tokens the two GEMMs together are within
+# 1 % and 2 % of the tiles on either side (one H200, `python benchmarks/moe.py --tokens
+# 48,64,96,128,160,192,256`, BENCHMARKS.md "Routed-expert GEMM: a 16-row tile for mid-sized
+# batches"). Its rows are clamped (`GemmTile.clamp_rows`): under Triton 3.6 that compiles to 128
+# registers instead of 136, four programs a multiprocessor instead of three, and at 128 tokens
+# w13 took 117.3-118.1 against 125.1-127.0 us, w2 62.7-63.0 against 68.2-68.5 (one H200,
+# `python benchmarks/moe.py --tokens 1,8,64,128,256`, the two trees alternately, twice;
+# BENCHMARKS.md "Routed-expert GEMM: clamped rows"). The other tiles measured slower clamped.
+# Clamped, it also beat the wide tile at 192 tokens (12 rows per expert): w13 133.8 against
+# 138.7 us, w2 68.9 against 76.3; at 224 the two GEMMs together were 219.3 against 216.3 (one
+# H200, `python benchmarks/moe.py --tokens 160,192,224,256 --register-configs
+# auto,...,16:128:128:4:2:1:1`), so its range now reaches 12 rows. Below 6 rows it beat the
+# 8-row tile at 96 tokens and about tied it at 88, the two GEMMs together 177.4 against
+# 189.3-190.4 us at 96, 177.6-177.9 against 178.8-179.9 at 88, and 176.5-177.8 against
+# 168.0-168.4 at 80 (one H200, `python benchmarks/moe.py --tokens 64,72,80,88,96,104,112,128`,
+# twice; BENCHMARKS.md "Routed-expert GEMM: the 16-row tile from 89 tokens"), so its range
+# starts above 5.5 rows.
+REGISTERS_MEDIUM_TILE = GemmTile(
+    block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=2, clamp_rows=True
+)
+REGISTERS_MEDIUM_ROWS = (5.5, 12.0)  # rows per expert on average: above the first, up to the second
+# Past 12 rows per expert: 32 rows and 128 columns of 4 warps (each warp's 32 columns share its
+# copy of the rows); at 256 tokens 171 against 280 us (w13) and 82 against 149 (w2).
+REGISTERS_WIDE_TILE = GemmTile(block_m=32, block_n=128, block_k=128, num_warps=4, num_stages=2)
+
+# A launch whose grid would give the SMs fewer programs than this each (one token's w13: 24
+# column tiles x 8 experts = 192 programs for 132 SMs) halves its tile's width, so that more SMs
+# stream weights: 18.7 against 20.1 µs there, while w2's 256 programs lose by narrowing (14.8
+# against 10.5 µs), BENCHMARKS.md "Routed-expert GEMM".
+MIN_PROGRAMS_PER_SM = 1.5
+
+
+def config_for(
+    num_rows: int, num_experts: int, n: int | None = None, sms: int = 0, *, bf16: bool = False
+) -> GemmTile:
+    """The bucket's tile (`BF16_CONFIGS` for BF16 weights) for ``num_rows`` rows over
+    ``num_experts`` experts; for NVFP4 weights, given the output width ``n`` and the device's
+    ``sms``, narrowed (down to 32 columns) while its grid would have fewer than
+    `MIN_PROGRAMS_PER_SM` programs per SM."""
+    rows_per_expert = num_rows / max(num_experts, 1)
+    buckets = BF16_CONFIGS if bf16 else CONFIGS
+    tile = next(tile for bound, tile in buckets if rows_per_expert <= bound)
+    if n is not None and not bf16:
+        # The programs of `moe_gemm.launch`'s grid.
+        row_tiles = num_rows // tile.block_m + min(num_experts, num_rows)
+        while (
+            tile.block_n > 32
+            and (n // tile.block_n) * row_tiles < MIN_PROGRAMS_PER_SM * sms
+            and n % (tile.block_n // 2) == 0
+        ):
+            tile = dataclasses.replace(tile, block_n=tile.block_n // 2)
+    return tile
+
+
+def register_config_for(num_rows: int, num_experts: int, k: int = 0) -> GemmTile:
+    """The register kernel's tile by rows per expert on average: `REGISTERS_TILE` below half a
+    row (`REGISTERS_SPLIT_TILE` where the reduction ``k`` has at least
+    `REGISTERS_SPLIT_MIN_STEPS` of its steps), `REGISTERS_SHORT_TILE` up to 5.5 rows,
+    `REGISTERS_MEDIUM_TILE` up to 12 (`REGISTERS_MEDIUM_ROWS`), `REGISTERS_WIDE_TILE` above
+    (narrowed to the weight's shape by `moe_gemm.launch`, its warps cut to one per 16 columns)."""
+    experts = max(num_experts, 1)
+    low, high = REGISTERS_MEDIUM_ROWS
+    if num_rows > high * experts:
+        return REGISTERS_WIDE_TILE
+    if num_rows > low * experts:
+        return REGISTERS_MEDIUM_TILE
+    if num_rows >= 0.5 * experts:
+        return REGISTERS_SHORT_TILE
+    if k >= REGISTERS_SPLIT_MIN_STEPS * REGISTERS_TILE.block_k:
+        return REGISTERS_SPLIT_TILE
+    return REGISTERS_TILE
