@@ -247,6 +247,22 @@ def _decoded(words, scales, amax_N, words_l: gl.constexpr, blocks_l: gl.constexp
 
 
 @gluon.jit
+def _transposed(x):
+    """``movmatrix.sync.aligned.m8n8.trans.b16`` on each register pair of BF16 ``x``: the pair a
+    lane (g, c) holds, elements (g, 2c) and (g, 2c + 1) of an 8 x 8 tile, is replaced by the
+    tile's elements (2c, g) and (2c + 1, g); the values move between lanes, not through shared
+    memory."""
+    return gl.inline_asm_elementwise(
+        "movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;",
+        "=r,r",
+        [x],
+        dtype=gl.bfloat16,
+        is_pure=True,
+        pack=2,
+    )
+
+
+@gluon.jit
 def _as_operand_a(v, a_l: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr):
     """``[BLOCK_N, D]`` BF16 values of V as decoded in K's layout (`_key_layout`: lane (g, c)
     holds tokens ``g + 8 h`` and values ``(D/4) c ... (D/4) c + D/4 - 1`` of each) -> V^T as
@@ -257,14 +273,7 @@ def _as_operand_a(v, a_l: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr):
     """
     # Consecutive values as consecutive registers, the pairs `fragments.look_up` packed.
     v = gl.convert_layout(v, _pairs_layout(BLOCK_N, D), assert_trivial=True)
-    t = gl.inline_asm_elementwise(
-        "movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;",
-        "=r,r",
-        [v],
-        dtype=gl.bfloat16,
-        is_pure=True,
-        pack=2,
-    )
+    t = _transposed(v)
     # t[8 h + g, (D/4) c + 8 w + 2 j + e] now holds V[8 h + 2 c + e, (D/4)(g // 2) + 8 w + 2 j
     # + g % 2]: relabel (h, g, c, w, j, e) as V^T's row 8 (4 w + j) + g, token 8 h + 2 c + e.
     t = gl.permute(gl.reshape(t, [BLOCK_N // 8, 8, 4, D // 32, 4, 2]), [3, 4, 1, 0, 2, 5])
@@ -286,14 +295,7 @@ def _as_operand_b(p, b_l: gl.constexpr, BLOCK_N: gl.constexpr):
     tokens ``g + 8 h`` of heads ``2c, 2c + 1`` and needs tokens ``2c, 2c + 1 (+ 8 h)`` of head
     g: each 8 x 8 tile transposed by ``movmatrix`` (the values move between lanes, no shared
     memory), then the tensor relabelled to match."""
-    t = gl.inline_asm_elementwise(
-        "movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;",
-        "=r,r",
-        [p],
-        dtype=gl.bfloat16,
-        is_pure=True,
-        pack=2,
-    )
+    t = _transposed(p)
     # t[8 h + g, 2 c + e] now holds p[8 h + 2 c + e, g]: relabel (h, g, c, e) -> (h, c, e, g).
     t = gl.permute(gl.reshape(t, [BLOCK_N // 8, 8, HEADS // 2, 2]), [0, 2, 3, 1])
     return gl.convert_layout(gl.reshape(t, [BLOCK_N, HEADS]), b_l, assert_trivial=True)
