@@ -363,21 +363,21 @@ def _paged_decode_registers_kernel(
     m_H = gl.full([HEADS], float("-inf"), gl.float32, layout=gl.SliceLayout(0, mma))
     l_H = gl.zeros([HEADS], gl.float32, layout=gl.SliceLayout(0, mma))
     acc = gl.zeros([D, HEADS], gl.float32, layout=mma)  # O^T, rows in the output order
-    k_at = _step_offsets(num_kv_heads, kv_head, kw_l, ks_l, rows_l, BLOCK_N, D, K_PAIRS)
-    v_at = _step_offsets(num_kv_heads, kv_head, kw_l, ks_l, rows_l, BLOCK_N, D, K_PAIRS)
+    # K and V lie alike in their pages and are loaded alike: one set of offsets.
+    at = _step_offsets(num_kv_heads, kv_head, kw_l, ks_l, rows_l, BLOCK_N, D, K_PAIRS)
     k_words, k_scales, k_maxes = _pages_step(
-        k_pages, k_block_scale, k_amax, table_row, start, end, num_kv_heads, kv_head, k_at,
+        k_pages, k_block_scale, k_amax, table_row, start, end, num_kv_heads, kv_head, at,
         kw_l, ks_l, rows_l, BLOCK_N, PAGE, D, K_PAIRS,
     )  # fmt: skip
     v_words, v_scales, v_maxes = _pages_step(
-        v_pages, v_block_scale, v_amax, table_row, start, end, num_kv_heads, kv_head, v_at,
+        v_pages, v_block_scale, v_amax, table_row, start, end, num_kv_heads, kv_head, at,
         kw_l, ks_l, rows_l, BLOCK_N, PAGE, D, K_PAIRS,
     )  # fmt: skip
     for n0 in range(start, end, BLOCK_N):
         # The next step's K in flight while this one computes (zeros past the end).
         next_k = _pages_step(
             k_pages, k_block_scale, k_amax, table_row, n0 + BLOCK_N, end, num_kv_heads,
-            kv_head, k_at, kw_l, ks_l, rows_l, BLOCK_N, PAGE, D, K_PAIRS,
+            kv_head, at, kw_l, ks_l, rows_l, BLOCK_N, PAGE, D, K_PAIRS,
         )  # fmt: skip
 
         # Scores S^T = K . q^T [BLOCK_N, HEADS]: the keys are the MMA's rows.
@@ -406,7 +406,7 @@ def _paged_decode_registers_kernel(
         # step's copied over the other's at the end of the loop.
         next_v = _pages_step(
             v_pages, v_block_scale, v_amax, table_row, n0 + BLOCK_N, end, num_kv_heads,
-            kv_head, v_at, kw_l, ks_l, rows_l, BLOCK_N, PAGE, D, K_PAIRS,
+            kv_head, at, kw_l, ks_l, rows_l, BLOCK_N, PAGE, D, K_PAIRS,
         )  # fmt: skip
         # Once the running maxima stop moving (alpha == 1 in every head, the usual case after a
         # few steps) the rescale is skipped: multiplying by 1 changes no bit.
