@@ -32,6 +32,7 @@ from fp4rl.fp4.reference import (
     e2m1_rne,
     e4m3_rne_satfinite,
     global_scale_from_amax,
+    row_amax,
     scaled_values,
     unpack_e2m1,
 )
@@ -162,6 +163,7 @@ class SparseCodes:
     - ``block_counts``  ``[...]``       recorded blocks per row
     - ``block_entries`` ``[m]``         ``block << 1 | scale_bit`` per recorded block, likewise
     - ``row_amax``      ``[..., 1]``    the rollout's ``max |x|`` of each row, in the site's dtype
+      (`reference.row_amax`: NaN where the row is not finite)
     - ``columns``                       ``K``
 
     Counts and entries take the narrowest of uint8 / int16 / int32 that holds the row width and
@@ -509,8 +511,10 @@ def sparse(
             f"sparse guidance needs one global scale per row (scaling='row'), got "
             f"{tuple(t.global_scale.shape)} for values {tuple(x.shape)}"
         )
-    row_amax = x.abs().amax(-1, keepdim=True)  # a value of x's dtype: exact
-    derived = global_scale_from_amax(row_amax)
+    # A value of x's dtype, exact; the canonical NaN for a row that is not finite, as KV pages
+    # keep it (an infinite row's maximum would be inf: the same NaN global scale either way).
+    amax = row_amax(x)
+    derived = global_scale_from_amax(amax)
     if not torch.equal(derived.view(torch.int32), t.global_scale.view(torch.int32)):
         raise ValueError(
             "sparse guidance derives each row's global scale from its maximum, but these codes "
@@ -531,7 +535,7 @@ def sparse(
         entries=entries,
         block_counts=block_counts.view(lead),
         block_entries=block_entries,
-        row_amax=row_amax,
+        row_amax=amax,
         columns=K,
     )
 

@@ -117,14 +117,17 @@ row_values = st.one_of(
 def test_the_trainer_derives_the_rollouts_scales_bitwise(rows, dtype, poison):
     """The global scale from the recorded row maximum, by the recipe's own function, is the
     rollout's bitwise; with the trainer's values equal to the rollout's, so is every block
-    scale and code (whatever delta records), poisoned rows included."""
+    scale and code (whatever delta records), poisoned rows included. The recorded maximum is
+    the recipe's `row_amax`, the value KV pages keep (the canonical NaN for an infinite row)."""
     x = torch.tensor(rows, dtype=torch.float32).to(dtype)
     if poison is not None:
         x[0, 3] = poison
     t = R.quantize(x, scaling="row")
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
     for delta in (0.0, 0.02, 0.5):
         s = G.sparse(x, t, delta)
         assert s.row_amax.dtype == dtype
+        assert torch.equal(s.row_amax.view(bits), R.row_amax(x).view(bits))
         derived = R.global_scale_from_amax(s.row_amax)
         assert torch.equal(derived.view(torch.int32), t.global_scale.view(torch.int32))
         assert G.round_guided_sparse(x, s).equal(t)
