@@ -11,7 +11,7 @@ Shapes, for a logical tensor ``[..., K]`` quantized with a global scale shared o
 - ``global_scale``  float32           ``shape[:-group_ndim] + (1,) * group_ndim``
 
 `NVFP4Rows` holds per-row quantized rows with each row's amax in place of its global scale: the
-paged KV cache's layout.
+paged KV cache's layout (its codes' sign bits placed for the decoding kernels).
 """
 
 from __future__ import annotations
@@ -109,14 +109,16 @@ class NVFP4Tensor(_PackedCodes):
 @dataclass(frozen=True, slots=True)
 class NVFP4Rows(_PackedCodes):
     """Rows quantized with one global scale each (``scaling="row"``), as a paged KV cache holds
-    them: codes and block scales as in `NVFP4Tensor`, and in place of each row's FP32 global
-    scale the row's amax ``max |x|`` in x's dtype (NaN where the row is not finite).
+    them: codes (their sign bits moved, below) and block scales as in `NVFP4Tensor`, and in
+    place of each row's FP32 global scale the row's amax ``max |x|`` in x's dtype (NaN where the
+    row is not finite).
 
     The recipe's global scale is a function of that amax (`reference.global_scale_from_amax`),
     and the amax of a BF16 row is a BF16 value, so a BF16 row keeps 2 bytes of scale instead of
     4 and loses nothing: `reference.rows_tensor` gives back the `NVFP4Tensor`, bit for bit.
 
-    - ``codes``        uint8                     ``[..., K // 2]``
+    - ``codes``        uint8                     ``[..., K // 2]``, each 4-byte word's sign bits
+      moved for the decoding kernels (`reference.PAGE_SIGNS`; `rows_tensor` moves them back)
     - ``block_scale``  float8_e4m3fn             ``[..., K // 16]``
     - ``amax``         bfloat16/float16/float32  ``[..., 1]``
     """

@@ -18,9 +18,10 @@ kernels check at compile time (``convert_layout(..., assert_trivial=True)``).
 The decode. A block's 16 codes can take only 8 magnitudes, so a kernel first computes, per
 block, those 8 BF16 values and splits them into byte tables (`byte_tables`: four of the
 contract's products, and the other four as exact doublings of two of them); a word's 8 values
-are then table lookups, sign flips and pairings by PRMT, 15 instructions for 8 values
-(`look_up`). Each value is ``round_bf16((e2m1 * sf) * s)``, the bits `numerics` defines (a
-negative code flips the sign bit, as the symmetric rounding does).
+are then table lookups, sign flips and pairings by PRMT, 15 instructions for 8 values, 13 for
+KV pages, whose sign bits sit where the flips take them (`look_up`). Each value is
+``round_bf16((e2m1 * sf) * s)``, the bits `numerics` defines (a negative code flips the sign
+bit, as the symmetric rounding does).
 
 Compiled only (sm_89 and newer): Triton's interpreter runs no Gluon.
 """
@@ -84,15 +85,29 @@ def byte_tables(sf, s):
 
 
 @gluon.jit
-def look_up(words, lo0, lo1, hi0, hi1):
+def look_up(words, lo0, lo1, hi0, hi1, PAGE_SIGNS: gl.constexpr):
     """The 8 BF16 weights of each word, codes 0..7, from its block's byte tables. Per half word
     (4 codes): a PRMT picks the 4 low bytes by the codes' magnitude indices and one the 4 high
-    bytes; a sign-replicating PRMT of the word (and of the word shifted by a nibble) gives 0xFF
-    for each negative code, whose top bit flips its high byte's sign (a block scale may be
-    negative: the table then holds negative values); two PRMTs pair low and high bytes into
-    BF16x2 words. 15 instructions for 8 weights, all but two on the ALU pipe, which bounds the
-    decoding kernels: the upper half word's selectors come down by ``mul.hi`` (an IMAD on the
-    FMA pipe) rather than a shift, and ptxas writes the nibble shift as an IMAD too."""
+    bytes; the top bit of each code's sign byte flips its high byte's sign (a block scale may
+    be negative: the table then holds negative values); two PRMTs pair low and high bytes into
+    BF16x2 words. The upper half word's selectors come down by ``mul.hi`` (an IMAD on the FMA
+    pipe) rather than a shift, and ptxas writes the nibble shift as an IMAD too.
+
+    The sign bytes: in `pack_e2m1`'s layout a sign-replicating PRMT of the word (and of the word
+    shifted by a nibble) gives 0xFF for each negative code: 15 instructions for 8 values, all
+    but two on the ALU pipe, which bounds the decoding kernels. KV pages keep the signs where
+    the flip takes them (PAGE_SIGNS, `reference.PAGE_SIGNS`): the word itself and the word
+    shifted by a nibble are the sign bytes, 13 instructions."""
+    if PAGE_SIGNS:
+        signs_lo: gl.constexpr = "lop3.b32 h0, h0, $8, 0x80808080, 0x78;"
+        signs_hi: gl.constexpr = "lop3.b32 h1, h1, w4, 0x80808080, 0x78;"
+    else:
+        signs_lo: gl.constexpr = (
+            "prmt.b32 sg, w4, $8, 0xD9C8; lop3.b32 h0, h0, sg, 0x80808080, 0x78;"
+        )
+        signs_hi: gl.constexpr = (
+            "prmt.b32 sg, w4, $8, 0xFBEA; lop3.b32 h1, h1, sg, 0x80808080, 0x78;"
+        )
     return gl.inline_asm_elementwise(
         """{ .reg .b32 m, mh, w4, l0, h0, l1, h1, sg, q;
         and.b32 m, $8, 0x77777777;
@@ -100,12 +115,14 @@ def look_up(words, lo0, lo1, hi0, hi1):
         shl.b32 w4, $8, 4;
         prmt.b32 l0, $9, $10, m;
         prmt.b32 h0, $11, $12, m;
-        prmt.b32 sg, w4, $8, 0xD9C8;
-        lop3.b32 h0, h0, sg, 0x80808080, 0x78;
+        """
+        + signs_lo
+        + """
         prmt.b32 l1, $9, $10, mh;
         prmt.b32 h1, $11, $12, mh;
-        prmt.b32 sg, w4, $8, 0xFBEA;
-        lop3.b32 h1, h1, sg, 0x80808080, 0x78;
+        """
+        + signs_hi
+        + """
         prmt.b32 q, l0, h0, 0x5140;
         mov.b32 {$0, $1}, q;
         prmt.b32 q, l0, h0, 0x7362;
@@ -140,11 +157,15 @@ def joined(v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_N: gl.constexpr, BLOCK_K: gl.co
 
 
 @gluon.jit
-def looked_up(words, sf, s, ROWS: gl.constexpr, BLOCK_K: gl.constexpr, words_l: gl.constexpr):
+def looked_up(
+    words, sf, s, ROWS: gl.constexpr, BLOCK_K: gl.constexpr, words_l: gl.constexpr,
+    PAGE_SIGNS: gl.constexpr,
+):  # fmt: skip
     """``[ROWS, BLOCK_K]`` BF16 values of ``[ROWS, BLOCK_K // 8]`` words in ``words_l``, real K
     order, in the threads that hold the words: each block's byte tables from its block scale
     (``sf [ROWS, BLOCK_K // 16]`` as FP32, held by the thread that holds the block's two words)
-    and the biased global scale ``s`` (broadcast over the blocks), then the lookups."""
+    and the biased global scale ``s`` (broadcast over the blocks), then the lookups (with
+    PAGE_SIGNS of words in KV pages' layout)."""
     lo0, lo1, hi0, hi1 = byte_tables(sf, s)
     v0, v1, v2, v3, v4, v5, v6, v7 = look_up(
         words,
@@ -152,5 +173,6 @@ def looked_up(words, sf, s, ROWS: gl.constexpr, BLOCK_K: gl.constexpr, words_l: 
         per_word(lo1, ROWS, BLOCK_K, words_l),
         per_word(hi0, ROWS, BLOCK_K, words_l),
         per_word(hi1, ROWS, BLOCK_K, words_l),
+        PAGE_SIGNS,
     )
     return joined(v0, v1, v2, v3, v4, v5, v6, v7, ROWS, BLOCK_K)

@@ -299,7 +299,9 @@ def _moe_gemm_registers_kernel(
             next_scales = gl.load(scale_ptrs + STEP // 16, mask=more, other=0)
         sf = scales.to(gl.float8e4nv, bitcast=True).to(gl.float32)
         if LOOKUP:
-            w_VK = fragments.looked_up(words, sf, s_B[:, None], SPLIT * BLOCK_N, BLOCK_K, words_l)
+            w_VK = fragments.looked_up(
+                words, sf, s_B[:, None], SPLIT * BLOCK_N, BLOCK_K, words_l, PAGE_SIGNS=False
+            )
         else:
             w_VK = _decode(words, sf * BLOCK_SCALE_BIAS, s_V[:, None], SPLIT * BLOCK_N, BLOCK_K)
         w = fragments.hardware_order(w_VK, SPLIT * BLOCK_N, BLOCK_K)

@@ -14,8 +14,9 @@ One kernel; SCALE_SOURCE says where each row's FP32 global scale comes from:
 
 With SCATTER (per-row scaling only) row ``r`` of x is stored as row ``slots[r // heads] * heads
 + r % heads`` of the outputs: x ``[T, heads, K]`` quantized straight into a paged KV cache's
-NVFP4 pages at the tokens' slots (`launch_into`), with the bits of `launch`, each row's amax
-stored in x's dtype where `launch` stores its global scale (`NVFP4Rows`). With PAIRED, grid
+NVFP4 pages at the tokens' slots (`launch_into`), with the bits of `launch`, the codes' sign
+bits where pages keep them (`reference.page_codes`), each row's amax stored in x's dtype where
+`launch` stores its global scale (`NVFP4Rows`). With PAIRED, grid
 axis 1 picks one of two such (x, pages) sets at the same slots: a layer's K and V in one launch
 (`launch_into_pair`).
 
@@ -129,7 +130,7 @@ def _quantize_kernel(
         quantize_chunk(
             x_even, x_odd, block_amax_RB, s_R, scale_R, d_scaled_R, reciprocal_R, fake_RK,
             codes_RK8, block_scale_RKB, out_R, row_ok_R, k0, K,
-            POISON_BLOCKS=SCALE_SOURCE == "given", FAKE=FAKE, BLOCK_K=BLOCK_K,
+            POISON_BLOCKS=SCALE_SOURCE == "given", FAKE=FAKE, BLOCK_K=BLOCK_K, PAGE_SIGNS=SCATTER,
         )  # fmt: skip
 
 

@@ -357,6 +357,36 @@ def packed_code(words, J: tl.constexpr):
     return (((words << (28 - 4 * J)) >> 6) & _CODE_BITS).to(tl.float32, bitcast=True)
 
 
+_SIGN_BIT = tl.constexpr(-(1 << 31))  # FP32's sign bit, as int32
+
+
+@triton.jit
+def page_code(words, J: tl.constexpr):
+    """`packed_code` of KV pages' words, whose sign bits sit elsewhere (`reference.PAGE_SIGNS`):
+    element J's sign is the top bit of nibble 2J + 1 (J < 4) or 2J - 8, element J's magnitude
+    index stays in nibble J."""
+    SIGN: tl.constexpr = 8 * J + 7 - 36 * (J // 4)  # the sign's bit in the word
+    magnitude = ((words >> (4 * J)) & 7) << 22
+    return (magnitude | ((words << (31 - SIGN)) & _SIGN_BIT)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _page_sign(words, I: tl.constexpr):
+    """Nibble I's top bit in KV pages' layout: the sign of element ``PAGE_SIGNS[I]``."""
+    J: tl.constexpr = I // 2 + 4 * (1 - I % 2)  # reference.PAGE_SIGNS[I]
+    return ((words >> (4 * J + 3)) & 1) << (4 * I + 3)
+
+
+@triton.jit
+def page_words(words):
+    """Int32 words of 8 packed codes with their sign bits moved to the KV pages' places
+    (`reference.page_codes`)."""
+    moved = words & 0x77777777
+    for i in tl.static_range(8):
+        moved |= _page_sign(words, i)
+    return moved
+
+
 @triton.jit
 def dot(a, b, acc):
     """``acc + a @ b``, FP32 accumulation: BF16 operands on the tensor cores (exact products),

@@ -243,7 +243,7 @@ def _decoded(words, scales, amax_N, words_l: gl.constexpr, blocks_l: gl.constexp
         sf = gl.convert_layout(sf, blocks_l, assert_trivial=True)
     else:
         sf = scales.to(gl.float8e4nv, bitcast=True).to(gl.float32)
-    return fragments.looked_up(words, sf, s_N[:, None], BLOCK_N, D, words_l)
+    return fragments.looked_up(words, sf, s_N[:, None], BLOCK_N, D, words_l, PAGE_SIGNS=True)
 
 
 @gluon.jit

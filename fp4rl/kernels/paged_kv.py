@@ -32,7 +32,7 @@ from fp4rl.kernels.numerics import (
     e4m3_value,
     global_scale_from_amax,
     is_finite,
-    packed_code,
+    page_code,
     round_to,
 )
 
@@ -42,7 +42,7 @@ KVPages = torch.Tensor | NVFP4Rows  # [num_blocks, P, K, D] values, or the NVFP4
 @triton.jit
 def _code_values(words, sf_W, s_N, J: tl.constexpr, DTYPE: tl.constexpr):
     """Code J of each int32 word of 8 (element ``8 * word + J``) scaled back, in DTYPE."""
-    return round_to((packed_code(words, J) * sf_W) * s_N[:, None], DTYPE)
+    return round_to((page_code(words, J) * sf_W) * s_N[:, None], DTYPE)
 
 
 @triton.jit

@@ -34,6 +34,7 @@ from fp4rl.kernels.numerics import (
     is_finite,
     max_nan,
     nan_like,
+    page_words,
     ratio_divisor,
     round_to,
     scale_back,
@@ -177,16 +178,19 @@ def load_code_pairs(codes_RK2, rows_R, row_ok_R, k0, K, BLOCK_K: tl.constexpr):
 @triton.jit
 def store_codes(
     codes_RK8, block_scale_RKB, rows_R, row_ok_R, k0, K, packed, block_scale_byte,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, PAGE_SIGNS: tl.constexpr = False,
 ):  # fmt: skip
     """Store each pair's code byte (``packed``, integers below 256 in the pair order above) and
     the block-scale bytes. ``codes_RK8`` is the packed codes seen as int32 words
     (`launch.word_view`): a half block's four bytes are summed into one word by multiplies,
     which the GPU runs on its multiply-add units, rather than assembled with byte permutes; a
-    block's two words go out as one 8-byte store."""
+    block's two words go out as one 8-byte store. With PAGE_SIGNS the words' sign bits go where
+    KV pages keep them (`numerics.page_words`)."""
     first, second = split_halves(packed.to(tl.int32))  # [BLOCK_R, NB, 4] bytes of each half
     weight = (1 << (8 * tl.arange(0, 4)))[None, None, :]
     words = tl.join(tl.sum(first * weight, axis=2), tl.sum(second * weight, axis=2))
+    if PAGE_SIGNS:
+        words = page_words(words)
     offsets, mask = block_offsets(rows_R, row_ok_R, k0, K, BLOCK_K)
     word_offsets = 2 * offsets[:, :, None] + tl.arange(0, 2)[None, None, :]
     tl.store(codes_RK8 + word_offsets, words, mask=mask[:, :, None])
@@ -241,11 +245,12 @@ def row_amax(
 def quantize_chunk(
     x_even, x_odd, block_amax_RB, s_R, scale_R, d_scaled_R, reciprocal_R, out_RK, codes_RK8,
     block_scale_RKB, rows_R, row_ok_R, k0, K, POISON_BLOCKS: tl.constexpr, FAKE: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, PAGE_SIGNS: tl.constexpr = False,
 ):  # fmt: skip
     """Quantize a loaded chunk (`load_pairs`, its `block_amax`) under the rows' global scales
     ``s_R`` (with ``scale_R, d_scaled_R, reciprocal_R`` from `numerics.ratio_divisor`) and store
-    its codes and block-scale bytes, or with FAKE its dequantized values in ``out_RK``'s dtype.
+    its codes and block-scale bytes (with PAGE_SIGNS in KV pages' layout), or with FAKE its
+    dequantized values in ``out_RK``'s dtype.
 
     A non-finite x makes its group's scale NaN, and so every block scale of the group; under a
     caller's scale (POISON_BLOCKS) the blocks holding inf/NaN are poisoned alone.
@@ -274,7 +279,7 @@ def quantize_chunk(
     else:
         store_codes(
             codes_RK8, block_scale_RKB, rows_R, row_ok_R, k0, K, code_byte(q_even, q_odd),
-            block_byte, BLOCK_K,
+            block_byte, BLOCK_K, PAGE_SIGNS,
         )  # fmt: skip
 
 

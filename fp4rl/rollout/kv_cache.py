@@ -7,7 +7,8 @@ written this step, C context tokens gathered. A *slot* is ``block * B + offset``
 - "nvfp4" pages hold what the layer's K (after RoPE) and V `Fp4Site`s produce rounding to
   nearest, ``quantize(x_TKD, scaling="row")``: 1x16 E4M3 block scales along D and one global
   scale per token-head, kept as the `NVFP4Rows` ``codes [N, B, K, D/2]``, ``block_scale [N, B,
-  K, D/16]`` and ``amax [N, B, K, 1]``: each token-head's amax in the model dtype, of which its
+  K, D/16]`` and ``amax [N, B, K, 1]`` (the codes' sign bits where the decoding kernels flip
+  them: `reference.page_codes`): each token-head's amax in the model dtype, of which its
   FP32 global scale is a function (`reference.global_scale_from_amax`), 2 bytes instead of 4 in
   BF16. A token-head costs 4.5 bits per value plus 2 bytes. Reading dequantizes in the query
   dtype, which is exactly the trainer's fake quantization ``dequantize(quantize(x,

@@ -64,6 +64,25 @@ def test_pack_layout_even_element_in_low_nibble():
     assert torch.equal(R.unpack_e2m1(R.pack_e2m1(codes)), codes)
 
 
+def test_page_layout_puts_each_sign_at_the_top_of_a_byte():
+    """KV pages' layout: in each 4-byte word element j keeps its magnitude in nibble j, and its
+    sign is the top bit of byte j (j < 4) or of byte j - 4 of the word shifted left by a
+    nibble, where the decoding kernels' lookup flips it; `codes_of_pages` undoes it."""
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (64, 32), dtype=torch.uint8, generator=g)
+    codes[0] = torch.arange(16).repeat(2)
+    codes[1] = 15 - codes[0]
+    paged = R.page_codes(R.pack_e2m1(codes))
+    b = paged.long().unflatten(-1, (-1, 4))
+    words = b[..., 0] | b[..., 1] << 8 | b[..., 2] << 16 | b[..., 3] << 24
+    elements = codes.long().unflatten(-1, (-1, 8))
+    for j in range(8):
+        sign_bit = 8 * j + 7 if j < 4 else 8 * (j - 4) + 3
+        assert torch.equal((words >> (4 * j)) & 7, elements[..., j] & 7), j
+        assert torch.equal((words >> sign_bit) & 1, elements[..., j] >> 3), j
+    assert torch.equal(R.codes_of_pages(paged), R.pack_e2m1(codes))
+
+
 def oracle_quantize(x: torch.Tensor, s: torch.Tensor):
     """Float64 re-derivation of steps 3-4 from the FP32 global scale ``s`` (per row)."""
     blocks = x.float().unflatten(-1, (-1, 16))
