@@ -139,25 +139,26 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
 # them (`fp4rl.kernels.fragments.look_up`): two instructions fewer per 8 values than picking
 # them out of their nibbles. The codes are the recipe's; only their bits sit elsewhere.
 PAGE_SIGNS = (4, 0, 5, 1, 6, 2, 7, 3)
-_SIGNS_BACK = tuple(PAGE_SIGNS.index(j) for j in range(8))  # element j's sign: nibble 2j+1, 2j-8
 
 
-def _moved_signs(packed: torch.Tensor, source: tuple[int, ...]) -> torch.Tensor:
-    """Packed codes ``[..., K/2]`` with nibble i's sign bit taken from nibble ``source[i]`` of
-    its 4-byte word; the magnitudes stay."""
-    nibbles = unpack_e2m1(packed).unflatten(-1, (-1, 8))
-    signs = nibbles[..., list(source)] & SIGN_BIT
-    return pack_e2m1(((nibbles & MAGNITUDE_MASK) | signs).flatten(-2))
+def _with_signs(nibbles: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """Codes ``[..., W, 8]`` with each one's sign bit taken from ``signs``, packed."""
+    return pack_e2m1(((nibbles & MAGNITUDE_MASK) | (signs & SIGN_BIT)).flatten(-2))
 
 
+# Slices, not index lists: no index tensor travels to the device, so a CUDA graph can capture
+# `rows_tensor` and `quantize_into` (KVCache.read, the benchmarks' gather baseline).
 def page_codes(packed: torch.Tensor) -> torch.Tensor:
     """Packed codes ``[..., K/2]`` (K % 16 == 0) in the KV pages' layout (`PAGE_SIGNS`)."""
-    return _moved_signs(packed, PAGE_SIGNS)
+    nibbles = unpack_e2m1(packed).unflatten(-1, (-1, 8))
+    return _with_signs(nibbles, torch.stack((nibbles[..., 4:], nibbles[..., :4]), -1).flatten(-2))
 
 
 def codes_of_pages(packed: torch.Tensor) -> torch.Tensor:
-    """The inverse of `page_codes`: KV pages' codes packed as `pack_e2m1` packs them."""
-    return _moved_signs(packed, _SIGNS_BACK)
+    """The inverse of `page_codes`: KV pages' codes packed as `pack_e2m1` packs them (element
+    j's sign from nibble 2j + 1, or 2j - 8)."""
+    nibbles = unpack_e2m1(packed).unflatten(-1, (-1, 8))
+    return _with_signs(nibbles, torch.cat((nibbles[..., 1::2], nibbles[..., 0::2]), -1))
 
 
 # ---- scaling groups -----------------------------------------------------------------------

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from fp4rl import ops
 from fp4rl.fp4 import reference
 from fp4rl.fp4.tensor import NVFP4Rows, NVFP4Tensor
 
@@ -81,3 +82,36 @@ def test_rows_give_back_the_tensor_that_quantize_makes(dtype):
         assert want.global_scale[1, 0].item() == 2.0**-117
     with pytest.raises(ValueError, match=r"x_TKD is torch.float64 but the pages keep"):
         reference.quantize_into(x.double(), pages, slots)
+
+
+@pytest.mark.gpu
+def test_rows_are_read_back_inside_a_cuda_graph():
+    """`rows_tensor` moves the pages' sign bits back without index tensors from the host, so a
+    CUDA graph captures `KVCache.read`'s gather and dequantize and replays it on new slots."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 2, 64, generator=g).to(torch.bfloat16)
+    pages = NVFP4Rows(
+        torch.zeros(4, 4, 2, 32, dtype=torch.uint8),
+        torch.zeros(4, 4, 2, 4, dtype=torch.float8_e4m3fn),
+        torch.zeros(4, 4, 2, 1, dtype=torch.bfloat16),
+    ).map(torch.Tensor.cuda)
+    reference.quantize_into(x.cuda(), pages, torch.arange(16, device="cuda"))
+    slots = torch.arange(8, device="cuda")
+
+    def read():  # as KVCache.read does it
+        rows = reference.rows_tensor(pages.map(lambda m: m.flatten(0, 1)[slots]))
+        return ops.dequantize(rows, torch.bfloat16)
+
+    read()  # warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = read()
+    for first in (8, 3):
+        slots.copy_(torch.arange(first, first + 8, device="cuda"))
+        graph.replay()
+        want = reference.quantize(x[first : first + 8], scaling="row")
+        want = reference.dequantize(want, torch.bfloat16)
+        assert torch.equal(out.cpu(), want)
