@@ -224,13 +224,14 @@ def _combine_splits_kernel(part_m, part_l, part_o, out_BHD, num_splits, D: tl.co
 class DecodeTile:
     """One program's step: ``block_n`` context tokens (a power of two >= 16), ``num_stages``
     steps of loads in flight. Contexts are split into stretches of at least
-    ``min_split_tokens`` when the grid would otherwise be too small for the GPU (see
-    `split_tokens_for`)."""
+    ``min_split_tokens`` when the grid would otherwise be too small for the GPU: up to
+    ``programs_per_sm`` programs a multiprocessor (see `split_tokens_for`)."""
 
     block_n: int
     num_warps: int
     num_stages: int
     min_split_tokens: int = 128
+    programs_per_sm: int = 8
     keys_first: bool = False  # tokens as the dots' rows (see `_paged_decode_kernel`)
     # NVFP4 pages decoded into the MMA's registers (`paged_attention_registers`; one warp, the
     # next step's pages in flight: num_warps 1, num_stages 2)
@@ -268,7 +269,7 @@ REGISTERS_TILE = DecodeTile(block_n=16, num_warps=1, num_stages=2, registers=Tru
 CONFIGS = {
     "bf16": (
         (0, DecodeTile(block_n=128, num_warps=4, num_stages=3)),
-        (64, DecodeTile(block_n=64, num_warps=2, num_stages=3)),
+        (64, DecodeTile(block_n=64, num_warps=2, num_stages=3, programs_per_sm=4)),
     ),
     "nvfp4": (
         (0, DecodeTile(block_n=128, num_warps=8, num_stages=2)),
@@ -328,23 +329,23 @@ def plan_for(
     return SMALL_TILES[fmt][block], stretches
 
 
-# Programs per multiprocessor the context splits aim for. The same sweep: batch 64 at 4k
-# tokens (256 sequence-heads) ran fastest in 4 stretches (163 us BF16, 255 us NVFP4) and slower
-# in 2 (188, 313; 512 programs, 1.3 waves if 3 fit an SM by registers) than in 1 (178, 276);
-# batch 256 (1,024 programs) fastest unsplit; batch 1 at 1k fastest in 8 stretches of 128.
-PROGRAMS_PER_SM = 8
-
-
+# Programs a multiprocessor the context splits aim for (`DecodeTile.programs_per_sm`). The
+# default 8, from the tile sweep: batch 64 at 4k tokens (256 sequence-heads) ran fastest in 4
+# stretches (163 us BF16, 255 us NVFP4) and slower in 2 (188, 313; 512 programs, 1.3 waves if 3
+# fit an SM by registers) than in 1 (178, 276); batch 256 (1,024 programs) fastest unsplit. The
+# BF16 pages' tile of 2 warps has since been fastest in 2 stretches at batch 64 (134.0 against
+# 140.6 us at 4k, 72.1 against 79.5 at 2k: "Decode attention: a shorter loop" in
+# BENCHMARKS.md), which 4 a multiprocessor picks; batch 256 stays unsplit.
 def split_tokens_for(
     programs: int, table_tokens: int, tile: DecodeTile, device: torch.device,
     num_splits: int | None = None,
 ) -> int:  # fmt: skip
     """Context tokens per program, a multiple of ``tile.block_n``: the table is cut into the
     largest power of two of stretches that keeps ``programs`` (sequences x KV heads) times it
-    within PROGRAMS_PER_SM per multiprocessor, and no stretch shorter than
+    within ``tile.programs_per_sm`` per multiprocessor, and no stretch shorter than
     ``tile.min_split_tokens``. ``num_splits`` overrides the choice (tests, benchmarks)."""
     if num_splits is None:
-        wanted = max(1, PROGRAMS_PER_SM * multiprocessors(device) // max(programs, 1))
+        wanted = max(1, tile.programs_per_sm * multiprocessors(device) // max(programs, 1))
         wanted = 1 << (wanted.bit_length() - 1)
         num_splits = max(1, min(wanted, table_tokens // tile.min_split_tokens))
     per_split = -(-table_tokens // max(num_splits, 1))
