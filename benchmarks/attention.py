@@ -64,8 +64,8 @@ if ARGS.device == "cpu":  # kernels must be decorated interpreted: before fp4rl.
 
 from _timing import median_ms, report, run_header  # noqa: E402
 
-from fp4rl.kernels import paged_attention  # noqa: E402
-from fp4rl.kernels.paged_attention import DecodeTile, split_tokens_for  # noqa: E402
+from fp4rl.kernels import attention_tiles, paged_attention  # noqa: E402
+from fp4rl.kernels.attention_tiles import DecodeTile, split_tokens_for  # noqa: E402
 from fp4rl.rollout.attention import AttentionMetadata, Segment, attend_fp32  # noqa: E402
 from fp4rl.rollout.kv_cache import KVCache, KVCacheSpec  # noqa: E402
 
@@ -187,7 +187,7 @@ class Bench:
         """The launcher's Triton program over NVFP4 pages, with the tile and split it would
         take were the register kernel not there."""
         programs, device = self.batch * self.kv_heads, self.inputs[0][0].device
-        tile, planned = paged_attention.plan_for("nvfp4", programs, self.tokens, device)
+        tile, planned = attention_tiles.plan_for("nvfp4", programs, self.tokens, device)
         return self.kernel("nvfp4", config=tile, num_splits=planned)
 
     def today(self, fmt):
@@ -210,8 +210,8 @@ class Bench:
         programs, device = self.batch * self.kv_heads, self.inputs[0][0].device
         if tile is None:
             q, Hq = self.inputs[0][0], self.inputs[0][0].shape[1]
-            kind = paged_attention.page_format(q, fmt == "nvfp4", self.dim, Hq // self.kv_heads)
-            tile, planned = paged_attention.plan_for(kind, programs, self.tokens, device)
+            kind = attention_tiles.page_format(q, fmt == "nvfp4", self.dim, Hq // self.kv_heads)
+            tile, planned = attention_tiles.plan_for(kind, programs, self.tokens, device)
             num_splits = planned if num_splits is None else num_splits
         per = split_tokens_for(programs, self.tokens, tile, device, num_splits)
         return -(-self.tokens // per)

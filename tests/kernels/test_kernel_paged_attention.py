@@ -32,8 +32,9 @@ from kernel_checks import (  # noqa: E402
 )
 
 from fp4rl.fp4.tensor import NVFP4Rows  # noqa: E402
-from fp4rl.kernels import paged_attention  # noqa: E402
-from fp4rl.kernels.paged_attention import DecodeTile, reference_decode  # noqa: E402
+from fp4rl.kernels import attention_tiles, paged_attention  # noqa: E402
+from fp4rl.kernels.attention_tiles import DecodeTile  # noqa: E402
+from fp4rl.kernels.paged_attention import reference_decode  # noqa: E402
 from fp4rl.rollout.attention import AttentionMetadata, Segment, attend_fp32  # noqa: E402
 
 # Steps of 16 tokens (several per context at these sizes) and stretches of 16 when split.
@@ -368,14 +369,14 @@ def test_small_launches_cover_the_gpu_once_with_one_step_each(monkeypatch):
     """At most SMALL_LAUNCH sequence-heads: about one stretch per multiprocessor (a power of
     two), each one step of a tile as long as the stretch (32 to 128 tokens); more: `CONFIGS`'
     tile and `split_tokens_for`'s choice."""
-    monkeypatch.setattr(paged_attention, "multiprocessors", lambda device: 132)
-    plan = paged_attention.plan_for
-    small = paged_attention.SMALL_TILES["nvfp4"]
+    monkeypatch.setattr(attention_tiles, "multiprocessors", lambda device: 132)
+    plan = attention_tiles.plan_for
+    small = attention_tiles.SMALL_TILES["nvfp4"]
     cuda = torch.device("cuda")
     for table, block in ((1024, 32), (2048, 64), (4096, 128), (40960, 128), (64, 32)):
         assert plan("nvfp4", 4, table, cuda) == (small[block], 32), table
-    assert plan("bf16", 8, 1024, cuda) == (paged_attention.SMALL_TILES["bf16"][64], 16)
+    assert plan("bf16", 8, 1024, cuda) == (attention_tiles.SMALL_TILES["bf16"][64], 16)
     assert plan("nvfp4", 16, 4096, cuda) == (small[128], 8)
-    assert plan("nvfp4", 17, 4096, cuda) == (paged_attention.config_for("nvfp4", 17), None)
+    assert plan("nvfp4", 17, 4096, cuda) == (attention_tiles.config_for("nvfp4", 17), None)
     tile, stretches = plan("nvfp4", 4, 1024, cuda)
-    assert paged_attention.split_tokens_for(4, 1024, tile, cuda, stretches) == 32
+    assert attention_tiles.split_tokens_for(4, 1024, tile, cuda, stretches) == 32

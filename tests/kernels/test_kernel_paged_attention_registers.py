@@ -25,8 +25,8 @@ from test_kernel_paged_attention import (  # noqa: E402
     ragged,
 )
 
-from fp4rl.kernels import paged_attention  # noqa: E402
-from fp4rl.kernels.paged_attention import DecodeTile  # noqa: E402
+from fp4rl.kernels import attention_tiles, paged_attention  # noqa: E402
+from fp4rl.kernels.attention_tiles import DecodeTile  # noqa: E402
 
 REGISTER_TILES = {
     "16": DecodeTile(block_n=16, num_warps=1, num_stages=2, registers=True),
@@ -177,19 +177,19 @@ def test_registers_refuse_caches_of_2_32_rows():
 def test_launcher_takes_the_register_kernel_above_small_launches(device, monkeypatch):
     """`page_format` names the register kernel for NVFP4 pages under BF16 queries at head dim
     128 on a GPU; its plan keeps the Triton program's tiles up to SMALL_LAUNCH sequence-heads."""
-    monkeypatch.setattr(paged_attention, "multiprocessors", lambda device: 132)
+    monkeypatch.setattr(attention_tiles, "multiprocessors", lambda device: 132)
     q = torch.zeros(2, 8, 128, dtype=torch.bfloat16, device=device)
-    fmt = paged_attention.page_format(q, True, 128, 8)
+    fmt = attention_tiles.page_format(q, True, 128, 8)
     assert fmt == ("registers" if device == "cuda" else "nvfp4")
-    assert paged_attention.page_format(q, False, 128, 8) == "bf16"
-    assert paged_attention.page_format(q.float(), True, 128, 8) == "nvfp4"
-    assert paged_attention.page_format(q, True, 128, 16) == "nvfp4"
+    assert attention_tiles.page_format(q, False, 128, 8) == "bf16"
+    assert attention_tiles.page_format(q.float(), True, 128, 8) == "nvfp4"
+    assert attention_tiles.page_format(q, True, 128, 16) == "nvfp4"
     cuda = torch.device("cuda")
-    small = paged_attention.plan_for("registers", 16, 4096, cuda)
-    assert small == paged_attention.plan_for("nvfp4", 16, 4096, cuda)
+    small = attention_tiles.plan_for("registers", 16, 4096, cuda)
+    assert small == attention_tiles.plan_for("nvfp4", 16, 4096, cuda)
     assert not small[0].registers
-    assert paged_attention.plan_for("registers", 20, 4096, cuda) == (
-        paged_attention.REGISTERS_TILE,
+    assert attention_tiles.plan_for("registers", 20, 4096, cuda) == (
+        attention_tiles.REGISTERS_TILE,
         None,
     )
 
@@ -216,7 +216,7 @@ def test_launcher_passes_the_register_kernel_its_arguments_by_name(device, monke
     scene = Scene("nvfp4", [1, 40, 17], heads=(8, 2), dim=128, page=16, seed=5, device=device,
                   q_dtype=torch.bfloat16)  # fmt: skip
     k, v = scene.pages()
-    out = scene.launch(config=paged_attention.REGISTERS_TILE, num_splits=1)
+    out = scene.launch(config=attention_tiles.REGISTERS_TILE, num_splits=1)
     bound = dict(zip(arg_names, recorder.args, strict=True)) | recorder.kwargs
     assert recorder.grid == (3 * 2, 1)
     assert bound["q_BHD"] is scene.q_BHD and bound["out_BHD"] is out
