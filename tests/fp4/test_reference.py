@@ -80,6 +80,7 @@ def test_page_layout_puts_each_sign_at_the_top_of_a_byte():
         sign_bit = 8 * j + 7 if j < 4 else 8 * (j - 4) + 3
         assert torch.equal((words >> (4 * j)) & 7, elements[..., j] & 7), j
         assert torch.equal((words >> sign_bit) & 1, elements[..., j] >> 3), j
+        assert torch.equal((words >> (4 * j + 3)) & 1, elements[..., R.PAGE_SIGNS[j]] >> 3), j
     assert torch.equal(R.codes_of_pages(paged), R.pack_e2m1(codes))
 
 
