@@ -16,9 +16,8 @@ With SCATTER (per-row scaling only) row ``r`` of x is stored as row ``slots[r //
 + r % heads`` of the outputs: x ``[T, heads, K]`` quantized straight into a paged KV cache's
 NVFP4 pages at the tokens' slots (`launch_into`), with the bits of `launch`, the codes' sign
 bits where pages keep them (`reference.page_codes`), each row's amax stored in x's dtype where
-`launch` stores its global scale (`NVFP4Rows`). With PAIRED, grid
-axis 1 picks one of two such (x, pages) sets at the same slots: a layer's K and V in one launch
-(`launch_into_pair`).
+`launch` stores its global scale (`NVFP4Rows`). With PAIRED, grid axis 1 picks one of two such
+(x, pages) sets at the same slots: a layer's K and V in one launch (`launch_into_pair`).
 
 With FAKE the kernel stores ``dequantize(quantize(x))`` in x's dtype instead of codes, block
 scales and global scales: the trainer's forward needs only those values.
