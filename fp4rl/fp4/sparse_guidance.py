@@ -6,7 +6,8 @@ by the recipe), the block scales whose unrounded ratio lies near an E4M3 roundin
 boundary (`boundary_distance`) with their mantissa bits. The trainer derives the rest with the
 recipe from its own values and follows the records where they exist (`round_guided_sparse`,
 the guided-compact choice of `fp4rl.fp4.rounding`). `SparseCodes` is the form the trainer
-reads; `PackedSparse`, positions as gap-coded bytes, the form a completion carries.
+reads; `PackedSparse`, positions as gap-coded bytes, the form a completion carries (both
+ragged records, `fp4rl.fp4.ragged`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fp4rl.fp4 import ragged
 from fp4rl.fp4.format import (
     BLOCK_SIZE,
     E2M1_VALUES,
@@ -47,7 +49,6 @@ from fp4rl.fp4.tensor import NVFP4Tensor
 # 1 0.08 % for half again the blocks' bytes.
 SCALE_DELTA_PER_GRID_UNIT = 0.5
 E4M3_MAX_BYTE = E4M3_NAN_BYTE - 1  # 448: positive E4M3 bytes 0x00..0x7E are in value order
-VARINT_MAX_BYTES = 5  # positions (index << 1 | bit) below 2**35 in the wire form
 
 
 def boundary_distance(y: torch.Tensor) -> torch.Tensor:
@@ -90,58 +91,6 @@ def scale_boundary_distance(ratio: torch.Tensor) -> torch.Tensor:
     middle = (as_f32[0] + as_f32[1]) * 0.5  # exact: two 4-bit significands a step apart
     distance = (ratio - middle).abs() / torch.where(lo != hi, middle, 1.0)
     return torch.where(lo != hi, distance, math.inf)
-
-
-def _index_dtype(limit: int) -> torch.dtype:
-    """The narrowest integer dtype holding 0..limit."""
-    for dtype, top in ((torch.uint8, 255), (torch.int16, 2**15 - 1), (torch.int32, 2**31 - 1)):
-        if limit <= top:
-            return dtype
-    raise ValueError(f"sparse guidance needs rows of fewer than 2**30 values, got {limit}")
-
-
-# A ragged record: ``counts [R]`` entries per row and ``entries [n]`` = ``index << 1 | bit``,
-# rows in order and indices increasing within a row, indices below ``width``.
-
-
-def _ragged_from_mask(near_RW: torch.Tensor, bit_RW: torch.Tensor):
-    width = near_RW.shape[-1]
-    row, index = near_RW.nonzero(as_tuple=True)  # row-major: rows in order, indices increasing
-    bits = bit_RW[row, index].long() & 1
-    counts = near_RW.sum(-1).to(_index_dtype(width))
-    return counts, (index << 1 | bits).to(_index_dtype(2 * width - 1))
-
-
-def _ragged_check(counts: torch.Tensor, entries: torch.Tensor, width: int, what: str) -> None:
-    total = int(counts.sum(dtype=torch.int64))
-    if total != entries.shape[0]:
-        raise ValueError(
-            f"sparse guidance {what} counts sum to {total} but it holds {entries.shape[0]} entries"
-        )
-    index = entries.long() >> 1
-    if total and not bool(((index >= 0) & (index < width)).all()):
-        raise ValueError(f"sparse guidance has a {what} index outside [0, {width})")
-
-
-def _ragged_select(counts: torch.Tensor, entries: torch.Tensor, index: torch.Tensor):
-    counts_R = counts.flatten().long()
-    starts = counts_R.cumsum(0) - counts_R
-    picked = counts_R[index]
-    num = int(picked.sum())
-    row = torch.repeat_interleave(torch.arange(len(index), device=index.device), picked)
-    offset = torch.arange(num, device=index.device) - (picked.cumsum(0) - picked)[row]
-    return counts.flatten()[index], entries[starts[index][row] + offset]
-
-
-def _ragged_expand(counts: torch.Tensor, entries: torch.Tensor, width: int):
-    counts_R = counts.flatten().long()
-    entries = entries.long()
-    row = torch.repeat_interleave(torch.arange(len(counts_R), device=counts.device), counts_R)
-    recorded = torch.zeros(len(counts_R), width, dtype=torch.bool, device=counts.device)
-    bit = torch.zeros(len(counts_R), width, dtype=torch.uint8, device=counts.device)
-    recorded[row, entries >> 1] = True
-    bit[row, entries >> 1] = (entries & 1).to(torch.uint8)
-    return recorded.view(*counts.shape, width), bit.view(*counts.shape, width)
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,7 +157,7 @@ class SparseCodes:
             ("counts and entries", K, (self.counts.dtype, self.entries.dtype)),
             ("block counts and entries", nb, (self.block_counts.dtype, self.block_entries.dtype)),
         ):
-            want = (_index_dtype(width), _index_dtype(2 * width - 1))
+            want = (ragged.index_dtype(width), ragged.index_dtype(2 * width - 1))
             if got != want:
                 raise TypeError(f"sparse guidance of rows of {K}: {what} must be {want}, got {got}")
 
@@ -235,8 +184,8 @@ class SparseCodes:
     def check(self) -> None:
         """Raise ValueError unless the counts and entries describe the record's rows: as many
         entries as the counts say, each index inside its row (reads the values: a sync)."""
-        _ragged_check(self.counts, self.entries, self.columns, "value")
-        _ragged_check(self.block_counts, self.block_entries, self.columns // BLOCK_SIZE, "block")
+        ragged.check(self.counts, self.entries, self.columns, "value")
+        ragged.check(self.block_counts, self.block_entries, self.columns // BLOCK_SIZE, "block")
 
     def rows(self, start: int, end: int) -> SparseCodes:
         """Rows ``[start, end)`` along the first dim (each with its recorded values)."""
@@ -256,8 +205,8 @@ class SparseCodes:
     def select_rows(self, index: torch.Tensor) -> SparseCodes:
         """Rows ``index`` (long ``[R]``) of the record with its leading dims flattened."""
         self.check()
-        counts, entries = _ragged_select(self.counts, self.entries, index)
-        block_counts, block_entries = _ragged_select(self.block_counts, self.block_entries, index)
+        counts, entries = ragged.select(self.counts, self.entries, index)
+        block_counts, block_entries = ragged.select(self.block_counts, self.block_entries, index)
         return SparseCodes(
             counts=counts,
             entries=entries,
@@ -279,12 +228,12 @@ class SparseCodes:
     def expand(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(recorded, bit)``: bool and uint8 ``[..., K]``, the bit 0 where nothing is recorded."""
         self.check()
-        return _ragged_expand(self.counts, self.entries, self.columns)
+        return ragged.expand(self.counts, self.entries, self.columns)
 
     def expand_blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(recorded, bit)`` of the blocks, bool and uint8 ``[..., K / 16]``."""
         self.check()
-        return _ragged_expand(self.block_counts, self.block_entries, self.columns // BLOCK_SIZE)
+        return ragged.expand(self.block_counts, self.block_entries, self.columns // BLOCK_SIZE)
 
     def pack(self) -> PackedSparse:
         """The wire form: the positions as gaps in a byte code, without the row counts."""
@@ -302,8 +251,10 @@ class SparseCodes:
         rows = (token.unsqueeze(-1) * sub + torch.arange(sub, device=token.device)).flatten()
         picked = self.select_rows(rows)
         part_rows = [n * sub for n in per_part]
-        values = _pack_parts(picked.counts, picked.entries, K, part_rows)
-        blocks = _pack_parts(picked.block_counts, picked.block_entries, K // BLOCK_SIZE, part_rows)
+        values = ragged.pack_parts(picked.counts, picked.entries, K, part_rows)
+        blocks = ragged.pack_parts(
+            picked.block_counts, picked.block_entries, K // BLOCK_SIZE, part_rows
+        )
         row_amax = self.row_amax[token].split(per_part)
         return [PackedSparse(a, v, b, K) for a, v, b in zip(row_amax, values, blocks, strict=True)]
 
@@ -374,113 +325,11 @@ class PackedSparse:
         row_amax = torch.cat([r.row_amax for r in records])
         lead = row_amax.shape[:-1]
         rows = [r.row_amax.shape[:-1].numel() for r in records]
-        counts, entries = _unpack_positions([r.values for r in records], rows, lead, K, "value")
-        block_counts, block_entries = _unpack_positions(
+        counts, entries = ragged.unpack_parts([r.values for r in records], rows, lead, K, "value")
+        block_counts, block_entries = ragged.unpack_parts(
             [r.blocks for r in records], rows, lead, K // BLOCK_SIZE, "block"
         )
         return SparseCodes(counts, entries, block_counts, block_entries, row_amax, K)
-
-
-def encode_varint(codes: torch.Tensor) -> torch.Tensor:
-    """Non-negative int64 codes ``[n]`` -> uint8 ``[L]``: 7 bits per byte, low bits first, the
-    top bit set on every byte of a code but its last."""
-    return _encode_varint(codes)[0]
-
-
-def _encode_varint(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The stream and each code's length in bytes."""
-    if codes.numel() == 0:
-        empty = torch.zeros(0, dtype=torch.uint8, device=codes.device)
-        return empty, torch.zeros(0, dtype=torch.long, device=codes.device)
-    codes = codes.long()
-    j = torch.arange(VARINT_MAX_BYTES, device=codes.device)
-    length = 1 + (codes.unsqueeze(-1) >= (1 << (7 * j[1:]))).sum(-1)
-    top = int(codes.max())  # one sync (an engine step syncs for the positions anyway)
-    if int(codes.min()) < 0 or top >= 1 << (7 * VARINT_MAX_BYTES):
-        raise ValueError(f"sparse guidance positions must lie in [0, 2**35), got up to {top}")
-    groups = (codes.unsqueeze(-1) >> (7 * j)) & 0x7F
-    more = j < (length.unsqueeze(-1) - 1)
-    stream = (groups | (more.long() << 7))[j < length.unsqueeze(-1)].to(torch.uint8)
-    return stream, length
-
-
-def decode_varint(stream: torch.Tensor) -> torch.Tensor:
-    """Inverse of `encode_varint`; ValueError for a stream cut inside a code or a code longer
-    than ``VARINT_MAX_BYTES``."""
-    if stream.numel() == 0:
-        return torch.zeros(0, dtype=torch.long, device=stream.device)
-    last = (stream & 0x80) == 0
-    if not bool(last[-1]):
-        raise ValueError("packed sparse guidance ends inside a position")
-    entry = last.long().cumsum(0) - last.long()
-    ends = last.nonzero().squeeze(-1)
-    starts = torch.cat((ends.new_zeros(1), ends[:-1] + 1))
-    place = torch.arange(len(stream), device=stream.device) - starts[entry]
-    if int(place.max()) >= VARINT_MAX_BYTES:
-        raise ValueError(f"packed sparse guidance has a position longer than {VARINT_MAX_BYTES} B")
-    parts = (stream & 0x7F).long() << (7 * place)
-    return torch.zeros(len(ends), dtype=torch.long, device=stream.device).index_add_(
-        0, entry, parts
-    )
-
-
-def _pack_parts(
-    counts: torch.Tensor, entries: torch.Tensor, width: int, part_rows: Sequence[int]
-) -> list[torch.Tensor]:
-    """Byte streams of consecutive parts of ``part_rows[i]`` rows of a ragged record, each
-    part's gaps counted from its own first row."""
-    device = counts.device
-    counts_R = counts.flatten().long()
-    row = torch.repeat_interleave(torch.arange(len(counts_R), device=device), counts_R)
-    sizes = torch.tensor(part_rows, dtype=torch.long, device=device)
-    part_of_row = torch.repeat_interleave(torch.arange(len(part_rows), device=device), sizes)
-    part = part_of_row[row]
-    entries = entries.long()
-    flat = (row - (sizes.cumsum(0) - sizes)[part]) * width + (entries >> 1)
-    previous = torch.cat((flat.new_full((1,), -1), flat[:-1]))
-    starts = torch.cat((part.new_ones(1, dtype=torch.bool), part[1:] != part[:-1]))[: len(flat)]
-    gap = flat - torch.where(starts, -1, previous) - 1
-    stream, length = _encode_varint(gap << 1 | (entries & 1))
-    per_part = torch.zeros(len(part_rows), dtype=torch.long, device=device)
-    per_part.index_add_(0, part, length)
-    return list(stream.split(per_part.tolist()))
-
-
-def _unpack_positions(
-    streams: Sequence[torch.Tensor], rows: Sequence[int], lead: torch.Size, width: int, what: str
-):
-    """Counts ``lead`` and entries of records' packed positions, concatenated; each record's
-    stream restarts its gaps and covers ``rows[i]`` rows of ``width``."""
-    device = streams[0].device
-    lengths = torch.tensor([s.numel() for s in streams], device=device)
-    stream = torch.cat(list(streams))
-    ends = lengths.cumsum(0)[lengths > 0] - 1
-    if bool(((stream[ends] & 0x80) != 0).any()):
-        raise ValueError("packed sparse guidance ends inside a position")
-    codes = decode_varint(stream)
-    terminal = (stream & 0x80) == 0
-    index = torch.arange(len(streams), device=device)
-    per_record = torch.bincount(
-        torch.repeat_interleave(index, lengths)[terminal], minlength=len(streams)
-    )
-    record = torch.repeat_interleave(index, per_record)
-    step = (codes >> 1) + 1
-    total = step.cumsum(0)
-    first = (per_record.cumsum(0) - per_record).clamp(max=max(len(codes) - 1, 0))
-    before = (total - step)[first] if len(codes) else total  # before each record's first entry
-    local = total - before[record] - 1
-    rows_R = torch.tensor(rows, device=device)
-    past = local >= rows_R[record] * width
-    if bool(past.any()):
-        bad = int(record[past][0])
-        raise ValueError(
-            f"packed sparse guidance has {what} positions past its {rows[bad]} rows of {width}"
-        )
-    flat = local + (rows_R.cumsum(0) - rows_R)[record] * width
-    num_rows = math.prod(lead)
-    counts = torch.bincount(flat // width, minlength=num_rows).to(_index_dtype(width)).view(lead)
-    entries = ((flat % width) << 1 | (codes & 1)).to(_index_dtype(2 * width - 1))
-    return counts, entries
 
 
 def _check_fraction(name: str, value, top: float) -> None:
@@ -524,12 +373,12 @@ def sparse(
     ratio = block_scale_ratio(x_blocks.float().abs().amax(-1), t.global_scale)
     near_blocks = scale_boundary_distance(ratio) <= scale_delta
     nb = K // BLOCK_SIZE
-    block_counts, block_entries = _ragged_from_mask(
+    block_counts, block_entries = ragged.from_mask(
         near_blocks.reshape(-1, nb), t.block_scale.view(torch.uint8).reshape(-1, nb)
     )
     y, live = scaled_values(x_blocks, t.block_scale, t.global_scale)
     near = ((boundary_distance(y) <= delta) & live.unsqueeze(-1)).flatten(-2)
-    counts, entries = _ragged_from_mask(near.reshape(-1, K), unpack_e2m1(t.codes).reshape(-1, K))
+    counts, entries = ragged.from_mask(near.reshape(-1, K), unpack_e2m1(t.codes).reshape(-1, K))
     return SparseCodes(
         counts=counts.view(lead),
         entries=entries,
