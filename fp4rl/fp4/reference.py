@@ -278,8 +278,7 @@ def quantize_into(x_TKD: torch.Tensor, pages: NVFP4Rows, slots_T: torch.Tensor) 
     """``quantize(x_TKD, scaling="row")`` stored as rows ``slots_T`` of ``pages`` flattened over
     their first two dims (a paged cache's ``[N, P, ...]``: slot ``n * P + p``), with each row's
     `row_amax` in place of its global scale and the codes in the pages' layout (`page_codes`).
-    x must have the dtype of the pages' amaxes, so
-    that they hold each amax exactly."""
+    x must have the dtype of the pages' amaxes, so that they hold each amax exactly."""
     if x_TKD.dtype != pages.amax.dtype:
         raise ValueError(
             f"x_TKD is {x_TKD.dtype} but the pages keep {pages.amax.dtype} amaxes; a row's amax "
