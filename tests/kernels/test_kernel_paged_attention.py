@@ -380,3 +380,16 @@ def test_small_launches_cover_the_gpu_once_with_one_step_each(monkeypatch):
     assert plan("nvfp4", 17, 4096, cuda) == (attention_tiles.config_for("nvfp4", 17), None)
     tile, stretches = plan("nvfp4", 4, 1024, cuda)
     assert attention_tiles.split_tokens_for(4, 1024, tile, cuda, stretches) == 32
+
+
+def test_each_tile_splits_contexts_to_its_own_programs_per_multiprocessor(monkeypatch):
+    """Batch 64 of 4 KV heads at 4k (256 programs): the BF16 pages' tile aims at 4 programs a
+    multiprocessor, 2 stretches (its measured best), the NVFP4 tiles at 8, 4 stretches; batch
+    256 runs unsplit either way."""
+    monkeypatch.setattr(attention_tiles, "multiprocessors", lambda device: 132)
+    cuda = torch.device("cuda")
+    for fmt, stretch in (("bf16", 2048), ("nvfp4", 1024), ("registers", 1024)):
+        tile, planned = attention_tiles.plan_for(fmt, 256, 4096, cuda)
+        assert planned is None and tile == attention_tiles.config_for(fmt, 256)
+        assert attention_tiles.split_tokens_for(256, 4096, tile, cuda) == stretch, fmt
+        assert attention_tiles.split_tokens_for(1024, 2048, tile, cuda) == 2048, fmt
