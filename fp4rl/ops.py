@@ -206,10 +206,11 @@ def paged_decode_kernel_runs(q: torch.Tensor, nvfp4_pages: bool) -> bool:
     if kernels is None:
         return False
     if nvfp4_pages and q.dtype == torch.bfloat16:
-        attention = kernels.paged_attention
+        from fp4rl.kernels import attention_tiles
+
         shortest = min(
-            *(tile.block_n for _, tile in attention.CONFIGS["nvfp4"]),
-            *attention.SMALL_TILES["nvfp4"],
+            *(tile.block_n for _, tile in attention_tiles.CONFIGS["nvfp4"]),
+            *attention_tiles.SMALL_TILES["nvfp4"],
         )
         return kernels.paged_attention.bf16_nvfp4_supported(q.shape[-1], shortest)
     return True

@@ -31,6 +31,7 @@ from kernel_checks import (  # noqa: E402
     random_paged_cache,
 )
 
+from fp4rl import kernels, ops  # noqa: E402
 from fp4rl.fp4.tensor import NVFP4Rows  # noqa: E402
 from fp4rl.kernels import attention_tiles, paged_attention  # noqa: E402
 from fp4rl.kernels.attention_tiles import DecodeTile  # noqa: E402
@@ -393,3 +394,16 @@ def test_each_tile_splits_contexts_to_its_own_programs_per_multiprocessor(monkey
         assert planned is None and tile == attention_tiles.config_for(fmt, 256)
         assert attention_tiles.split_tokens_for(256, 4096, tile, cuda) == stretch, fmt
         assert attention_tiles.split_tokens_for(1024, 2048, tile, cuda) == 2048, fmt
+
+
+def test_the_engine_asks_the_kernels_whether_they_take_its_pages(monkeypatch):
+    """`ops.paged_decode_kernel_runs`, which the engine asks on the GPU only (whether its graphs
+    may capture the kernel), walked on the CPU with the kernels made available: BF16 queries
+    over NVFP4 pages are taken from head dim 32 (the shortest tile's reduction) and refused
+    below; other pages and FP32 queries are taken."""
+    monkeypatch.setattr(ops, "_kernels", lambda q: kernels)
+    for dim, want in ((16, False), (32, True), (128, True)):
+        q = torch.zeros(2, 8, dim, dtype=torch.bfloat16)
+        assert ops.paged_decode_kernel_runs(q, True) is want, dim
+        assert ops.paged_decode_kernel_runs(q, False) is True, dim
+        assert ops.paged_decode_kernel_runs(q.float(), True) is True, dim
