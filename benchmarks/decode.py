@@ -394,6 +394,14 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="cpu runs a smoke check")
     parser.add_argument("--hidden", type=int, default=None, help="override (smoke checks)")
     parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="the engines' longest sequence, so their graphs' block tables (default: each case's "
+        "context + steps; a rollout's engine is sized for its longest sequence, and the contexts "
+        "fill part of the table)",
+    )
+    parser.add_argument(
         "--profile", type=int, default=0, help="also print the N kernels that take most GPU time"
     )
     parser.add_argument(
@@ -433,7 +441,7 @@ def main() -> None:
     cases = [parse_case(c) for c in args.cases.split(",")]
     cuda = args.device == "cuda"
     shrink = {} if args.hidden is None else _shrink(args.hidden)
-    max_len = max(c for _, c in cases) + args.steps + BLOCK
+    max_len = max(max(c for _, c in cases) + args.steps + BLOCK, args.max_model_len or 0)
     config = qwen3_30b_a3b(num_hidden_layers=args.layers, max_position_embeddings=max_len, **shrink)
     bandwidth = copy_bandwidth(args.device) if cuda else float("nan")
     models = build_models(config, args.device)
@@ -442,7 +450,8 @@ def main() -> None:
         model = models[name]
         for batch, context in cases:
             per_seq = math.ceil((context + args.steps) / BLOCK)
-            engine = make_engine(model, batch * per_seq, per_seq * BLOCK, batch)
+            table = max(per_seq * BLOCK, args.max_model_len or 0)
+            engine = make_engine(model, max(batch * per_seq, table // BLOCK), table, batch)
             gpu, step, serial, distinct = time_case(
                 engine, batch, context, args.steps, args.repeats
             )
