@@ -65,7 +65,7 @@ if ARGS.device == "cpu":  # kernels must be decorated interpreted: before fp4rl.
 from _timing import median_ms, report, run_header  # noqa: E402
 
 from fp4rl.kernels import attention_tiles, paged_attention  # noqa: E402
-from fp4rl.kernels.attention_tiles import DecodeTile, split_tokens_for  # noqa: E402
+from fp4rl.kernels.attention_tiles import DecodeTile, stretches_for  # noqa: E402
 from fp4rl.rollout.attention import AttentionMetadata, Segment, attend_fp32  # noqa: E402
 from fp4rl.rollout.kv_cache import KVCache, KVCacheSpec  # noqa: E402
 
@@ -213,8 +213,7 @@ class Bench:
             kind = attention_tiles.page_format(q, fmt == "nvfp4", self.dim, Hq // self.kv_heads)
             tile, planned = attention_tiles.plan_for(kind, programs, self.tokens, device)
             num_splits = planned if num_splits is None else num_splits
-        per = split_tokens_for(programs, self.tokens, tile, device, num_splits)
-        return -(-self.tokens // per)
+        return stretches_for(programs, self.tokens, tile, device, num_splits)
 
     def table_row(self, copy_gbs, warmup, repeats):
         bad, t, want = [], {}, {}

@@ -119,7 +119,7 @@ SIGNATURES = {
         "v_pages": "*i32", "v_block_scale": "*u8", "v_amax": "*bf16",
         "table_BN": "*i32", "context_B": "*i32", "out_BHD": "*bf16", "part_m": "*fp32",
         "part_l": "*fp32", "part_o": "*fp32", "softmax_scale": "fp32", "num_kv_heads": "i32",
-        "table_cols": "i32", "split_tokens": "i32",
+        "table_cols": "i32",
     },
     "gemm": {
         "x_AK": "*bf16", "codes_ENW": "*i32", "block_scale_ENB": "*u8", "scale_G": "*fp32",

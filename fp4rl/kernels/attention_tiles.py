@@ -19,9 +19,10 @@ from fp4rl.kernels.launch import multiprocessors, register_kernels_refusal
 @dataclass(frozen=True, slots=True)
 class DecodeTile:
     """One program's step: ``block_n`` context tokens (a power of two >= 16), ``num_stages``
-    steps of loads in flight. Contexts are split into stretches of at least
-    ``min_split_tokens`` when the grid would otherwise be too small for the GPU: up to
-    ``programs_per_sm`` programs a multiprocessor (see `split_tokens_for`)."""
+    steps of loads in flight. Contexts are split into stretches when the grid would otherwise
+    be too small for the GPU: up to ``programs_per_sm`` programs a multiprocessor, as many
+    stretches as cut the block table into stretches of at least ``min_split_tokens`` (see
+    `stretches_for`); each sequence's own context is then cut into that many."""
 
     block_n: int
     num_warps: int
@@ -88,8 +89,9 @@ def config_for(fmt: str, programs: int) -> DecodeTile:
 # BENCHMARKS.md): NVFP4 pages 7.2 us at 1k (32 stretches of 32 tokens) against 8.7 for the
 # `CONFIGS` tile's 8 stretches of 128, 8.1 against 9.0 at 2k, the same 9.8 at 4k (32 of 128
 # either way); BF16 pages 7.0 against 7.5, 8.2 against 8.1, 9.7 both. A block table wider than
-# the contexts (the engine's graphs use the longest a sequence may grow to) keeps 128-token
-# stretches, as before.
+# the contexts (the engine's graphs use the longest a sequence may grow to) takes the tile of
+# 128-token steps, and each context is still cut into the planned stretches
+# (`paged_attention.stretch_of`).
 SMALL_LAUNCH = 16
 SMALL_TILES = {
     "bf16": {
@@ -114,7 +116,7 @@ def plan_for(
 ) -> tuple[DecodeTile, int | None]:
     """``(tile, context stretches)`` for a launch of ``programs`` sequence-heads over block
     tables of ``table_tokens``: `SMALL_TILES` with one stretch per multiprocessor (a power of
-    two) at most SMALL_LAUNCH programs, else `config_for`'s tile with `split_tokens_for`'s
+    two) at most SMALL_LAUNCH programs, else `config_for`'s tile with `stretches_for`'s
     choice (None). ``fmt``: 'bf16', 'nvfp4' or 'registers' (`page_format`)."""
     if programs > SMALL_LAUNCH:
         return config_for(fmt, programs), None
@@ -132,20 +134,21 @@ def plan_for(
 # BF16 pages' tile of 2 warps has since been fastest in 2 stretches at batch 64 (134.0 against
 # 140.6 us at 4k, 72.1 against 79.5 at 2k: "Decode attention: a shorter loop" in
 # BENCHMARKS.md), which 4 a multiprocessor picks; batch 256 stays unsplit.
-def split_tokens_for(
+def stretches_for(
     programs: int, table_tokens: int, tile: DecodeTile, device: torch.device,
     num_splits: int | None = None,
 ) -> int:  # fmt: skip
-    """Context tokens per program, a multiple of ``tile.block_n``: the table is cut into the
-    largest power of two of stretches that keeps ``programs`` (sequences x KV heads) times it
-    within ``tile.programs_per_sm`` per multiprocessor, and no stretch shorter than
-    ``tile.min_split_tokens``. ``num_splits`` overrides the choice (tests, benchmarks)."""
+    """How many stretches each sequence's context is cut into (`paged_attention.stretch_of`):
+    the largest power of two that keeps ``programs`` (sequences x KV heads) times it within
+    ``tile.programs_per_sm`` per multiprocessor, and no more than would cut a context as long
+    as the table (``table_tokens``) into stretches shorter than ``tile.min_split_tokens``.
+    ``num_splits`` overrides the choice (tests, benchmarks); either way at most one stretch per
+    ``tile.block_n`` tokens of the table."""
     if num_splits is None:
         wanted = max(1, tile.programs_per_sm * multiprocessors(device) // max(programs, 1))
         wanted = 1 << (wanted.bit_length() - 1)
-        num_splits = max(1, min(wanted, table_tokens // tile.min_split_tokens))
-    per_split = -(-table_tokens // max(num_splits, 1))
-    return max(tile.block_n, -(-per_split // tile.block_n) * tile.block_n)
+        num_splits = min(wanted, table_tokens // tile.min_split_tokens)
+    return max(1, min(num_splits, -(-table_tokens // tile.block_n)))
 
 
 def page_format(q_BHD: torch.Tensor, nvfp4: bool, head_dim: int, group: int) -> str:

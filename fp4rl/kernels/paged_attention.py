@@ -35,12 +35,13 @@ Numerics, the contract of `reference_decode` (the twin below: ``attend_fp32`` ov
   NaN included; a NaN K or V value inside a context makes its KV head's outputs NaN, as in
   the reference. A context of 0 gives NaN (0 / 0), as the reference's all-masked softmax does.
 
-Work split: for long contexts at small batch, the context is cut into ``num_splits`` stretches
-(flash-decoding); each program writes its unnormalized output, running maximum and sum, and a
-second small kernel combines the stretches. The number of stretches depends on host-known
-shapes only (batch, heads, table width; `attention_tiles`, with the tiles) and the launch reads
-nothing back, so it can be captured in a CUDA graph: contexts and tables may change between
-replays.
+Work split: for long contexts at small batch, each context is cut into ``num_splits``
+stretches (flash-decoding); each program writes its unnormalized output, running maximum and
+sum, and a second small kernel combines the stretches. The number of stretches depends on
+host-known shapes only (batch, heads, table width; `attention_tiles`, with the tiles) and the
+launch reads nothing back, so it can be captured in a CUDA graph: contexts and tables may change
+between replays. Where the stretches fall depends on each sequence's context, read on the GPU
+(`stretch_of`): a table wider than the contexts still leaves every stretch its share.
 
 Legend: B sequences, Hq query heads, K KV heads, G = Hq / K, D head dim, N table columns, P
 page (block) size, S context splits.
@@ -56,7 +57,7 @@ import triton.language as tl
 
 from fp4rl.fp4.tensor import NVFP4Rows
 from fp4rl.kernels import dependent_launch
-from fp4rl.kernels.attention_tiles import DecodeTile, page_format, plan_for, split_tokens_for
+from fp4rl.kernels.attention_tiles import DecodeTile, page_format, plan_for, stretches_for
 from fp4rl.kernels.dependent_launch import wait_for_prior
 from fp4rl.kernels.launch import check_contiguous, check_device, device_of
 from fp4rl.kernels.numerics import dot, round_to
@@ -83,7 +84,20 @@ def _fold_twins(x_GC, TWIN: tl.constexpr, HALF: tl.constexpr, SUM: tl.constexpr)
 
 
 # Batch, table width and split length change with every step: no recompiling for each.
-@triton.jit(do_not_specialize=["num_kv_heads", "table_cols", "split_tokens"])
+@triton.jit
+def stretch_of(context, table_tokens, split, splits, BLOCK_N: tl.constexpr):
+    """``(start, end)`` of stretch ``split`` of ``splits`` of a sequence's context (no further
+    than its table covers): the context cut into equal stretches of whole ``BLOCK_N`` steps, the
+    last one shorter, trailing ones empty where the context is short. Cut by each context, not
+    by the table, so that a table wider than its context (the engine's graphs take the longest
+    a sequence may grow to) leaves no program without work while another walks it all."""
+    context = tl.minimum(context, table_tokens)
+    stretch = tl.cdiv(tl.cdiv(context, splits), BLOCK_N) * BLOCK_N
+    start = split * stretch
+    return start, tl.minimum(start + stretch, context)
+
+
+@triton.jit(do_not_specialize=["num_kv_heads", "table_cols"])
 def _paged_decode_kernel(
     q_BHD,
     k_pages,
@@ -101,7 +115,6 @@ def _paged_decode_kernel(
     softmax_scale,
     num_kv_heads,
     table_cols,
-    split_tokens,
     G: tl.constexpr,
     BLOCK_G: tl.constexpr,
     D: tl.constexpr,
@@ -132,9 +145,9 @@ def _paged_decode_kernel(
         q_BHD + q_rows[:, None] * D + d_D[None, :], mask=(head_G < G)[:, None], other=0.0
     )
 
-    # This program's stretch of the context, never past what the table covers.
-    start = split * split_tokens
-    end = tl.minimum(tl.minimum(start + split_tokens, tl.load(context_B + b)), table_cols * PAGE)
+    # This program's stretch of its sequence's context (`stretch_of`).
+    start, end = stretch_of(tl.load(context_B + b), table_cols * PAGE, split, tl.num_programs(1),
+                            BLOCK_N)  # fmt: skip
     table_row = table_BN + b.to(tl.int64) * table_cols
     m_G = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_G = tl.zeros([BLOCK_G], tl.float32)
@@ -294,8 +307,7 @@ def launch(
             f"{MIN_BF16_NVFP4_REDUCTION} (shorter reductions miscompile on sm_90, see "
             f"MIN_BF16_NVFP4_REDUCTION); got D={D}, block_n={tile.block_n}"
         )
-    split_tokens = split_tokens_for(B * K, N * page, tile, q_BHD.device, num_splits)
-    splits = max(1, -(-N * page // split_tokens))
+    splits = stretches_for(B * K, N * page, tile, q_BHD.device, num_splits)
     part_m = part_l = part_o = out_BHD  # stand-ins, not written without splits
     if splits > 1:
         part_m = torch.empty((B * Hq, splits), dtype=torch.float32, device=q_BHD.device)
@@ -305,12 +317,12 @@ def launch(
         if tile.registers:
             paged_attention_registers.launch_kernel(
                 (B * K, splits), q_BHD, k, v, block_table_BN, context_B, out_BHD,
-                (part_m, part_l, part_o), split_tokens=split_tokens, block_n=tile.block_n,
+                (part_m, part_l, part_o), block_n=tile.block_n,
             )  # fmt: skip
         else:
             _paged_decode_kernel[(B * K, splits)](
                 q_BHD, *members, block_table_BN, context_B, out_BHD, part_m, part_l, part_o,
-                1.0 / math.sqrt(D), K, N, split_tokens,
+                1.0 / math.sqrt(D), K, N,
                 G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, PAGE=page,
                 BLOCK_N=tile.block_n, NVFP4=nvfp4, SPLIT=splits > 1, NUM_STAGES=tile.num_stages,
                 KEYS_FIRST=tile.keys_first, num_warps=tile.num_warps,

@@ -301,8 +301,8 @@ def _as_operand_b(p, b_l: gl.constexpr, BLOCK_N: gl.constexpr):
     return gl.convert_layout(gl.reshape(t, [BLOCK_N, HEADS]), b_l, assert_trivial=True)
 
 
-# Batch, table width and split length change with every step: no recompiling for each.
-@gluon.jit(do_not_specialize=["num_kv_heads", "table_cols", "split_tokens"])
+# Batch and table width change with every step: no recompiling for each.
+@gluon.jit(do_not_specialize=["num_kv_heads", "table_cols"])
 def _paged_decode_registers_kernel(
     q_BHD,
     k_pages,
@@ -320,7 +320,6 @@ def _paged_decode_registers_kernel(
     softmax_scale,
     num_kv_heads,
     table_cols,
-    split_tokens,
     G: gl.constexpr,
     D: gl.constexpr,
     PAGE: gl.constexpr,
@@ -355,8 +354,12 @@ def _paged_decode_registers_kernel(
     q_HD = gl.load(q_BHD + q_rows[:, None] * D + d_D[None, :], mask=head_ok[:, None], other=0.0)
     q_b = gl.convert_layout(gl.permute(fragments.hardware_order(q_HD, HEADS, D), [1, 0]), b_l)
 
-    start = split * split_tokens
-    end = gl.minimum(gl.minimum(start + split_tokens, gl.load(context_B + b)), table_cols * PAGE)
+    # This program's stretch of its sequence's context (`paged_attention.stretch_of`; Gluon
+    # calls no Triton function).
+    context = gl.minimum(gl.load(context_B + b), table_cols * PAGE)
+    stretch = gl.cdiv(gl.cdiv(context, gl.num_programs(1)), BLOCK_N) * BLOCK_N
+    start = split * stretch
+    end = gl.minimum(start + stretch, context)
     table_row = table_BN + b.to(gl.int64) * table_cols
     key_N = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
 
@@ -463,7 +466,7 @@ def members(pages) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return pages.codes.view(torch.int32), pages.block_scale.view(torch.uint8), pages.amax
 
 
-def launch_kernel(grid, q_BHD, k, v, block_table_BN, context_B, out_BHD, parts, *, split_tokens,
+def launch_kernel(grid, q_BHD, k, v, block_table_BN, context_B, out_BHD, parts, *,
                   block_n) -> None:  # fmt: skip
     """Launch over ``grid`` with `paged_attention.launch`'s checked arguments (``k``, ``v``: one
     layer's NVFP4 pages; ``parts``: the stretches' (m, l, o), or ``out_BHD`` thrice without
@@ -474,7 +477,7 @@ def launch_kernel(grid, q_BHD, k, v, block_table_BN, context_B, out_BHD, parts, 
         raise ValueError(f"a registers DecodeTile takes under 2**32 cache rows; got {rows}")
     _paged_decode_registers_kernel[grid](
         q_BHD, *members(k), *members(v), block_table_BN, context_B, out_BHD, *parts,
-        1.0 / math.sqrt(D), num_kv_heads, block_table_BN.shape[1], split_tokens,
+        1.0 / math.sqrt(D), num_kv_heads, block_table_BN.shape[1],
         G=Hq // num_kv_heads, D=D, PAGE=page, BLOCK_N=block_n, SPLIT=grid[1] > 1, num_warps=1,
         # The decode's two products must not merge into an FMA with anything.
         enable_fp_fusion=False,

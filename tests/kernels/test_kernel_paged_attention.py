@@ -369,7 +369,7 @@ def assert_graph_replay_follows(scene: Scene, what: str, **launch_kw) -> None:
 def test_small_launches_cover_the_gpu_once_with_one_step_each(monkeypatch):
     """At most SMALL_LAUNCH sequence-heads: about one stretch per multiprocessor (a power of
     two), each one step of a tile as long as the stretch (32 to 128 tokens); more: `CONFIGS`'
-    tile and `split_tokens_for`'s choice."""
+    tile and `stretches_for`'s choice."""
     monkeypatch.setattr(attention_tiles, "multiprocessors", lambda device: 132)
     plan = attention_tiles.plan_for
     small = attention_tiles.SMALL_TILES["nvfp4"]
@@ -380,7 +380,7 @@ def test_small_launches_cover_the_gpu_once_with_one_step_each(monkeypatch):
     assert plan("nvfp4", 16, 4096, cuda) == (small[128], 8)
     assert plan("nvfp4", 17, 4096, cuda) == (attention_tiles.config_for("nvfp4", 17), None)
     tile, stretches = plan("nvfp4", 4, 1024, cuda)
-    assert attention_tiles.split_tokens_for(4, 1024, tile, cuda, stretches) == 32
+    assert attention_tiles.stretches_for(4, 1024, tile, cuda, stretches) == 32
 
 
 def test_each_tile_splits_contexts_to_its_own_programs_per_multiprocessor(monkeypatch):
@@ -389,11 +389,11 @@ def test_each_tile_splits_contexts_to_its_own_programs_per_multiprocessor(monkey
     256 runs unsplit either way."""
     monkeypatch.setattr(attention_tiles, "multiprocessors", lambda device: 132)
     cuda = torch.device("cuda")
-    for fmt, stretch in (("bf16", 2048), ("nvfp4", 1024), ("registers", 1024)):
+    for fmt, stretches in (("bf16", 2), ("nvfp4", 4), ("registers", 4)):
         tile, planned = attention_tiles.plan_for(fmt, 256, 4096, cuda)
         assert planned is None and tile == attention_tiles.config_for(fmt, 256)
-        assert attention_tiles.split_tokens_for(256, 4096, tile, cuda) == stretch, fmt
-        assert attention_tiles.split_tokens_for(1024, 2048, tile, cuda) == 2048, fmt
+        assert attention_tiles.stretches_for(256, 4096, tile, cuda) == stretches, fmt
+        assert attention_tiles.stretches_for(1024, 2048, tile, cuda) == 1, fmt
 
 
 def test_the_engine_asks_the_kernels_whether_they_take_its_pages(monkeypatch):
@@ -407,3 +407,43 @@ def test_the_engine_asks_the_kernels_whether_they_take_its_pages(monkeypatch):
         assert ops.paged_decode_kernel_runs(q, True) is want, dim
         assert ops.paged_decode_kernel_runs(q, False) is True, dim
         assert ops.paged_decode_kernel_runs(q.float(), True) is True, dim
+
+
+@pytest.mark.parametrize("kernel", ["program", "registers"])
+@pytest.mark.parametrize("fmt", ["bf16 pages", "nvfp4"])
+def test_each_context_is_cut_into_the_stretches_not_the_table(device, monkeypatch, fmt, kernel):
+    """A block table four times wider than its longest context (the engine's graphs take the
+    longest a sequence may grow to), cut into 4 stretches: each sequence's own context is
+    shared out, a stretch of whole steps to each program until it runs out (with 16-token steps,
+    context 64: all four stretches hold tokens, 48: three, 17: two, 1: one), where cutting the
+    table would leave every token to the first. The outputs stay within the bound."""
+    if kernel == "registers" and (device != "cuda" or fmt != "nvfp4"):
+        pytest.skip("the register kernel: NVFP4 pages under BF16 queries, on the GPU")
+    contexts = [64, 48, 17, 1]
+    scene = Scene(fmt, contexts, heads=(8, 2), dim=128 if kernel == "registers" else 32, page=16,
+                  seed=7, device=device, q_dtype=torch.bfloat16)  # fmt: skip
+    spare = scene.block_table_BN[:, -1:]  # a block no sequence owns
+    scene.block_table_BN = torch.cat([scene.block_table_BN, spare.expand(-1, 11)], 1).contiguous()
+    assert scene.block_table_BN.shape[1] * 16 == 4 * 64
+    real, seen = paged_attention._combine_splits_kernel, {}
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(part_m, part_l, *args, **kwargs):
+                seen["part_l"] = part_l.cpu()
+                return real[grid](part_m, part_l, *args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(paged_attention, "_combine_splits_kernel", Recorder())
+    tile = TINY if kernel == "program" else attention_tiles.REGISTERS_TILE
+    if fmt == "nvfp4" and kernel == "program":
+        tile = DecodeTile(block_n=32, num_warps=4, num_stages=2, min_split_tokens=16)
+    out = scene.launch(config=tile, num_splits=4)
+    step = tile.block_n
+    filled = seen["part_l"].view(len(contexts), 8, 4) > 0  # [sequence, query head, stretch]
+    for b, c in enumerate(contexts):
+        stretch = math.ceil(math.ceil(c / 4) / step) * step
+        want = [s * stretch < c for s in range(4)]
+        assert filled[b].eq(torch.tensor(want)).all(), (c, filled[b, 0].tolist(), want)
+    assert_within(out, scene, f"{fmt}, a table wider than its contexts")

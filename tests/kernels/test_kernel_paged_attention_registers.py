@@ -163,14 +163,12 @@ def test_registers_refuse_caches_of_2_32_rows():
         if refused:
             with pytest.raises(ValueError, match=r"under 2\*\*32 cache rows; got 4294967296"):
                 paged_attention_registers.launch_kernel(
-                    (1, 1, 1), q, pages, pages, None, None, None, None, split_tokens=16,
-                    block_n=16,
+                    (1, 1, 1), q, pages, pages, None, None, None, None, block_n=16
                 )  # fmt: skip
         else:  # past the check: the stand-in pages have no members to launch with
             with pytest.raises(AttributeError):
                 paged_attention_registers.launch_kernel(
-                    (1, 1, 1), q, pages, pages, None, None, None, None, split_tokens=16,
-                    block_n=16,
+                    (1, 1, 1), q, pages, pages, None, None, None, None, block_n=16
                 )  # fmt: skip
 
 
@@ -230,7 +228,6 @@ def test_launcher_passes_the_register_kernel_its_arguments_by_name(device, monke
     assert all(bound[p] is out for p in ("part_m", "part_l", "part_o"))  # unsplit: not written
     assert bound["softmax_scale"] == 1 / math.sqrt(128) and bound["num_kv_heads"] == 2
     assert bound["table_cols"] == scene.block_table_BN.shape[1]
-    assert bound["split_tokens"] == scene.block_table_BN.shape[1] * 16
     assert (bound["G"], bound["D"], bound["PAGE"], bound["BLOCK_N"]) == (4, 128, 16, 16)
     assert bound["SPLIT"] is False and bound["num_warps"] == 1
     assert bound["enable_fp_fusion"] is False
