@@ -83,7 +83,6 @@ def _fold_twins(x_GC, TWIN: tl.constexpr, HALF: tl.constexpr, SUM: tl.constexpr)
     return tl.sum(halves, 0) if SUM else tl.max(halves, 0)
 
 
-# Batch, table width and split length change with every step: no recompiling for each.
 @triton.jit
 def stretch_of(context, table_tokens, split, splits, BLOCK_N: tl.constexpr):
     """``(start, end)`` of stretch ``split`` of ``splits`` of a sequence's context (no further
@@ -97,6 +96,7 @@ def stretch_of(context, table_tokens, split, splits, BLOCK_N: tl.constexpr):
     return start, tl.minimum(start + stretch, context)
 
 
+# Batch and table width change with every step: no recompiling for each.
 @triton.jit(do_not_specialize=["num_kv_heads", "table_cols"])
 def _paged_decode_kernel(
     q_BHD,
