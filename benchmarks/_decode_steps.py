@@ -40,14 +40,20 @@ def eager_decode_step(
     return model.logits(h), capture
 
 
+def decode_segments(engine: Engine, batch: int, context: int) -> list[Segment]:
+    """One decode segment per sequence at ``context``: sequence i in blocks of its own, laid
+    out one after another from block 0, with room for a few steps more."""
+    per_seq = math.ceil((context + 4) / engine.config.block_size)
+    return [
+        Segment(BlockTable(range(i * per_seq, (i + 1) * per_seq)), context, 1) for i in range(batch)
+    ]
+
+
 def profile_case(engine: Engine, batch: int, context: int, top: int, title: str) -> None:
     """The ``top`` kernels of a few decode steps by GPU time (replayed graphs on the GPU)."""
     from torch.profiler import ProfilerActivity, profile
 
-    per_seq = math.ceil((context + 4) / engine.config.block_size)
-    segments = [
-        Segment(BlockTable(range(i * per_seq, (i + 1) * per_seq)), context, 1) for i in range(batch)
-    ]
+    segments = decode_segments(engine, batch, context)
     tokens = [1] * batch
     activities = [ProfilerActivity.CPU]
     if engine.layout.device.type == "cuda":
@@ -100,10 +106,7 @@ class _OpCounter(TorchDispatchMode):
 def count_ops(engine: Engine, batch: int, context: int, title: str) -> None:
     """Print the aten ops one eager decode step dispatches (on the GPU each launches at least
     one kernel), per decoder layer (their mean) and outside the layers, by op."""
-    per_seq = math.ceil((context + 4) / engine.config.block_size)
-    segments = [
-        Segment(BlockTable(range(i * per_seq, (i + 1) * per_seq)), context, 1) for i in range(batch)
-    ]
+    segments = decode_segments(engine, batch, context)
     counter = _OpCounter(engine.model.layers)
     # no_grad, not inference_mode: under inference_mode composite ops (to, linear) reach the
     # counter whole instead of as the ops that run.
