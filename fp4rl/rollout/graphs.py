@@ -13,9 +13,12 @@ sampled by the step before and not read back yet is staged as its `placeholder`,
 takes its value from a device buffer that the run fills with that step's samples, one
 device-to-device copy queued before the replay.
 A step of ``B`` decodes replays the graph of the smallest bucket ``b >= B``; rows ``B..b`` are
-padding: token 0 at position 0, context 1, written to and read from the cache's scratch block
-(one block past the block manager's pool), so they never touch a sequence's pages. Their
-outputs are dropped.
+padding (`pad_rows`): each a copy of the real row with the shortest context but for its slot,
+which lies in the cache's scratch block (one block past the block manager's pool), so they
+write no sequence's pages. A padding row computes what its source row computes, bit for bit
+(every kernel of the forward treats rows alike), so at every MoE layer it routes to its source's
+experts and the expert GEMMs read no weights for it; padding of its own (token 0 at position 0)
+would route to up to ``top_k`` experts the real rows may not touch. Their outputs are dropped.
 
 What a graph writes lives in the graph's own memory and is overwritten by the next replay: the
 logits, and, when the engine captures them, the step's routing and guidance records packed by
@@ -118,6 +121,19 @@ def fill_rows(
         rows[: len(heads), :TABLE] = heads
 
 
+def pad_rows(rows: np.ndarray, num_real: int, scratch_slot: int) -> None:
+    """Turn rows ``num_real..`` of a step's input rows (``num_real`` filled by `fill_rows`) into
+    padding: copies of the real row with the shortest context (the least attention work), their
+    K and V written to ``scratch_slot``, which no sequence reads."""
+    if num_real == len(rows):
+        return
+    if num_real < 1:
+        raise ValueError(f"a graphed step decodes at least one row; got num_real={num_real}")
+    source = int(np.argmin(rows[:num_real, CONTEXT]))
+    rows[num_real:] = rows[source]
+    rows[num_real:, SLOT] = scratch_slot
+
+
 @dataclass(slots=True)
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -169,7 +185,8 @@ class DecodeGraphs:
         return graph.logits_bV[:B], capture.holding(graph.records.to_host(B))
 
     def _padding_rows(self) -> np.ndarray:
-        """Input rows of padding: token 0 at position 0 in the scratch block, context 1."""
+        """An input row that touches only the scratch block (token 0 at position 0, context 1):
+        what the graphs are captured over, and the table columns past a sequence's blocks."""
         row = np.full(TABLE + self.width, self.scratch_block, dtype=np.int64)
         row[[TOKEN, POSITION, CONTEXT]] = (0, 0, 1)
         row[SLOT] = self.scratch_block * self.cache.block_size
@@ -184,6 +201,7 @@ class DecodeGraphs:
         rows = self.staging.numpy()
         rows[:b] = self._padding
         fill_rows(rows, segments, tokens, self.cache.block_size)
+        pad_rows(rows[:b], len(segments), self._padding[SLOT])
         self.inputs[:b].copy_(self.staging[:b], non_blocking=True)
         self.staged.record(torch.cuda.current_stream(self.device))
 

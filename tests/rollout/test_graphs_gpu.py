@@ -2,7 +2,8 @@
 
 At a batch that is a bucket size every decode step runs the same kernels on the same shapes
 eagerly and graphed, so completions, logprobs and records must agree bit for bit; at other
-batches the padding rows must write only the scratch block. Graphs must follow a refit (weights
+batches the padding rows must write only the scratch block and compute what their source row
+computes. Graphs must follow a refit (weights
 copied in place) and be dropped with the KV pages. Tiny model with head dim 32, the paged
 kernel's smallest for BF16 queries over NVFP4 pages.
 """
@@ -148,6 +149,30 @@ def test_padding_rows_write_only_the_scratch_block():
             written = pages.flatten(1).view(torch.uint8).ne(0).any(1)
             assert not written[used:scratch].any(), "a page no sequence held was written"
             assert written[scratch], "the padding rows wrote nowhere"
+
+
+@pytest.mark.parametrize("experts", ["nvfp4", "bf16"])
+@torch.no_grad()
+def test_padding_rows_compute_what_their_source_row_computes(experts):
+    """So they route to the experts of a real row and add no expert weights to the step."""
+    _, packed = models(experts, experts)
+    guidance = "full" if experts == "nvfp4" else None
+    graphed, eager = engines(packed, capture_routing=True, guidance=guidance)
+    prompts = PROMPTS[:5]  # 5 decodes: bucket 8, three rows of padding
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    assert_same_completions(graphed.generate(prompts, params), eager.generate(prompts, params))
+    staged = graphed.graphs.staging.numpy()
+    source = int(staged[:5, graphs.CONTEXT].argmin())
+    assert (staged[5:8, graphs.SLOT] == graphed.num_blocks * 16).all()
+    # The last replay's logits and records, padding rows included, in the graph's memory.
+    graph = graphed.graphs.graphs[(8, True)]
+    assert torch.equal(graph.logits_bV[5:8], graph.logits_bV[source].expand(3, -1))
+    layout, records = graph.records.layout, graph.records.rows
+    for item, members in enumerate(layout.members):
+        for member in range(len(members)):
+            column = layout.column(records, item, member)
+            same = torch.equal(column[5:8], column[source].expand_as(column[5:8]))
+            assert same, f"{layout.keys[item]!r}, member {member}"
 
 
 @torch.no_grad()
