@@ -67,6 +67,12 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--kv-gib", type=float, default=8.0, help="KV budget of each engine")
     parser.add_argument(
+        "--spread-lengths", action="store_true", help="each of the prompts x n samples a request "
+        "of its own, of a length drawn uniformly from [max-tokens / 8, max-tokens] (seeded), as "
+        "responses that stop at their own end of sequence: the decode batch shrinks through "
+        "sizes between the graphs' buckets"
+    )  # fmt: skip
+    parser.add_argument(
         "--profile", type=int, default=0, help="also print, per row, the N ops that take most "
         "device time in one more call of --warmup-tokens new tokens (torch.profiler)"
     )  # fmt: skip
@@ -104,6 +110,14 @@ def main() -> None:
     weights = source.state_dict()
     rows, base = [], {}
     warmup = dataclasses.replace(sampling, max_tokens=args.warmup_tokens or args.max_tokens)
+    lengths = f"{args.max_tokens} new tokens each"
+    if args.spread_lengths:
+        low = max(1, args.max_tokens // 8)
+        drawn = torch.randint(low, args.max_tokens + 1, (args.prompts * args.n,), generator=g)
+        prompts = [p for p in prompts for _ in range(args.n)]
+        sampling = [dataclasses.replace(sampling, n=1, max_tokens=m) for m in drawn.tolist()]
+        warmup = [dataclasses.replace(warmup, n=1)] * len(prompts)
+        lengths = f"new tokens drawn uniformly from [{low}, {args.max_tokens}] per sample"
     max_model_len = -(-(args.prompt_len + args.max_tokens) // 16) * 16
     models, engines = {}, {}
     for name in chosen:
@@ -171,7 +185,7 @@ def main() -> None:
             run_header("python benchmarks/generate.py " + " ".join(sys.argv[1:])),
             "",
             f"{args.layers} layers, {args.prompts} prompts x {args.prompt_len} tokens, "
-            f"n={args.n}, {args.max_tokens} new tokens each",
+            f"n={args.n}, {lengths}",
             "",
             "| engine | seconds | generated tok/s | vs bf16 | vs nvfp4 uncaptured "
             "| routing B/tok | guidance B/tok |",
@@ -199,7 +213,8 @@ def profile_call(engine, prompts, sampling, top: int, title: str, cuda: bool) ->
     events = prof.key_averages()
     key = "device_time_total" if cuda else "cpu_time_total"
     busy = sum(e.self_device_time_total for e in events) / 1e3 if cuda else float("nan")
-    print(f"### {title}: one call of {sampling.max_tokens} new tokens, {wall * 1e3:.1f} ms wall "
+    tokens = max(p.max_tokens for p in (sampling if isinstance(sampling, list) else [sampling]))
+    print(f"### {title}: one call of up to {tokens} new tokens, {wall * 1e3:.1f} ms wall "
           f"(profiled), {busy:.1f} ms of kernels")  # fmt: skip
     print(events.table(sort_by=key, row_limit=top, max_name_column_width=70), flush=True)
 
