@@ -17,7 +17,8 @@ Three times per step:
 - ``GPU ms``: the graphs replayed back to back (inputs staged from the host between them, no
   wait for the device): what the GPU needs for a step;
 - ``engine ms``: what an engine step costs end to end without the scheduler: stage, replay, the
-  engine's check of the logits, the sampler on them (temperature 1), the copy of the results to
+  engine's check of the logits, the sampler on them (temperature 1; ``--cdf-orders`` times the
+  draw of each `SamplingParams.cdf_order` given, a row each), the copy of the results to
   pinned host memory and the host reading them. As the engine runs by default
   (`EngineConfig.overlap_steps`), the next step is launched before a step's results are read,
   its tokens taken from that step's samples on the device; ``one at a time`` reads each step's
@@ -183,9 +184,11 @@ def engine_steps(engine: Engine, segments, tokens, params, overlap: bool) -> Non
         read(pending[1])
 
 
-def time_case(engine: Engine, batch: int, context: int, steps: int, repeats: int):
-    """(GPU ms per step, engine ms per step, engine ms per step one step at a time: one entry
-    per repeat; distinct experts per MoE layer in the first step)."""
+def time_case(engine: Engine, batch: int, context: int, steps: int, repeats: int, orders):
+    """(GPU ms per step, {CDF order: engine ms per step}, {CDF order: engine ms per step one
+    step at a time}: one entry per repeat; distinct experts per MoE layer in the first step).
+    The engine steps sample at temperature 1 with each of ``orders`` (`SamplingParams.cdf_order`)
+    in turn."""
     device = engine.layout.device
     per_seq = math.ceil((context + steps) / BLOCK)
     # The engine's own tables: staging copies their int64 arrays.
@@ -195,7 +198,10 @@ def time_case(engine: Engine, batch: int, context: int, steps: int, repeats: int
     vocab = engine.layout.vocab_size
     tokens = torch.randint(0, vocab, (steps, batch), generator=torch.Generator().manual_seed(1))
     tokens = tokens.tolist()
-    params = [SamplingParams(temperature=1.0, max_tokens=steps)] * batch
+    params = {
+        order: [SamplingParams(temperature=1.0, max_tokens=steps, cdf_order=order)] * batch
+        for order in orders
+    }
 
     def segments(step: int) -> list[Segment]:
         return [Segment(t, context + step, 1) for t in tables]
@@ -206,17 +212,25 @@ def time_case(engine: Engine, batch: int, context: int, steps: int, repeats: int
         if device.type == "cuda":
             torch.cuda.synchronize()  # the records' copy to the host has landed
         distinct = [len(torch.unique(ids)) for ids in out.routing.values()]
-        gpu, overlapped, one_at_a_time = [], [], []
+        gpu = []
+        overlapped = {order: [] for order in orders}
+        one_at_a_time = {order: [] for order in orders}
         for _ in range(repeats + 1):  # the first pass warms the graphs and the sampler up
             with Clock(device) as clock:
                 for s in range(steps):
                     decode_step(engine, segments(s), tokens[s])
             gpu.append(clock.ms / steps)
-            for overlap, times in ((True, overlapped), (False, one_at_a_time)):
-                with Clock(device) as clock:
-                    engine_steps(engine, segments, tokens, params, overlap)
-                times.append(clock.ms / steps)
-    return gpu[1:], overlapped[1:], one_at_a_time[1:], distinct
+            for order in orders:
+                for overlap, times in ((True, overlapped), (False, one_at_a_time)):
+                    with Clock(device) as clock:
+                        engine_steps(engine, segments, tokens, params[order], overlap)
+                    times[order].append(clock.ms / steps)
+    return (
+        gpu[1:],
+        {order: times[1:] for order, times in overlapped.items()},
+        {order: times[1:] for order, times in one_at_a_time.items()},
+        distinct,
+    )
 
 
 def make_engine(model, num_blocks: int, max_len: int, batch: int) -> Engine:
@@ -295,6 +309,13 @@ def main() -> None:
         "fill part of the table)",
     )
     parser.add_argument(
+        "--cdf-orders",
+        default="probability",
+        help="comma-separated SamplingParams.cdf_order values the engine steps sample with, "
+        "each timed in turn (probability: the default draw, which sorts the vocabulary; token: "
+        "no sort)",
+    )
+    parser.add_argument(
         "--profile", type=int, default=0, help="also print the N kernels that take most GPU time"
     )
     parser.add_argument(
@@ -332,6 +353,9 @@ def main() -> None:
 
         attention.STORE_AT_EXIT_MIN_DECODES = args.store_at_exit_min_decodes
     cases = [parse_case(c) for c in args.cases.split(",")]
+    orders = args.cdf_orders.split(",")
+    for order in orders:
+        SamplingParams(cdf_order=order)  # a misspelt order fails here, before the models load
     cuda = args.device == "cuda"
     shrink = {} if args.hidden is None else _shrink(args.hidden)
     max_len = max(max(c for _, c in cases) + args.steps + BLOCK, args.max_model_len or 0)
@@ -346,7 +370,7 @@ def main() -> None:
             table = max(per_seq * BLOCK, args.max_model_len or 0)
             engine = make_engine(model, max(batch * per_seq, table // BLOCK), table, batch)
             gpu, step, serial, distinct = time_case(
-                engine, batch, context, args.steps, args.repeats
+                engine, batch, context, args.steps, args.repeats, orders
             )
             if args.profile:
                 profile_case(engine, batch, context, args.profile, f"{name} {batch}x{context}")
@@ -358,14 +382,15 @@ def main() -> None:
             _empty_cache(cuda)
         del models[name], model
         _empty_cache(cuda)
-    for batch, context in cases:
-        base = statistics.median(results[("bf16", batch, context)][1])
+    for (batch, context), order in itertools.product(cases, orders):
+        base = statistics.median(results[("bf16", batch, context)][1][order])
         for name in ("bf16", "nvfp4"):
             gpu, step, serial, moved, distinct = results[(name, batch, context)]
+            step, serial = step[order], serial[order]
             g, s = statistics.median(gpu), statistics.median(step)
             roof = moved / bandwidth * 1e3
             rows.append(
-                f"| {batch} x {context} | {name} | {g:.2f} ±{_spread(gpu):.0f}% | "
+                f"| {batch} x {context} | {name} | {order} | {g:.2f} ±{_spread(gpu):.0f}% | "
                 f"{s:.2f} ±{_spread(step):.0f}% | {statistics.median(serial):.2f} | "
                 f"{batch / s * 1e3:,.0f} | {base / s:.2f}x | "
                 f"{moved / 2**30:.2f} | {roof:.2f} | {100 * roof / g:.0f} % | "
@@ -380,10 +405,10 @@ def main() -> None:
             f"repeat, median of {args.repeats}; copy bandwidth {bandwidth / 1e9:,.0f} GB/s "
             "(read + write)" + ("; every kernel launched plainly" if args.plain_launches else ""),
             "",
-            "| batch x context | engine | GPU ms/step | engine ms/step | one at a time ms/step "
-            "| tok/s | vs bf16 | GiB/step | roofline ms | GPU at roofline | host share "
-            "| experts/layer |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| batch x context | engine | CDF order | GPU ms/step | engine ms/step "
+            "| one at a time ms/step | tok/s | vs bf16 | GiB/step | roofline ms | GPU at roofline "
+            "| host share | experts/layer |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
             *rows,
         ],
     )

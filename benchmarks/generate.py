@@ -14,7 +14,9 @@ NVFP4 grouped GEMM and decode attention through the paged kernel; decode-only st
 graphs (`fp4rl.rollout.graphs`), except in the rows marked eager, and the engine launches the
 next decode step before reading a step's tokens (`EngineConfig.overlap_steps`), except in the
 rows taken one step at a time; prefill attention and everything else is still plain PyTorch.
-The ratios are against the graphed, overlapped engines.
+The ratios are against the graphed, overlapped engines. ``--cdf-orders probability,token`` runs
+every row with each `SamplingParams.cdf_order` (the default draw sorts the vocabulary each step;
+"token" does not), each order's ratios against the baselines of that order.
 """
 
 from __future__ import annotations
@@ -67,6 +69,10 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--kv-gib", type=float, default=8.0, help="KV budget of each engine")
     parser.add_argument(
+        "--cdf-orders", default="probability", help="comma-separated SamplingParams.cdf_order "
+        "values: every row runs with each"
+    )  # fmt: skip
+    parser.add_argument(
         "--spread-lengths", action="store_true", help="each of the prompts x n samples a request "
         "of its own, of a length drawn uniformly from [max-tokens / 8, max-tokens] (seeded), as "
         "responses that stop at their own end of sequence: the decode batch shrinks through "
@@ -98,6 +104,9 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, config.vocab_size, (args.prompts, args.prompt_len), generator=g)
     prompts = prompts.tolist()
+    orders = args.cdf_orders.split(",")
+    for order in orders:
+        SamplingParams(cdf_order=order)  # a misspelt order fails here, before the models load
     sampling = SamplingParams(
         n=args.n, max_tokens=args.max_tokens, temperature=1.0, seed=0, ignore_eos=True
     )
@@ -150,34 +159,36 @@ def main() -> None:
         engines[name].generate(prompts, warmup)
     # Each repeat times every row once, in an order rotated by one per repeat, so that the
     # machine's drift over the run falls on all rows alike.
-    times, outs = {name: [] for name in chosen}, {}
+    runs = [(name, order) for name in chosen for order in orders]
+    times, outs = {run: [] for run in runs}, {}
     for r in range(args.repeats):
-        for name in chosen[r % len(chosen) :] + chosen[: r % len(chosen)]:
+        for name, order in runs[r % len(runs) :] + runs[: r % len(runs)]:
             sync()
             start = time.perf_counter()
-            outs[name] = engines[name].generate(prompts, sampling)
+            outs[name, order] = engines[name].generate(prompts, _in_order(sampling, order))
             sync()
-            times[name].append(time.perf_counter() - start)
-    for name in chosen:
+            times[name, order].append(time.perf_counter() - start)
+    for name, order in sorted(runs, key=lambda run: orders.index(run[1])):
         experts, kv, routing, guidance, graphs, overlap = VARIANTS[name]
-        seconds = statistics.median(times[name])
-        spread = (max(times[name]) - min(times[name])) / seconds
-        out = outs[name]
+        seconds = statistics.median(times[name, order])
+        spread = (max(times[name, order]) - min(times[name, order])) / seconds
+        out = outs[name, order]
         generated = sum(len(c.completion_ids) for c in out)
         tok_s = generated / seconds
         if (graphs or not cuda) and overlap:  # the baselines: graphed engines, uncaptured
             if experts == "bf16":
-                base.setdefault("bf16", tok_s)
+                base.setdefault((order, "bf16"), tok_s)
             elif not routing and guidance is None:
-                base["fp4"] = tok_s
+                base[order, "fp4"] = tok_s
         capture = capture_bytes_per_generated_token(out)
+        label = name if order == "probability" else f"{name}, {order}-order CDF"
         rows.append(
-            f"| {name} | {seconds:.2f} ±{100 * spread / 2:.0f}% | {tok_s:,.0f} | "
-            f"{_ratio(tok_s, base.get('bf16'))} | "
-            f"{_ratio(tok_s, base.get('fp4'))} | {capture['routing']:,.0f} | "
+            f"| {label} | {seconds:.2f} ±{100 * spread / 2:.0f}% | {tok_s:,.0f} | "
+            f"{_ratio(tok_s, base.get((order, 'bf16')))} | "
+            f"{_ratio(tok_s, base.get((order, 'fp4')))} | {capture['routing']:,.0f} | "
             f"{capture['guidance']:,.0f} |"
         )
-        if args.profile:
+        if args.profile and order == orders[0]:
             profile_call(engines[name], prompts, warmup, args.profile, name, cuda)
     report(
         "generate.md",
@@ -193,6 +204,13 @@ def main() -> None:
             *rows,
         ],
     )
+
+
+def _in_order(sampling, order: str):
+    """The call's SamplingParams (one, or one per prompt) with ``cdf_order=order``."""
+    if isinstance(sampling, list):
+        return [dataclasses.replace(p, cdf_order=order) for p in sampling]
+    return dataclasses.replace(sampling, cdf_order=order)
 
 
 def profile_call(engine, prompts, sampling, top: int, title: str, cuda: bool) -> None:

@@ -19,7 +19,7 @@ from typing import Any, Literal, get_args
 
 from fp4rl import checks
 from fp4rl.model.precision import PrecisionConfig
-from fp4rl.rollout.config import EngineConfig
+from fp4rl.rollout.config import CdfOrder, EngineConfig
 from fp4rl.tasks import CONFIGS as TASK_CONFIGS
 from fp4rl.tasks import JsonlConfig, TaskConfig, TaskSettings
 from fp4rl.train.grpo import GrpoConfig
@@ -50,17 +50,21 @@ class ModelSection:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RolloutSection:
     """How each step's samples are drawn. No top-k / top-p: the trainer scores the tokens under
-    ``softmax(logits / temperature)`` and could not reproduce a truncated distribution."""
+    ``softmax(logits / temperature)`` and could not reproduce a truncated distribution.
+    ``cdf_order`` is `SamplingParams.cdf_order`: "token" draws from the same distribution
+    without sorting the vocabulary each step, other tokens for the same seed."""
 
     prompts_per_step: int = 32
     samples_per_prompt: int = 8  # the GRPO group size, n
     temperature: float = 1.0
     max_tokens: int = 16
+    cdf_order: CdfOrder = "probability"
 
     def __post_init__(self) -> None:
         for key, low in (("prompts_per_step", 1), ("samples_per_prompt", 2), ("max_tokens", 1)):
             checks.integer(f"rollout.{key}", getattr(self, key), low)
         checks.number("rollout.temperature", self.temperature, "> 0", lambda t: t > 0)
+        checks.choice("rollout.cdf_order", self.cdf_order, get_args(CdfOrder))
 
 
 Rounding = Literal["guided", "nearest"]

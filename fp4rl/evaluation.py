@@ -50,6 +50,7 @@ def evaluate(
             max_tokens=r.max_tokens,
             stop_token_ids=task.stop_token_ids,
             seed=config.run.seed,
+            cdf_order=r.cdf_order,
         ),
         "held_out_greedy": SamplingParams(
             temperature=0, max_tokens=r.max_tokens, stop_token_ids=task.stop_token_ids

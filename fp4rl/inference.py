@@ -130,8 +130,8 @@ def generate(
 ) -> list[dict]:
     """One record per sample: ``line`` (of the prompt in ``name``), ``sample``, ``prompt``,
     ``completion`` (text, the stop token left out), ``finish_reason`` ("stop" or "length"),
-    ``completion_tokens``. Sampling follows ``[rollout]`` (temperature, max_tokens) and
-    ``run.seed``; ``greedy`` takes the most likely token instead."""
+    ``completion_tokens``. Sampling follows ``[rollout]`` (temperature, max_tokens,
+    cdf_order) and ``run.seed``; ``greedy`` takes the most likely token instead."""
     task = build_task(config.task, model_dir=config.model.path, log=log)
     engine = load_engine(config, precision, task)
     ids = [task.encode_prompt(text) for _, text in prompts]
@@ -149,6 +149,7 @@ def generate(
         max_tokens=r.max_tokens,
         stop_token_ids=task.stop_token_ids,
         seed=config.run.seed,
+        cdf_order=r.cdf_order,
     )
     with Progress(len(prompts) * samples, "generate") as bar:
         done = engine.generate(ids, params, on_finish=bar.update)

@@ -354,6 +354,7 @@ def sampling(config: RunConfig, step: int, stop_token_ids: tuple[int, ...]) -> S
         max_tokens=r.max_tokens,
         stop_token_ids=stop_token_ids,
         seed=step_seed(config.run.seed, step),
+        cdf_order=r.cdf_order,
     )
 
 

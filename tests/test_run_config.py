@@ -39,6 +39,7 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
         (["grpo.correction=clip"], r"grpo.correction must be one of"),
         (["engine.guidance=partial"], r"engine.guidance must be one of"),
         (["rollout.samples_per_prompt=1"], r"rollout.samples_per_prompt must be an int >= 2"),
+        (["rollout.cdf_order=sorted"], r"rollout.cdf_order must be one of \('probability', "),
         (["steps=3"], r"--set takes section.key=value"),
         (["align.replay=true"], r"align.replay=true needs the rollout's routing record"),
         (["align.rounding=guided"], r"align.rounding='guided' needs the rollout's codes"),

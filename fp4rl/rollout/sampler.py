@@ -35,6 +35,11 @@ token order instead of sorted order changes about one draw in twenty of randn * 
 the sorted float32 sum is off by ~3e-5 there). Equal results rule that out. Nothing is read
 back from the device: which rows take which path follows from their SamplingParams.
 
+A request may give up that equality for speed: ``SamplingParams(cdf_order="token")`` walks
+the CDF of the whole vocabulary in token-id order (`_draw_in_token_order`), with no sort at
+all. The distribution, the one draw per token and the meaning of both logprobs stay; the token
+a given number picks is another one, so those rows are not the definition's.
+
 Outside the contract, as before: NaN logits (the engine refuses them after the draw; the
 sampler only keeps every index in range for them) and the relative order of -0.0 and +0.0 (a
 GPU radix sort puts +0.0 first; the CPU sort and the tie repair here treat them as equal).
@@ -123,29 +128,37 @@ def sample(
     logits_BV = logits_BV.float()
     top_k = [min(p.top_k or V, V) for p in params]
     by_top_k = [b for b, p in enumerate(params) if not p.greedy and top_k[b] < V]
-    by_sort = [b for b, p in enumerate(params) if not p.greedy and top_k[b] == V]
+    by_token = [b for b, p in enumerate(params) if not p.greedy and p.cdf_order == "token"]
+    by_sort = [
+        b
+        for b, p in enumerate(params)
+        if not p.greedy and top_k[b] == V and p.cdf_order == "probability"
+    ]
+    drawing = by_top_k + by_sort + by_token
     # One draw per row from its own generator, in float64 so tokens of tiny probability keep
     # their chance; drawn on the CPU. What the rows need crosses to the device in one float64
     # copy (it holds the integers exactly) that nothing waits for (`to_device`).
     u = [_uniform(g) for g in generators]
     temperature = [1.0 if p.greedy else p.temperature for p in params]
     rest = [p.top_p for p in params] + [float(p.greedy) for p in params] + top_k
-    host = torch.tensor(u + temperature + rest + by_top_k + by_sort, dtype=torch.float64)
+    host = torch.tensor(u + temperature + rest + drawing, dtype=torch.float64)
     values = to_device(host, device)
     u_B, temperature_B, top_p_B = values[: 3 * B].view(3, B)
     temperature_B, top_p_B = temperature_B.float(), top_p_B.float()
     ints = values[3 * B :].long()
     greedy_B, top_k_B = ints[:B].bool(), ints[B : 2 * B]
-    top_k_rows, sort_rows = ints[2 * B :].split([len(by_top_k), len(by_sort)])
+    top_k_rows, sort_rows, token_rows = ints[2 * B :].split(
+        [len(by_top_k), len(by_sort), len(by_token)]
+    )
 
     raw_logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
     scaled_BV = None
-    if any(temperature[b] != 1.0 for b in by_top_k + by_sort):
+    if any(temperature[b] != 1.0 for b in drawing):
         scaled_BV = logits_BV / temperature_B[:, None]
-    elif by_top_k or by_sort:  # x / 1 is x (NaN aside, which the engine refuses): no pass
+    elif drawing:  # x / 1 is x (NaN aside, which the engine refuses): no pass
         scaled_BV = logits_BV
     drawn = []  # (rows, tokens, logprobs) of each way of drawing
-    if len(by_top_k) + len(by_sort) < B:  # greedy rows: the first maximum, as the stable sort's
+    if len(drawing) < B:  # greedy rows: the first maximum, as the stable sort's
         drawn.append((slice(None), logits_BV.argmax(-1), torch.zeros(B, device=device)))
     if by_top_k:
         K = max(top_k[b] for b in by_top_k)  # from the host's params: nothing read back
@@ -161,6 +174,15 @@ def sample(
         drawn.append(
             (pick, *_draw_sorted(scaled_BV[pick], top_k_B[pick], top_p_B[pick], u_B[pick], masked))
         )
+    if by_token:
+        pick = _pick(token_rows, B)
+        # Unscaled rows' log_softmax is the raw one, already computed.
+        logprobs_BV = (
+            raw_logprobs_BV[pick]
+            if scaled_BV is logits_BV
+            else torch.log_softmax(scaled_BV[pick], dim=-1)
+        )
+        drawn.append((pick, *_draw_in_token_order(logprobs_BV, u_B[pick])))
     if len(drawn) == 1:  # one way for every row (the usual case): nothing to scatter
         _, token_B, processed_B = drawn[0]
     else:
@@ -207,6 +229,21 @@ def _draw_top_k(scaled_BV, K, top_k_B, top_p_B, u_B):
     sorted_BV[:, :K] = values_BK.masked_fill(~in_top_k_BK, float("-inf"))
     rank_B, logprob_B = _walk(sorted_BV, top_k_B, top_p_B, u_B)
     return ids_BK.gather(1, rank_B[:, None])[:, 0], logprob_B
+
+
+def _draw_in_token_order(logprobs_BV, u_B):
+    """``(token, logprob)`` per row of ``cdf_order="token"``: the first token whose float64
+    CDF, summed in token-id order, exceeds ``u * total``. No sort: the same distribution as the
+    sorted walk's, another token for the same ``u``."""
+    cdf_BV = logprobs_BV.double().exp().cumsum(-1)
+    total_B1 = cdf_BV[:, -1:].contiguous()
+    token_B = torch.searchsorted(cdf_BV, u_B[:, None] * total_B1, right=True)[:, 0]
+    # u < 1, but u * total may round up to the total, which no CDF value exceeds: the draw is
+    # then the last token of positive probability, the first whose CDF reaches the total.
+    # (A row of NaN logits, which the engine refuses after the draw, still indexes in range.)
+    last_B = torch.searchsorted(cdf_BV, total_B1, right=False)[:, 0]
+    token_B = torch.minimum(token_B, last_B).clamp_(0, logprobs_BV.shape[1] - 1)
+    return token_B, logprobs_BV.gather(1, token_B[:, None])[:, 0]
 
 
 def _walk(sorted_BV, top_k_B, top_p_B, u_B, masked=True):

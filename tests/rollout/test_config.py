@@ -55,11 +55,19 @@ def test_the_kv_format_is_stated_once_in_the_precision_plan():
         ("stop_token_ids", (-1,)),
         ("seed", -3),
         ("ignore_eos", "yes"),
+        ("cdf_order", "sorted"),
     ],
 )
 def test_sampling_params_rejects_naming_key_and_value(key, value):
     with pytest.raises(ValueError, match=rf"sampling\.{key}"):
         SamplingParams(**{key: value})
+
+
+@pytest.mark.parametrize("cut", [{"top_k": 50}, {"top_p": 0.9}])
+def test_a_token_order_cdf_takes_no_top_k_or_top_p_cut(cut):
+    with pytest.raises(ValueError, match=r"sampling\.cdf_order='token' draws from the whole vocab"):
+        SamplingParams(cdf_order="token", **cut)
+    assert SamplingParams(cdf_order="token", temperature=0).greedy  # greedy walks no CDF
 
 
 def test_greedy_is_temperature_zero():

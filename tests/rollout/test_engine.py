@@ -250,24 +250,27 @@ def test_overlapped_steps_leave_outputs_and_records_unchanged(models, tight):
 
 
 def test_sampling_params_per_prompt(models):
-    """A list gives each prompt its own n, temperature, limits and seed: each prompt's samples
-    are those of a call giving every prompt that prompt's params."""
+    """A list gives each prompt its own n, temperature, limits, seed and CDF order: each
+    prompt's samples are those of a call giving every prompt that prompt's params."""
     packed, _ = models[("bf16", "nvfp4")]
     engine = Engine(packed, config())
     params = [
         SamplingParams(n=2, max_tokens=16, temperature=0.8, top_p=0.9, seed=11),
         SamplingParams(temperature=0, max_tokens=5),
         SamplingParams(n=3, max_tokens=9, temperature=1.2, seed=4, stop_token_ids=(7,)),
+        SamplingParams(n=2, max_tokens=12, seed=4, cdf_order="token"),
     ]
-    mixed = engine.generate(PROMPTS[:3], params)
+    mixed = engine.generate(PROMPTS, params)
     assert [(c.prompt_index, c.sample_index) for c in mixed] == [
         (i, j) for i, p in enumerate(params) for j in range(p.n)
     ]
     start = 0
     for i, p in enumerate(params):
-        alone = [c for c in engine.generate(PROMPTS[:3], p) if c.prompt_index == i]
+        alone = [c for c in engine.generate(PROMPTS, p) if c.prompt_index == i]
         assert_same_outputs(mixed[start : start + p.n], alone)
         start += p.n
+    by_probability = engine.generate(PROMPTS[3:], SamplingParams(n=2, max_tokens=12, seed=4))
+    assert [c.completion_ids for c in by_probability] != [c.completion_ids for c in mixed[-2:]]
     with pytest.raises(ValueError, match="sampling holds 2 SamplingParams for 3 prompts"):
         engine.generate(PROMPTS[:3], params[:2])
     with pytest.raises(TypeError, match=r"sampling\[1\] must be a SamplingParams, got dict"):
