@@ -360,13 +360,17 @@ def test_observed_counts_of_a_split_batch_add_up_to_the_whole_batchs_metrics(bas
         assert merged[key] == pytest.approx(value, rel=1e-12, abs=1e-15), key
 
 
-def test_the_observed_gap_is_taken_at_the_rollout_temperature(base):
+@pytest.mark.parametrize("cdf_order", ["probability", "token"])
+def test_the_observed_gap_is_taken_at_the_rollout_temperature(base, cdf_order):
     """The observed batch is scored as the update scores it, under softmax(logits / T): with
     full guidance and replay on the CPU, the trainer reproduces the rollout to FP32 rounding
-    at any temperature."""
+    at any temperature, and whichever order the rollout's draws walk the CDF in."""
     from fp4rl.loop import observed
 
-    config, policy, engine = policy_and_engine(base, "rollout.temperature=0.5")
+    config, policy, engine = policy_and_engine(
+        base, "rollout.temperature=0.5", f"rollout.cdf_order={cdf_order}"
+    )
+    assert sampling(config, 0, ()).cdf_order == cdf_order
     completions, _ = rollout_and_advantages(config, engine, step=0)
     replay, guided = config.align.resolve(config.engine)
     m = observed(policy, completions, config, replay, guided)

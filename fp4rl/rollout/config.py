@@ -102,12 +102,13 @@ class SamplingParams:
     what else is in the batch; ``seed=None`` picks a fresh seed per generate call.
 
     A draw is the inverse CDF at one uniform number. ``cdf_order`` says in which order the
-    tokens' probabilities are summed into that CDF: ``"probability"`` (the default) from the most
-    probable down, which sorts the vocabulary every step; ``"token"`` in token-id order, with no
-    sort (several times faster at large batches). Both draw from the same distribution with the
-    same one number per token, but a seed gives other tokens under each. ``"token"`` takes the
-    whole vocabulary only (no ``top_k``, ``top_p`` 1): a top-p cut is defined by the sorted
-    order.
+    tokens' probabilities are summed into that CDF: ``"probability"`` (the default) from the
+    most probable down, which sorts the vocabulary every step; ``"token"`` in token-id order,
+    with no sort (2-3 times faster a call at 64-256 rows on an H200). Both draw from the same
+    distribution with the same one number per token, but a seed gives other tokens under each.
+    ``"token"`` takes the whole vocabulary only (no ``top_k``, ``top_p`` 1): a top-p cut is
+    defined by the sorted order.
+
     A sequence stops at a token of ``stop_token_ids`` or at the engine's EOS ids (unless
     ``ignore_eos``); the stop token is kept in the completion (the trainer scores it too).
     """
