@@ -59,6 +59,29 @@ def median_ms(
 ROTATE_BYTES = 128 << 20  # distinct input buffers that together exceed the H200's 50 MB L2
 
 
+def copy_bandwidth(device, sizes_mib=(1024, 256, 64), *, warm_up: bool = True) -> float:
+    """Device-to-device copy GB/s, counting read and write: the best of copies of
+    ``sizes_mib`` (each beyond the H200's 50 MB L2), CUDA-graph replays, median of 10 each.
+    ``warm_up`` first runs a BF16 matmul that brings the clocks up from idle (a copy timed
+    first on a GPU idling at 375 MHz ran at two thirds of its later rate). The figure the
+    benchmarks' memory rooflines divide by; off the GPU, small copies (smoke runs)."""
+    cuda = torch.device(device).type == "cuda"
+    if warm_up:
+        m = 8192 if cuda else 128
+        a = torch.randn(m, m, device=device).to(torch.bfloat16)
+        median_ms(lambda _: a @ a, [None], warmup=10, repeats=10)
+    rates = []
+    for mib in sizes_mib:
+        src = torch.randn((mib << 20) // 2 if cuda else 1 << 16, device=device).to(torch.bfloat16)
+        dst = torch.empty_like(src)
+        ms = median_ms(dst.copy_, [src], warmup=5, repeats=10, graph=cuda)
+        rates.append(2 * src.nbytes / ms / 1e6)
+        del src, dst
+    sizes = "/".join(str(mib) for mib in sizes_mib)
+    print(f"copy GB/s at {sizes} MiB: {[round(r) for r in rates]}", flush=True)
+    return max(rates)
+
+
 def rotation_count(bytes_per_input: int, *, most: int | None = None, cuda: bool = True) -> int:
     """How many distinct inputs of ``bytes_per_input`` to rotate over so that, together, they
     exceed the L2 (`ROTATE_BYTES`): at least 2, at most ``most``; 2 off the GPU (smoke runs)."""

@@ -62,7 +62,7 @@ ARGS = parse_args()
 if ARGS.device == "cpu":  # kernels must be decorated interpreted: before fp4rl.kernels loads
     os.environ["TRITON_INTERPRET"] = "1"
 
-from _timing import median_ms, report, run_header  # noqa: E402
+from _timing import copy_bandwidth, median_ms, report, run_header  # noqa: E402
 
 from fp4rl.kernels import attention_tiles, paged_attention  # noqa: E402
 from fp4rl.kernels.attention_tiles import DecodeTile, stretches_for  # noqa: E402
@@ -307,25 +307,6 @@ def check(got: torch.Tensor, want: torch.Tensor) -> str:
         return f"{int(off.sum())} of {off.numel()} outputs off by more than one ulp"
     same = float((got == want).float().mean())
     return "ok" if same > 0.9 else f"only {100 * same:.0f} % bitwise equal"
-
-
-def copy_bandwidth(device: torch.device) -> float:
-    """Device-to-device copy GB/s (read + write), the best of 1 GiB, 256 and 64 MiB copies,
-    after a matmul that brings the clocks up from idle."""
-    cuda = device.type == "cuda"
-    m = 8192 if cuda else 128
-    a = torch.randn(m, m, device=device).to(torch.bfloat16)
-    median_ms(lambda _: a @ a, [None], warmup=10, repeats=10)
-    size = 2**29 if cuda else 2**16  # BF16 elements: 1 GiB
-    src = torch.randn(size, device=device).to(torch.bfloat16)
-    rates = []
-    for part in (1, 4, 16):
-        views = [src[: size // part]]
-        dst = torch.empty_like(views[0])
-        ms = median_ms(dst.copy_, views, warmup=5, repeats=10, graph=cuda)
-        rates.append(2 * views[0].numel() * 2 / ms / 1e6)
-    print(f"copy GB/s at 1024/256/64 MiB: {[round(r) for r in rates]}", flush=True)
-    return max(rates)
 
 
 if __name__ == "__main__":

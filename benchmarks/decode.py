@@ -24,9 +24,10 @@ Three times per step:
   its tokens taken from that step's samples on the device; ``one at a time`` reads each step's
   results before launching the next;
 - the memory roofline: bytes a step must move over the device-to-device copy bandwidth measured
-  in the same run. Bytes: the distinct experts the step's tokens routed to in each layer (counted
-  from the step's routing record), each layer's dense weights (attention, norms, router), the
-  final norm and lm_head, the KV of every context token in every layer, and the logits written.
+  in the same run (`_timing.copy_bandwidth`, as the other benchmarks' rooflines). Bytes: the
+  distinct experts the step's tokens routed to in each layer (counted from the step's routing
+  record), each layer's dense weights (attention, norms, router), the final norm and lm_head,
+  the KV of every context token in every layer, and the logits written.
 
 Weights are random BF16 (std 0.02) in the BF16 engine; the NVFP4 engine loads the same weights
 and quantizes its routed experts at load, every layer FP4 and every layer's KV NVFP4. The
@@ -44,7 +45,7 @@ import time
 
 import torch
 from _decode_steps import count_ops, decode_step, profile_case
-from _timing import report, run_header
+from _timing import copy_bandwidth, report, run_header
 
 from fp4rl.model.precision import PrecisionConfig
 from fp4rl.model.presets import qwen3_30b_a3b
@@ -95,21 +96,6 @@ def dense_layer_bytes(layer) -> int:
     return nbytes(
         t for t in itertools.chain(layer.parameters(), layer.buffers()) if id(t) not in experts
     )
-
-
-def copy_bandwidth(device) -> float:
-    """Bytes moved (read + write) per second by a 2 GiB device-to-device copy."""
-    src = torch.empty(1 << 30, dtype=torch.int16, device=device)
-    dst = torch.empty_like(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(6):
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2 * src.nbytes / statistics.median(times[1:])
 
 
 def fill_cache(engine: Engine, num_slots: int, generator: torch.Generator) -> None:
@@ -360,7 +346,7 @@ def main() -> None:
     shrink = {} if args.hidden is None else _shrink(args.hidden)
     max_len = max(max(c for _, c in cases) + args.steps + BLOCK, args.max_model_len or 0)
     config = qwen3_30b_a3b(num_hidden_layers=args.layers, max_position_embeddings=max_len, **shrink)
-    bandwidth = copy_bandwidth(args.device) if cuda else float("nan")
+    bandwidth = copy_bandwidth(args.device) * 1e9 if cuda else float("nan")
     models = build_models(config, args.device)
     rows, results = [], {}
     for name in ("nvfp4", "bf16"):

@@ -39,7 +39,7 @@ import torch
 if not torch.cuda.is_available():  # --quick on a CPU: kernels must be decorated interpreted
     os.environ["TRITON_INTERPRET"] = "1"
 
-from _timing import median_ms, report, run_header  # noqa: E402
+from _timing import copy_bandwidth, median_ms, report, run_header  # noqa: E402
 
 from fp4rl import ops  # noqa: E402
 from fp4rl.kernels import moe_gemm  # noqa: E402
@@ -292,18 +292,12 @@ def ceilings(device: str, quick: bool) -> tuple[float, float]:
     a, b = (torch.randn(m, m, device=device).to(torch.bfloat16) for _ in range(2))
     ms = median_ms(lambda _: a @ b, [None], warmup=20, repeats=20)
     tflops = 2 * m**3 / ms / 1e9
+    copy_gbs = copy_bandwidth(device, (512, 256, 64), warm_up=False)  # the matmul warmed up
     size = 2**20 if quick else 2**28  # BF16 elements per buffer: 512 MiB
     bufs = [torch.randn(size, device=device).to(torch.bfloat16) for _ in range(3)]
-    rates = []
-    for part in (1, 2, 8):  # 512, 256 and 64 MiB (the L2 is 50 MB)
-        views = [b[: size // part] for b in bufs]
-        dst = torch.empty_like(views[0])
-        ms = median_ms(dst.copy_, views, warmup=10, repeats=20, graph=torch.cuda.is_available())
-        rates.append(2 * views[0].numel() * 2 / ms / 1e6)
     read_ms = median_ms(torch.amax, bufs, warmup=10, repeats=20, graph=torch.cuda.is_available())
-    print(f"copy GB/s at 512/256/64 MiB: {[round(r) for r in rates]}; read-only (amax) "
-          f"{size * 2 / read_ms / 1e6:.0f} GB/s", flush=True)  # fmt: skip
-    return max(rates), tflops
+    print(f"read-only (amax) GB/s: {size * 2 / read_ms / 1e6:.0f}", flush=True)
+    return copy_gbs, tflops
 
 
 if __name__ == "__main__":
