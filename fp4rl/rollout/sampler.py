@@ -238,9 +238,10 @@ def _draw_in_token_order(logprobs_BV, u_B):
     cdf_BV = logprobs_BV.double().exp().cumsum(-1)
     total_B1 = cdf_BV[:, -1:].contiguous()
     token_B = torch.searchsorted(cdf_BV, u_B[:, None] * total_B1, right=True)[:, 0]
-    # u < 1, but u * total may round up to the total, which no CDF value exceeds: the draw is
-    # then the last token of positive probability, the first whose CDF reaches the total.
-    # (A row of NaN logits, which the engine refuses after the draw, still indexes in range.)
+    # No draw passes the last token of positive probability (the first whose CDF reaches the
+    # total): a number at the total (u = 1, which torch.rand does not give, and nothing here
+    # relies on that) would index past the vocabulary. A row of NaN logits, which the engine
+    # refuses after the draw, still indexes in range.
     last_B = torch.searchsorted(cdf_BV, total_B1, right=False)[:, 0]
     token_B = torch.minimum(token_B, last_B).clamp_(0, logprobs_BV.shape[1] - 1)
     return token_B, logprobs_BV.gather(1, token_B[:, None])[:, 0]

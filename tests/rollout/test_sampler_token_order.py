@@ -86,9 +86,9 @@ def test_each_token_consumes_exactly_one_draw():
 
 
 def test_a_number_at_the_total_draws_the_last_token_of_positive_probability():
-    """No CDF value exceeds the total: a product ``u * total`` that lands on it (u < 1 rounded
-    up) draws the last token that has probability, never an id past the vocabulary or a token
-    of probability zero behind it."""
+    """No CDF value exceeds the total: a number at it (u = 1, which torch.rand never gives)
+    draws the last token that has probability, never an id past the vocabulary or a token of
+    probability zero behind it."""
     logprobs = torch.log_softmax(torch.tensor([[0.5, -1.0, 2.0, float("-inf"), float("-inf")]]), -1)
     token, logprob = sampler._draw_in_token_order(
         logprobs, torch.tensor([1.0], dtype=torch.float64)
