@@ -189,7 +189,7 @@ def main() -> None:
             f"{capture['guidance']:,.0f} |"
         )
         if args.profile and order == orders[0]:
-            profile_call(engines[name], prompts, warmup, args.profile, name, cuda)
+            profile_call(engines[name], prompts, _in_order(warmup, order), args.profile, name, cuda)
     report(
         "generate.md",
         [
