@@ -52,7 +52,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from fp4rl.rollout.config import SamplingParams
 
@@ -232,43 +231,19 @@ def _draw_top_k(scaled_BV, K, top_k_B, top_p_B, u_B):
     return ids_BK.gather(1, rank_B[:, None])[:, 0], logprob_B
 
 
-CDF_CHUNK = 128  # tokens a chunk of the token-order CDF (Qwen3's 151,936 is 1,187 of them)
-
-
 def _draw_in_token_order(logprobs_BV, u_B):
     """``(token, logprob)`` per row of ``cdf_order="token"``: the first token whose float64
     CDF, summed in token-id order, exceeds ``u * total``. No sort: the same distribution as the
-    sorted walk's, another token for the same ``u``.
-
-    The CDF is summed by chunks of `CDF_CHUNK` tokens: a token's is the running sum of its
-    chunk up to it plus the chunks before it, whose totals are summed in order. Every pass over
-    the row is then a scan of short rows, which a GPU runs in parallel (one scan along a row of
-    151,936 ran at about an eighth of an H200's memory rate); the draw finds its chunk, then its
-    token in that chunk."""
-    B, V = logprobs_BV.shape
-    chunks = -(-V // CDF_CHUNK)
-    probs_BV = logprobs_BV.double().exp()
-    if chunks * CDF_CHUNK != V:  # tokens past the vocabulary have probability 0
-        probs_BV = F.pad(probs_BV, (0, chunks * CDF_CHUNK - V))
-    within_BCL = probs_BV.view(B, chunks, CDF_CHUNK).cumsum(-1)
-    chunk_BC = within_BCL[:, :, -1]
-    upto_BC = chunk_BC.cumsum(-1)  # the CDF at each chunk's end
-    total_B1 = upto_BC[:, -1:].contiguous()
-    target_B1 = u_B[:, None] * total_B1
-    # No draw passes the last chunk, or token, of positive probability (the first whose CDF
-    # reaches the total): a number at the total (u = 1, which torch.rand does not give, and
-    # nothing here relies on that) or rounding between a chunk's total and its running sum
-    # would otherwise index past it. NaN rows, which the engine refuses after the draw, still
-    # index in range.
-    last_B1 = torch.searchsorted(upto_BC, total_B1, right=False)
-    c_B1 = torch.minimum(torch.searchsorted(upto_BC, target_B1, right=True), last_B1)
-    c_B1 = c_B1.clamp_(0, chunks - 1)
-    before_B1 = torch.where(c_B1 > 0, upto_BC.gather(1, (c_B1 - 1).clamp(min=0)), 0.0)
-    row_BL = within_BCL.gather(1, c_B1[:, :, None].expand(B, 1, CDF_CHUNK))[:, 0]
-    rest_B1 = (target_B1 - before_B1).contiguous()
-    j_B1 = torch.searchsorted(row_BL, rest_B1, right=True)
-    j_B1 = torch.minimum(j_B1, torch.searchsorted(row_BL, row_BL[:, -1:].contiguous()))
-    token_B = (c_B1 * CDF_CHUNK + j_B1)[:, 0].clamp_(0, V - 1)
+    sorted walk's, another token for the same ``u``."""
+    cdf_BV = logprobs_BV.double().exp().cumsum(-1)
+    total_B1 = cdf_BV[:, -1:].contiguous()
+    token_B = torch.searchsorted(cdf_BV, u_B[:, None] * total_B1, right=True)[:, 0]
+    # No draw passes the last token of positive probability (the first whose CDF reaches the
+    # total): a number at the total (u = 1, which torch.rand does not give, and nothing here
+    # relies on that) would index past the vocabulary. A row of NaN logits, which the engine
+    # refuses after the draw, still indexes in range.
+    last_B = torch.searchsorted(cdf_BV, total_B1, right=False)[:, 0]
+    token_B = torch.minimum(token_B, last_B).clamp_(0, logprobs_BV.shape[1] - 1)
     return token_B, logprobs_BV.gather(1, token_B[:, None])[:, 0]
 
 

@@ -35,20 +35,6 @@ def test_the_token_is_the_inverse_cdf_in_token_order():
     assert (by_probability.token_ids_B != out.token_ids_B).float().mean() > 0.3
 
 
-@pytest.mark.parametrize("V", [sampler.CDF_CHUNK, 1000, 3 * sampler.CDF_CHUNK + 1])
-def test_the_chunked_cdf_draws_as_one_running_sum_would(V):
-    """Summed by chunks (a running sum in each, the chunks' totals added in order), the CDF
-    draws each number where one running sum over the whole row puts it: the two sums differ in
-    their last bits only, which no number of these rows lands between."""
-    logits = torch.randn(64, V, generator=torch.Generator().manual_seed(V)) * 4
-    logits[:3, V // 2 :] = float("-inf")  # chunks of probability zero, one at the end
-    out = sample(logits, [TOKEN] * 64, _gens(64, seed=V))
-    cdf = torch.log_softmax(logits, -1).double().exp().cumsum(-1)
-    u = torch.tensor(_numbers(64, seed=V), dtype=torch.float64)
-    want = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
-    assert out.token_ids_B.tolist() == want.tolist()
-
-
 def test_token_order_matches_the_softmax_frequencies():
     logits = torch.tensor([[0.0, 1.0, 2.0, -1.0, float("-inf")]]).expand(20000, 5).contiguous()
     out = sample(logits, [TOKEN] * 20000, _gens(20000, seed=3))
@@ -110,13 +96,6 @@ def test_a_number_at_the_total_draws_the_last_token_of_positive_probability():
     assert token.tolist() == [2] and logprob.item() == logprobs[0, 2].item()
     token, _ = sampler._draw_in_token_order(logprobs, torch.tensor([0.0], dtype=torch.float64))
     assert token.tolist() == [0]
-    # Over several chunks, the last ones of probability zero (and the vocabulary's end inside
-    # a chunk): still the last token that has probability.
-    logits = torch.randn(1, 3 * sampler.CDF_CHUNK + 5, generator=torch.Generator().manual_seed(0))
-    logits[0, sampler.CDF_CHUNK + 7 :] = float("-inf")
-    logprobs = torch.log_softmax(logits, -1)
-    token, _ = sampler._draw_in_token_order(logprobs, torch.tensor([1.0], dtype=torch.float64))
-    assert token.tolist() == [sampler.CDF_CHUNK + 6]
 
 
 def test_nan_logits_still_index_inside_the_vocabulary():
