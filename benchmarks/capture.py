@@ -11,8 +11,11 @@ tokens prefilled in one step, each sampled ``--n`` times, then ``--steps`` decod
 token per sequence. Per mode it reports the median milliseconds of one decode step's
 ``to_host`` + ``CaptureLog.add`` (what an eager step pays after its forward), of the graphed
 step's host work (`PackedRows.to_host` of the rows its graph packed: one copy), and of the
-end-of-call ``assemble``. The records' values are computed once, outside the timing (on a GPU
-the model computes them inside the step's forward or graph).
+end-of-call ``assemble``, each with the steps' rows copied into the memory the engine keeps from
+call to call (`fp4rl.rollout.rows.HostRows`, so they lie joined at the end) and, as the baseline,
+each step's rows into fresh memory of their own (joined by ``assemble``). The records' values
+are computed once, outside the timing (on a GPU the model computes them inside the step's
+forward or graph).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from _timing import report, run_header
 
 from fp4rl.ops import quantize
 from fp4rl.rollout.capture import CaptureLog, SequenceCapture, StepCapture, kept_layers
+from fp4rl.rollout.rows import HostRows
 
 LAYERS, HIDDEN, INTERMEDIATE, TOP_K, EXPERTS, KV_HEADS, HEAD_DIM = 4, 2048, 768, 8, 128, 4, 128
 MODES = {"routing": (True, None), "compact": (True, "compact"), "full": (True, "full")}
@@ -62,21 +66,26 @@ def filled(mode: str, records) -> StepCapture:
     return capture
 
 
-def call(prefill, decode, args, sync, graphed: bool) -> tuple[list[float], float]:
-    """One generate call's capture: each decode step's host time and the assembly's (ms)."""
+def call(prefill, decode, args, sync, graphed: bool, into) -> tuple[list[float], float]:
+    """One generate call's capture: each decode step's host time and the assembly's (ms). The
+    steps' rows go into ``into`` (a `HostRows`), or into memory of their own when None."""
     num_seqs = args.prompts * args.n
-    seqs, log = [SequenceCapture() for _ in range(num_seqs)], CaptureLog()
+    seqs, log = [SequenceCapture() for _ in range(num_seqs)], CaptureLog(into)
+    into = log.host_rows if into is not None else None
     length = args.prompt_len
     spans = [(s, p * length, (p + 1) * length) for p in range(args.prompts)
              for s in seqs[p * args.n : (p + 1) * args.n]]  # fmt: skip
-    log.add(prefill.to_host(), args.prompts * length, spans)
+    log.add(prefill.to_host(into=into), args.prompts * length, spans)
     packed = decode.pack() if graphed else None  # what a decode graph packs as it replays
     steps = []
     for _ in range(args.steps):
         spans = [(s, i, i + 1) for i, s in enumerate(seqs)]
         sync()
         t0 = time.perf_counter()
-        host = decode.holding(packed.to_host(num_seqs)) if graphed else decode.to_host(num_seqs)
+        if graphed:
+            host = decode.holding(packed.to_host(num_seqs, into))
+        else:
+            host = decode.to_host(num_seqs, into)
         log.add(host, num_seqs, spans)
         sync()
         steps.append((time.perf_counter() - t0) * 1e3)
@@ -107,18 +116,21 @@ def main() -> None:
             + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items())
         ),  # fmt: skip
         "",
-        "| mode | eager decode step ms | graphed decode step ms | assemble ms |",
-        "|---|---|---|---|",
+        "| mode | steps' rows | eager decode step ms | graphed decode step ms | assemble ms |",
+        "|---|---|---|---|---|",
     ]
     for mode in args.modes.split(","):
         prefill, decode = filled(mode, prefill_records), filled(mode, decode_records)
-        row = [mode]
-        for graphed in (False, True) if hasattr(decode, "pack") else (False,):
-            runs = [call(prefill, decode, args, sync, graphed) for _ in range(args.repeats + 1)]
-            row.append(f"{statistics.median(t for r in runs[1:] for t in r[0]):.3f}")
-        row += ["-"] * (3 - len(row))
-        row.append(f"{statistics.median(r[1] for r in runs[1:]):.1f}")
-        lines.append("| " + " | ".join(row) + " |")
+        for into in (HostRows(), None):  # the engine's, then the baseline: each its own memory
+            row = [mode, "kept host rows" if into is not None else "own memory (baseline)"]
+            for graphed in (False, True):
+                runs = [
+                    call(prefill, decode, args, sync, graphed, into)
+                    for _ in range(args.repeats + 1)
+                ]
+                row.append(f"{statistics.median(t for r in runs[1:] for t in r[0]):.3f}")
+            row.append(f"{statistics.median(r[1] for r in runs[1:]):.1f}")
+            lines.append("| " + " | ".join(row) + " |")
     report("capture.md", lines)
 
 

@@ -8,12 +8,14 @@ top-k ids). Every record has one row per step token, and every row is quantized 
 A step's token-major records (routing, full and compact guidance) leave it as one uint8 buffer
 of a row per token (`PackedRows`, laid out by a cached `fp4rl.rollout.rows.RowLayout`): one
 concatenation (inside the graph, for a graphed decode step) and one copy to pinned host memory,
-whatever the number of records. A generate call's `CaptureLog` keeps each step's buffer whole
-and each sequence's `SequenceCapture` the row ranges that are its own; `CaptureLog.assemble`
-gathers them into records over all ``T = len(prompt) + len(completion) - 1`` fed tokens at the
-end of the call: per sequence, one gather of its rows' site bytes (its records are views of
-that buffer) and one of its routing. Sparse records have no fixed bytes per token, so they keep
-their own path (copied together per step, cut and packed at the end).
+whatever the number of records, into the rows the engine keeps for its calls
+(`fp4rl.rollout.rows.HostRows`), after the previous step's. A generate call's `CaptureLog` keeps
+each step's rows and each sequence's `SequenceCapture` the row ranges that are its own;
+`CaptureLog.assemble` gathers them into records over all
+``T = len(prompt) + len(completion) - 1`` fed tokens at the end of the call: per sequence, one
+gather of its rows' site bytes (its records are views of that buffer) and one of its routing.
+Sparse records have no fixed bytes per token, so they keep their own path (copied together per
+step, cut and packed at the end).
 
 Guidance modes: "full" keeps each `NVFP4Tensor`; "compact" keeps `fp4rl.ops.compact(t)`
 (mantissa bits and scales; one launch on the GPU) for the latter ``fraction`` of the FP4 layers
@@ -46,7 +48,7 @@ from fp4rl.records import (
     record_rows,
     to_host_together,
 )
-from fp4rl.rollout.rows import RowLayout
+from fp4rl.rollout.rows import HostRows, RowLayout
 
 
 def kept_layers(mode: str | None, fp4_layers: tuple[int, ...], fraction: float) -> frozenset[int]:
@@ -64,18 +66,23 @@ def kept_layers(mode: str | None, fp4_layers: tuple[int, ...], fraction: float) 
 class PackedRows:
     """A step's token-major records (routing and full or compact guidance) as one uint8 buffer
     ``[tokens, layout.row_bytes]`` (`fp4rl.rollout.rows.RowLayout`): keys are MoE layers (int) for
-    routing, `SiteKey`s for site records."""
+    routing, `SiteKey`s for site records. ``first``: the number of the first row in the
+    `HostRows` that hold them, if they lie there."""
 
     layout: RowLayout
     rows: torch.Tensor
+    first: int | None = None
 
-    def to_host(self, num_rows: int | None = None) -> PackedRows:
+    def to_host(self, num_rows: int | None = None, into: HostRows | None = None) -> PackedRows:
         """Rows ``0..num_rows`` (all by default) in host memory: from a GPU, one copy to pinned
-        memory, only queued on the current stream (read it after a synchronize); from the CPU,
-        the rows as they are."""
+        memory (after the rows already in ``into``, if given; else memory of their own), only
+        queued on the current stream (read it after a synchronize); from the CPU, the rows as
+        they are."""
         rows = self.rows if num_rows is None else self.rows[:num_rows]
         if rows.device.type == "cpu":
             return PackedRows(self.layout, rows)
+        if into is not None:
+            return PackedRows(self.layout, *into.copy_in(rows))
         host = torch.empty(rows.shape, dtype=torch.uint8, pin_memory=True)
         host.copy_(rows, non_blocking=True)
         return PackedRows(self.layout, host)
@@ -171,10 +178,11 @@ class StepCapture:
         out.packed, out._sites = packed, dict(loose or {})
         return out
 
-    def to_host(self, rows: int | None = None) -> StepCapture:
+    def to_host(self, rows: int | None = None, into: HostRows | None = None) -> StepCapture:
         """A `StepCapture` like this one holding the first ``rows`` rows (all by default) of
         each record in host memory: the token-major ones packed (`pack`) and moved by one copy
-        (`PackedRows.to_host`), sparse ones together by another (`to_host_together`). The copies
+        (`PackedRows.to_host`, into ``into`` if given), sparse ones together by another
+        (`to_host_together`). The copies
         are only queued on the current stream, behind the forward that wrote the records and
         before anything that would overwrite them (a graph's next replay): the host reads them
         once the stream has been synchronized (`CaptureLog.assemble` does). Records thus never
@@ -184,7 +192,7 @@ class StepCapture:
         if rows is not None:
             loose = {k: record_rows(r, 0, rows) for k, r in loose.items()}
         loose = dict(zip(loose, to_host_together(list(loose.values())), strict=True))
-        return self.holding(None if packed is None else packed.to_host(rows), loose)
+        return self.holding(None if packed is None else packed.to_host(rows, into), loose)
 
 
 @dataclass(slots=True)
@@ -201,12 +209,17 @@ class SequenceCapture:
 class CaptureLog:
     """Every captured step of one generate call, its records kept whole (packed rows in host
     memory); each sequence keeps only where its rows are (`SequenceCapture`). At the end of the
-    call `assemble` joins the steps' rows once and gathers each sequence's rows of each record
-    member by one gather; its row indices come from a few array operations over all spans."""
+    call `assemble` gathers each sequence's rows of each record member by one gather out of the
+    steps' rows, which lie joined in ``host_rows`` when every step was copied there
+    (`StepCapture.to_host` ``into=log.host_rows``; else they are joined first); its row indices
+    come from a few array operations over all spans. ``host_rows``: the engine's, reused from
+    call to call (a fresh one by default); the log starts writing it from the beginning."""
 
-    def __init__(self) -> None:
+    def __init__(self, host_rows: HostRows | None = None) -> None:
         self.steps: list[StepCapture] = []
         self.num_rows: list[int] = []
+        self.host_rows = HostRows() if host_rows is None else host_rows
+        self.host_rows.begin()
 
     def add(self, capture: StepCapture, num_rows: int, spans) -> None:
         """One step's records of ``num_rows`` rows (a live capture is packed where it lies);
@@ -255,11 +268,15 @@ class CaptureLog:
             return out
         if steps[0].packed is not None:
             layout = steps[0].packed.layout
-            rows = [c.packed.rows for c in steps]
-            rows = rows[0] if len(rows) == 1 else torch.cat(rows)
+            firsts = [c.packed.first for c in steps]
+            if None not in firsts:  # copied into the host rows one after another: no join
+                rows, starts = self.host_rows.joined(), np.array(firsts, dtype=np.int64)
+            else:
+                rows = [c.packed.rows for c in steps]
+                rows, starts = (rows[0] if len(rows) == 1 else torch.cat(rows)), offsets
             for c in steps:  # the steps' buffers go back before the records are gathered
                 c.packed = None
-            index = [i.to(rows.device) for i in _row_index(seqs, offsets)]
+            index = [i.to(rows.device) for i in _row_index(seqs, starts)]
             site_keys = [k for k in layout.keys if not isinstance(k, int)]
             sites = layout.gather(rows, index, site_keys)
             if steps[0].keep_routing:
@@ -279,20 +296,20 @@ class CaptureLog:
         return out
 
 
-def _row_index(seqs: list[SequenceCapture], offsets: np.ndarray) -> list[torch.Tensor]:
-    """Each sequence's rows of the steps' joined rows, as a long tensor: its spans expanded by
-    array operations over all spans at once."""
+def _row_index(seqs: list[SequenceCapture], starts: np.ndarray) -> list[torch.Tensor]:
+    """Each sequence's rows of the steps' joined rows (step ``s``'s from row ``starts[s]`` on),
+    as a long tensor: its spans expanded by array operations over all spans at once."""
     counts = np.array([len(seq.spans) for seq in seqs], dtype=np.int64)
     spans = np.fromiter(
         itertools.chain.from_iterable(itertools.chain.from_iterable(s.spans for s in seqs)),
         dtype=np.int64,
         count=3 * int(counts.sum()),
     ).reshape(-1, 3)
-    starts, lengths = offsets[spans[:, 0]] + spans[:, 1], spans[:, 2] - spans[:, 1]
+    begins, lengths = starts[spans[:, 0]] + spans[:, 1], spans[:, 2] - spans[:, 1]
     ends = np.cumsum(lengths)
     # Row j of the concatenated spans lies at its span's start + (j - the span's first j).
     index = np.arange(int(ends[-1]) if len(ends) else 0) + np.repeat(
-        starts - ends + lengths, lengths
+        begins - ends + lengths, lengths
     )
     zero = np.zeros(1, dtype=np.int64)
     sizes = np.diff(np.concatenate([zero, np.concatenate([zero, ends])[np.cumsum(counts)]]))

@@ -40,6 +40,7 @@ from fp4rl.rollout.generation_config import eos_token_ids
 from fp4rl.rollout.graphs import DecodeGraphs, graphs_unsupported
 from fp4rl.rollout.kv_cache import KVCache, num_blocks_for_budget
 from fp4rl.rollout.model_layout import ModelLayout
+from fp4rl.rollout.rows import HostRows
 from fp4rl.rollout.sampler import Draws, SampleOutput, make_generator, sample, to_device
 from fp4rl.rollout.scheduler import Group, Scheduler, Step
 from fp4rl.rollout.sequence import Sequence, placeholder, resolve_placeholders
@@ -57,6 +58,8 @@ class Engine:
         self.eos_token_ids = tuple(eos_token_ids)
         self.num_blocks = num_blocks_for_budget(config, self.layout.kv)
         self.cache: KVCache | None = None
+        # Where each call's captured rows are copied (pinned from a GPU), kept between calls.
+        self.host_rows = HostRows()
         # Why decode steps run eagerly, or None when they replay CUDA graphs.
         self.graphs_off = graphs_unsupported(self.layout, config)
         self.graphs: DecodeGraphs | None = None
@@ -93,8 +96,10 @@ class Engine:
 
     def release_kv(self) -> None:
         """Give the KV pages back (a colocated trainer needs the memory while it runs);
-        `generate` refuses to run until `acquire_kv`. Nothing else holds them between calls."""
+        `generate` refuses to run until `acquire_kv`. Nothing else holds them between calls.
+        The host memory kept for captured rows (`HostRows`) goes back too."""
         self.cache = self.graphs = None  # the graphs hold the pages' addresses
+        self.host_rows.release()
 
     def acquire_kv(self) -> None:
         """Allocate the KV pages (again): zeroed, the size ``engine.kv_memory_bytes`` bought,
@@ -175,7 +180,7 @@ class Engine:
         counters = dict.fromkeys(
             ("steps", "preemptions", "prefill_tokens", "decode_tokens", "overlapped_steps"), 0
         )
-        log = CaptureLog() if capturing else None
+        log = CaptureLog(self.host_rows) if capturing else None
         done: list[Sequence] = []
         with torch.inference_mode():
             launched = None  # a step on the device whose tokens the host has not read yet
@@ -245,7 +250,9 @@ class Engine:
                 sparse_delta=self.config.sparse_delta,
             )
         if self.graphs is not None and not step.prefills and self.graphs.handles(len(fed)):
-            logits_SV, capture = self.graphs.run(segments, tokens, capture, sampled_before)
+            logits_SV, capture = self.graphs.run(
+                segments, tokens, capture, sampled_before, into=self.host_rows
+            )
         else:
             meta = AttentionMetadata.build(segments, self.config.block_size, device)
             tokens_T = resolve_placeholders(
@@ -257,7 +264,8 @@ class Engine:
             last_rows = torch.tensor(last_rows, dtype=torch.long, device=device)  # maybe none
             logits_SV = self.model.logits(h_TH[last_rows])
             if capture is not None and torch.device(device).type == "cuda":
-                capture = capture.to_host()  # as graphed steps' records: off the GPU at once
+                # As graphed steps' records: off the GPU at once, after the last step's.
+                capture = capture.to_host(into=self.host_rows)
         self.cache.copy_blocks(step.block_copies)
         scheduler.commit(step)
         launched = _Launched(step, fed, ranges, len(tokens), capture)

@@ -57,6 +57,7 @@ from fp4rl.rollout.attention import AttentionMetadata, PagedAttention, Segment
 from fp4rl.rollout.block_manager import BlockTable
 from fp4rl.rollout.capture import PackedRows, StepCapture
 from fp4rl.rollout.kv_cache import KVCache
+from fp4rl.rollout.rows import HostRows
 from fp4rl.rollout.sequence import resolve_placeholders
 
 # Batch sizes a graph is captured for: every size up to 8, then multiples of 8 up to 64, then
@@ -166,12 +167,13 @@ class DecodeGraphs:
         tokens: list[int],
         capture: StepCapture | None,
         sampled_S: torch.Tensor | None = None,
+        into: HostRows | None = None,
     ) -> tuple[torch.Tensor, StepCapture | None]:
         """Logits ``[B, V]`` of one decode step (one token per segment), valid until the next
         call, and the step's records in a fresh `StepCapture` like ``capture``: rows ``0..B`` of
-        the buffer the replay packed, their one copy to pinned host memory queued behind the
-        replay (`PackedRows.to_host`). Placeholder tokens name rows of ``sampled_S``, the
-        previous step's samples on the device."""
+        the buffer the replay packed, their one copy to pinned host memory (into ``into``'s
+        rows, if given) queued behind the replay (`PackedRows.to_host`). Placeholder tokens name
+        rows of ``sampled_S``, the previous step's samples on the device."""
         B = len(segments)
         b = bucket_for(B)
         graph = self._graph(b, capture)
@@ -182,7 +184,7 @@ class DecodeGraphs:
         if capture is None or graph.records is None:
             return graph.logits_bV[:B], capture
         # Rows are tokens, so rows 0..B are a prefix: the padding rows never leave the GPU.
-        return graph.logits_bV[:B], capture.holding(graph.records.to_host(B))
+        return graph.logits_bV[:B], capture.holding(graph.records.to_host(B, into))
 
     def _padding_rows(self) -> np.ndarray:
         """An input row that touches only the scratch block (token 0 at position 0, context 1):

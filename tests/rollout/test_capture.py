@@ -7,8 +7,14 @@ import torch
 from fp4rl.fp4 import CompactCodes, compact, sparse
 from fp4rl.ops import quantize
 from fp4rl.records import record_cat, record_gather, record_rows, to_host_together
-from fp4rl.rollout.capture import CaptureLog, SequenceCapture, StepCapture, kept_layers
-from fp4rl.rollout.rows import RowLayout
+from fp4rl.rollout.capture import (
+    CaptureLog,
+    PackedRows,
+    SequenceCapture,
+    StepCapture,
+    kept_layers,
+)
+from fp4rl.rollout.rows import HostRows, RowLayout
 
 
 def test_kept_layers():
@@ -249,18 +255,22 @@ def random_step(g, rows: int, mode: str) -> tuple[StepCapture, dict]:
 
 @pytest.mark.parametrize(
     "mode, form",
-    [(m, f) for m in ("full", "compact", "sparse") for f in ("live", "to_host", "graphed")
+    [(m, f) for m in ("full", "compact", "sparse")
+     for f in ("live", "to_host", "graphed", "host_rows")
      if (m, f) != ("sparse", "graphed")],  # sparse guidance is never graphed
 )  # fmt: skip
-def test_assembly_equals_cutting_every_step_per_sequence(mode, form):
+def test_assembly_equals_cutting_every_step_per_sequence(mode, form, monkeypatch):
     """Each sequence's records from the log are its spans of each step's records, cut and
     concatenated one by one (the plain reference), bit for bit: steps of several sizes, rows
     shared by two sequences (a prompt's samples) or by none (padding), a preempted sequence,
-    routing placed in ``moe_layers`` order with -1 for a layer that recorded nothing."""
+    routing placed in ``moe_layers`` order with -1 for a layer that recorded nothing. In form
+    "host_rows" the steps' rows lie in the log's `HostRows` (as the engine's on a GPU), in
+    chunks so small that the steps spill over four of them."""
+    monkeypatch.setattr(HostRows, "MIN_CHUNK_BYTES", 1)
     g = torch.Generator().manual_seed(5)
     seqs, log, steps = [SequenceCapture() for _ in range(5)], CaptureLog(), []
     for step in range(6):
-        rows = 8
+        rows = (8, 5, 8, 6, 8, 7)[step]  # in "host_rows", two steps skip a chunk's last rows
         padding = 0 if form == "live" else 3  # rows past the step's own: a graph's bucket
         cap, records = random_step(g, rows + padding, mode)
         steps.append(records)
@@ -268,8 +278,12 @@ def test_assembly_equals_cutting_every_step_per_sequence(mode, form):
             logged = cap
         elif form == "to_host":
             logged = cap.to_host(rows)
-        else:  # as `DecodeGraphs.run`: the graph packed the bucket, rows 0..B leave
+        elif form == "graphed":  # as `DecodeGraphs.run`: the graph packed the bucket, rows 0..B
             logged = cap.holding(cap.pack().to_host(rows))
+        else:  # what `PackedRows.to_host(rows, into)` does from a GPU
+            packed = cap.pack()
+            host = PackedRows(packed.layout, *log.host_rows.copy_in(packed.rows[:rows]))
+            logged = cap.holding(host, cap.to_host(rows).loose())
         cuts = sorted(torch.randperm(rows - 1, generator=g)[:4].add(1).tolist())
         ranges = list(zip([0, *cuts], [*cuts, rows], strict=True))  # 5 ranges cover the rows
         owners = torch.randperm(5, generator=g).tolist()
