@@ -7,16 +7,16 @@ One H200 (about a minute): ``python benchmarks/sampler.py``; a CPU smoke check:
 markdown table and writes it to ``$OUT/sampler.md`` when OUT is set; exits 1 if any output
 differs.
 
-V = 151936 tokens, B in (1, 8, 64, 256) rows, five settings (temperature 1; the same in token
-order; top_k 50; top_p 0.95; greedy) over two kinds of logits: randn (flat) and randn * 4
-(peaked, closer to a trained LM's). "today" is the reference kept in
-tests/rollout/test_sampler.py (every row sorted), "new" is `fp4rl.rollout.sampler.sample`. A
-call is timed together with what the engine does right after it, ``.tolist()`` of the three
-outputs (the step's readback), so host launch time counts: CUDA events, median over repeats,
-logits rotated over enough buffers to exceed the L2. The same run draws once more with fresh
-generators of the same seeds and compares tokens, logprobs and raw logprobs bitwise; token-order
-rows draw other tokens by design, and are checked for their logprobs instead: bitwise those of
-the logits at the tokens drawn.
+V = 151936 tokens, B in (1, 8, 64, 256) rows, six settings (temperature 1; the same in token
+order, by the fused kernel on a GPU and by torch's float64 scan, its baseline; top_k 50; top_p
+0.95; greedy) over two kinds of logits: randn (flat) and randn * 4 (peaked, closer to a trained
+LM's). "today" is the reference kept in tests/rollout/test_sampler.py (every row sorted), "new"
+is `fp4rl.rollout.sampler.sample`. A call is timed together with what the engine does right
+after it, ``.tolist()`` of the three outputs (the step's readback), so host launch time counts:
+CUDA events, median over repeats, logits rotated over enough buffers to exceed the L2. The same
+run draws once more with fresh generators of the same seeds and compares tokens, logprobs and
+raw logprobs bitwise; token-order rows draw other tokens by design, and are checked for their
+logprobs instead: bitwise those of the logits at the tokens drawn.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from _timing import median_ms, report, run_header
 
+from fp4rl.rollout import sampler as sampler_module
 from fp4rl.rollout.config import SamplingParams
 from fp4rl.rollout.sampler import make_generator, sample
 
@@ -37,6 +38,7 @@ REFERENCE = Path(__file__).resolve().parents[1] / "tests" / "rollout" / "test_sa
 SETTINGS = {
     "temperature 1": SamplingParams(),
     "temperature 1, token order": SamplingParams(cdf_order="token"),
+    "temperature 1, token order, torch scan": SamplingParams(cdf_order="token"),
     "top_k 50": SamplingParams(top_k=50),
     "top_p 0.95": SamplingParams(top_p=0.95),
     "greedy": SamplingParams(temperature=0),
@@ -81,6 +83,8 @@ def main() -> int:
             g = torch.Generator(device="cpu").manual_seed(B)
             inputs = [(torch.randn(B, V, generator=g) * scale).to(device) for _ in range(count)]
             for name, params in SETTINGS.items():
+                # The token-order draw's fused kernel, or (the baseline) torch's float64 scan.
+                sampler_module.TOKEN_DRAW_KERNEL = not name.endswith("torch scan")
                 times = {k: time_ms(fn, inputs, params, args.repeats) for k, fn in samplers.items()}
                 verdict = compare(samplers, inputs[0], params)
                 all_equal &= verdict in ("bitwise equal", "logprobs exact")

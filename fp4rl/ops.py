@@ -22,7 +22,8 @@ norm, per row). `quantize_into` stores a per-row quantization straight into a pa
 rows, each row's amax in place of its global scale (`NVFP4Rows`; `quantize_into_pair`: a
 layer's K and V in one launch). `project` multiplies a decode
 step's few rows by up to three weights of one input (q, k and v) in one launch,
-batch-invariant (None where the kernel does not run: the caller uses cuBLAS).
+batch-invariant (None where the kernel does not run: the caller uses cuBLAS). The sampler's
+token-order draw (`draw_in_token_order`) is one more, with float64 sums in an order of its own.
 `early_dependents` sets when the kernels launched inside it let the next kernel start
 (`fp4rl.kernels.dependent_launch`); it moves no bit.
 """
@@ -384,6 +385,17 @@ def swiglu(gate_up_A2I: torch.Tensor, *, quantize: bool = False) -> torch.Tensor
     if kernels is None or not kernels.swiglu.supported(gate_up_A2I):
         return None
     return kernels.swiglu_rows(gate_up_A2I.contiguous(), quantize=quantize)
+
+
+def draw_in_token_order(
+    logprobs_BV: torch.Tensor, u_B: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The sampler's token-order draw, ``(token [B], logprob [B])``, in one fused kernel on the
+    GPU (`fp4rl.kernels.token_draw`: its own order of the float64 sums); None elsewhere."""
+    kernels = _kernels(logprobs_BV)
+    if kernels is None:
+        return None
+    return kernels.draw_in_token_order(logprobs_BV.contiguous(), u_B.contiguous())
 
 
 def moe_combine(

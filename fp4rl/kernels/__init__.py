@@ -30,6 +30,7 @@ from fp4rl.kernels import (
     router,
     skinny_gemm,
     swiglu,
+    token_draw,
 )
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "combine_rows",
     "compact",
     "dequantize",
+    "draw_in_token_order",
     "fake_quantize",
     "grouped_mm",
     "norm_rope_rows",
@@ -212,3 +214,12 @@ def swiglu_rows(gate_up: torch.Tensor, *, quantize: bool = False) -> torch.Tenso
     """`fp4rl.model.experts.eager_swiglu` bit for bit in one launch; with ``quantize`` the
     intermediate site's fake quantization of it in the same pass."""
     return swiglu.launch(gate_up, quantize=quantize)
+
+
+def draw_in_token_order(
+    logprobs_BV: torch.Tensor, u_B: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fp4rl.rollout.sampler._draw_in_token_order` up to its float64 sums' order: ``(token [B]
+    int64, logprob [B] float32)`` for float32 log-probabilities ``[B, V]`` and float64 numbers
+    ``u [B]``, in two launches that read nothing back (`token_draw.launch`)."""
+    return token_draw.launch(logprobs_BV, u_B)

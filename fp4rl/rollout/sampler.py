@@ -38,7 +38,12 @@ back from the device: which rows take which path follows from their SamplingPara
 A request may give up that equality for speed: ``SamplingParams(cdf_order="token")`` walks
 the CDF of the whole vocabulary in token-id order (`_draw_in_token_order`), with no sort at
 all. The distribution, the one draw per token and the meaning of both logprobs stay; the token
-a given number picks is another one, so those rows are not the definition's.
+a given number picks is another one, so those rows are not the definition's. On a GPU the walk
+is one fused kernel (`fp4rl.kernels.token_draw`, two launches instead of a float64 scan over
+the whole row and two searches), whose float64 sums run in an order of its own, fixed by the
+vocabulary size: a number within a few float64 ulps of a CDF boundary may pick the
+neighbouring token there and not on the CPU (rare: tests/kernels/test_kernel_token_draw.py
+counts them), and a row's token still depends on nothing but its own logits and number.
 
 Outside the contract, as before: NaN logits (the engine refuses them after the draw; the
 sampler only keeps every index in range for them) and the relative order of -0.0 and +0.0 (a
@@ -53,9 +58,13 @@ from dataclasses import dataclass
 
 import torch
 
+from fp4rl import ops
 from fp4rl.rollout.config import SamplingParams
 
 _MASK64 = (1 << 64) - 1
+# The token-order draw runs its fused kernel on a GPU (a knob for benchmarks/sampler.py, which
+# times torch's float64 scan beside it).
+TOKEN_DRAW_KERNEL = True
 
 
 def _splitmix64(x: int) -> int:
@@ -234,7 +243,11 @@ def _draw_top_k(scaled_BV, K, top_k_B, top_p_B, u_B):
 def _draw_in_token_order(logprobs_BV, u_B):
     """``(token, logprob)`` per row of ``cdf_order="token"``: the first token whose float64
     CDF, summed in token-id order, exceeds ``u * total``. No sort: the same distribution as the
-    sorted walk's, another token for the same ``u``."""
+    sorted walk's, another token for the same ``u``. On a GPU, the fused kernel (its own order
+    of the float64 sums; the module docstring)."""
+    drawn = ops.draw_in_token_order(logprobs_BV, u_B) if TOKEN_DRAW_KERNEL else None
+    if drawn is not None:
+        return drawn
     cdf_BV = logprobs_BV.double().exp().cumsum(-1)
     total_B1 = cdf_BV[:, -1:].contiguous()
     token_B = torch.searchsorted(cdf_BV, u_B[:, None] * total_B1, right=True)[:, 0]
