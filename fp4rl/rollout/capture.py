@@ -182,11 +182,11 @@ class StepCapture:
         """A `StepCapture` like this one holding the first ``rows`` rows (all by default) of
         each record in host memory: the token-major ones packed (`pack`) and moved by one copy
         (`PackedRows.to_host`, into ``into`` if given), sparse ones together by another
-        (`to_host_together`). The copies
-        are only queued on the current stream, behind the forward that wrote the records and
-        before anything that would overwrite them (a graph's next replay): the host reads them
-        once the stream has been synchronized (`CaptureLog.assemble` does). Records thus never
-        pile up on the GPU during a long rollout."""
+        (`to_host_together`). The copies are only queued on the current stream, behind the
+        forward that wrote the records and before anything that would overwrite them (a graph's
+        next replay): the host reads them once the stream has been synchronized
+        (`CaptureLog.assemble` does). Records thus never pile up on the GPU during a long
+        rollout."""
         packed = self.packed if self.packed is not None else self.pack()
         loose = self.loose()
         if rows is not None:

@@ -58,8 +58,7 @@ class Engine:
         self.eos_token_ids = tuple(eos_token_ids)
         self.num_blocks = num_blocks_for_budget(config, self.layout.kv)
         self.cache: KVCache | None = None
-        # Where each call's captured rows are copied (pinned from a GPU), kept between calls.
-        self.host_rows = HostRows()
+        self.host_rows = HostRows()  # where each call's captured rows land, call after call
         # Why decode steps run eagerly, or None when they replay CUDA graphs.
         self.graphs_off = graphs_unsupported(self.layout, config)
         self.graphs: DecodeGraphs | None = None
@@ -264,8 +263,7 @@ class Engine:
             last_rows = torch.tensor(last_rows, dtype=torch.long, device=device)  # maybe none
             logits_SV = self.model.logits(h_TH[last_rows])
             if capture is not None and torch.device(device).type == "cuda":
-                # As graphed steps' records: off the GPU at once, after the last step's.
-                capture = capture.to_host(into=self.host_rows)
+                capture = capture.to_host(into=self.host_rows)  # off the GPU now, as graphed ones
         self.cache.copy_blocks(step.block_copies)
         scheduler.commit(step)
         launched = _Launched(step, fed, ranges, len(tokens), capture)
