@@ -10,10 +10,14 @@ and KV; compact guidance keeps the latter half): ``--prompts`` prompts of ``--pr
 tokens prefilled in one step, each sampled ``--n`` times, then ``--steps`` decode steps of one
 token per sequence. Per mode it reports the median milliseconds of one decode step's
 ``to_host`` + ``CaptureLog.add`` (what an eager step pays after its forward), of the graphed
-step's host work (`PackedRows.to_host` of the rows its graph packed: one copy), and of the
-end-of-call ``assemble``, each with the steps' rows copied into the memory the engine keeps from
-call to call (`fp4rl.rollout.rows.HostRows`, so they lie joined at the end) and, as the baseline,
-each step's rows into fresh memory of their own (joined by ``assemble``). The records' values
+step's host work (`PackedRows.to_host` of the rows its graph packed: one copy), of the
+end-of-call ``assemble``, and of reading the records it made (which stay in the call's rows:
+`fp4rl.records.RowRecords`): the whole batch's gathered at once, as `fp4rl.records.collate`
+does, and (as collate does with any other records) every sequence's read on its own, then
+concatenated; each with the steps' rows copied into the host
+rows the engine hands over to its records (`fp4rl.rollout.rows.HostRows`, so they lie joined
+at the end) and, as the baseline, each step's rows into fresh memory of their own (joined by
+``assemble``). The records' values
 are computed once, outside the timing (on a GPU the model computes them inside the step's
 forward or graph).
 """
@@ -28,6 +32,7 @@ import torch
 from _timing import report, run_header
 
 from fp4rl.ops import quantize
+from fp4rl.records import RowRecords, plan_of, record_cat
 from fp4rl.rollout.capture import CaptureLog, SequenceCapture, StepCapture, kept_layers
 from fp4rl.rollout.rows import HostRows
 
@@ -66,8 +71,9 @@ def filled(mode: str, records) -> StepCapture:
     return capture
 
 
-def call(prefill, decode, args, sync, graphed: bool, into) -> tuple[list[float], float]:
-    """One generate call's capture: each decode step's host time and the assembly's (ms). The
+def call(prefill, decode, args, sync, graphed: bool, into) -> tuple:
+    """One generate call's capture: each decode step's host time, the assembly's and the two
+    reads' (ms). The
     steps' rows go into ``into`` (a `HostRows`), or into memory of their own when None."""
     num_seqs = args.prompts * args.n
     seqs, log = [SequenceCapture() for _ in range(num_seqs)], CaptureLog(into)
@@ -90,9 +96,19 @@ def call(prefill, decode, args, sync, graphed: bool, into) -> tuple[list[float],
         sync()
         steps.append((time.perf_counter() - t0) * 1e3)
     t0 = time.perf_counter()
-    log.assemble(seqs, tuple(range(LAYERS)), TOP_K)
+    out = log.assemble(seqs, tuple(range(LAYERS)), TOP_K)
     sync()
-    return steps, (time.perf_counter() - t0) * 1e3
+    assemble = (time.perf_counter() - t0) * 1e3
+    guidance = [sites for _, sites in out]
+    t0 = time.perf_counter()
+    if plan_of(guidance) is not None:  # what `collate` does with a batch's records
+        RowRecords.gather(guidance)
+    batch = (time.perf_counter() - t0) * 1e3
+    t0 = time.perf_counter()
+    read = [dict(sites) for sites in guidance]  # every record read, sequence by sequence,
+    for key in read[0] if read else ():  # then concatenated (collate's path for other records)
+        record_cat([r[key] for r in read])
+    return steps, assemble, batch, (time.perf_counter() - t0) * 1e3
 
 
 def main() -> None:
@@ -116,8 +132,9 @@ def main() -> None:
             + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items())
         ),  # fmt: skip
         "",
-        "| mode | steps' rows | eager decode step ms | graphed decode step ms | assemble ms |",
-        "|---|---|---|---|---|",
+        "| mode | steps' rows | eager decode step ms | graphed decode step ms | assemble ms "
+        "| batch gathered ms | read one by one, concatenated ms |",
+        "|---|---|---|---|---|---|---|",
     ]
     for mode in args.modes.split(","):
         prefill, decode = filled(mode, prefill_records), filled(mode, decode_records)
@@ -129,7 +146,7 @@ def main() -> None:
                     for _ in range(args.repeats + 1)
                 ]
                 row.append(f"{statistics.median(t for r in runs[1:] for t in r[0]):.3f}")
-            row.append(f"{statistics.median(r[1] for r in runs[1:]):.1f}")
+            row += [f"{statistics.median(r[i] for r in runs[1:]):.1f}" for i in (1, 2, 3)]
             lines.append("| " + " | ".join(row) + " |")
     report("capture.md", lines)
 

@@ -23,6 +23,7 @@ import torch
 
 from fp4rl.fp4 import CompactCodes, NVFP4Tensor, SparseCodes
 from fp4rl.fp4.sparse_guidance import PackedSparse
+from fp4rl.row_records import RowPlan, RowRecords, plan_of  # noqa: F401 (RowPlan: the rollout)
 
 SiteKey = tuple[int, str]  # (decoder layer, site): "expert_input", "expert_hidden", "k", "v"
 # Full codes or compact mantissa bits, each with the rollout's scales; or sparse near-boundary
@@ -42,7 +43,8 @@ def record_members(r: SiteRecord) -> tuple[torch.Tensor, ...]:
     return r.mantissa_bits, r.block_scale, r.global_scale
 
 
-def _rebuild(r: SiteRecord, members) -> SiteRecord:
+def record_like(r: SiteRecord, members) -> SiteRecord:
+    """A record of ``r``'s kind (and sparse columns) over other ``members``."""
     if isinstance(r, SparseCodes | PackedSparse):
         return type(r)(*members, r.columns)
     return type(r)(*members)
@@ -65,7 +67,7 @@ def record_rows(r: SiteRecord, start: int, end: int) -> SiteRecord:
         return r.rows(start, end)
     if isinstance(r, PackedSparse):
         return r.unpack().rows(start, end).pack()
-    return _rebuild(r, [m[start:end] for m in record_members(r)])
+    return record_like(r, [m[start:end] for m in record_members(r)])
 
 
 def record_gather(r: SiteRecord, spans: Sequence[tuple[int, int]]) -> SiteRecord:
@@ -77,7 +79,7 @@ def record_gather(r: SiteRecord, spans: Sequence[tuple[int, int]]) -> SiteRecord
         return SparseCodes.cat([r.rows(a, b) for a, b in spans])
     rows = [i for a, b in spans for i in range(a, b)]
     index = torch.tensor(rows, dtype=torch.long).to(record_members(r)[0].device, non_blocking=True)
-    return _rebuild(r, [m[index] for m in record_members(r)])
+    return record_like(r, [m[index] for m in record_members(r)])
 
 
 def record_gather_packed(
@@ -103,7 +105,7 @@ def record_cat(records: Sequence[SiteRecord]) -> SiteRecord:
         return PackedSparse.unpack_cat(records).pack()
     if isinstance(records[0], SparseCodes):
         return SparseCodes.cat(records)
-    return _rebuild(
+    return record_like(
         records[0], [torch.cat(ms) for ms in zip(*map(record_members, records), strict=True)]
     )
 
@@ -121,45 +123,7 @@ def record_to(
 ) -> SiteRecord:
     """The record on ``device``. From a CUDA device to the CPU with ``non_blocking``, the copy
     lands in pinned memory and is only queued: read it after the stream has been synchronized."""
-    return _rebuild(r, [m.to(device, non_blocking=non_blocking) for m in record_members(r)])
-
-
-ALIGN_BYTES = 16  # every piece of a host buffer starts at a multiple of any element size
-
-
-def to_host_together(items: Sequence[torch.Tensor | SiteRecord]) -> list[torch.Tensor | SiteRecord]:
-    """``items`` (tensors and records, all on one device) copied to the CPU through one byte
-    buffer: their bytes concatenated on the device (one concatenation, each piece padded to 16
-    bytes), one copy to pinned memory queued on the current stream, and each tensor handed back
-    as a view of that buffer. A step's records thus cost two operations instead of one per
-    tensor. The copy is only queued: read the results after the stream has been synchronized.
-    (From the CPU the buffer is a plain one and the copy immediate.)"""
-    parts = [[t] if isinstance(t, torch.Tensor) else list(record_members(t)) for t in items]
-    flat = [t for tensors in parts for t in tensors]
-    if not flat:
-        return list(items)
-    device = flat[0].device
-    pad = torch.empty(ALIGN_BYTES, dtype=torch.uint8, device=device)  # never read
-    pieces, offsets, offset = [], [], 0
-    for t in flat:
-        data = t.contiguous().reshape(-1).view(torch.uint8)
-        pieces.append(data)
-        offsets.append(offset)
-        offset += data.numel()
-        if offset % ALIGN_BYTES:
-            pieces.append(pad[: ALIGN_BYTES - offset % ALIGN_BYTES])
-            offset += ALIGN_BYTES - offset % ALIGN_BYTES
-    host = torch.empty(offset, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    host.copy_(torch.cat(pieces), non_blocking=True)
-    views = iter(
-        host[start : start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-        for t, start in zip(flat, offsets, strict=True)
-    )
-    out = []
-    for item, tensors in zip(items, parts, strict=True):
-        mine = [next(views) for _ in tensors]
-        out.append(mine[0] if isinstance(item, torch.Tensor) else _rebuild(item, mine))
-    return out
+    return record_like(r, [m.to(device, non_blocking=non_blocking) for m in record_members(r)])
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -174,13 +138,14 @@ class Completion:
     # temperature / top-k / top-p), and under the unprocessed logits; None unless requested.
     logprobs: torch.Tensor | None = None
     raw_logprobs: torch.Tensor | None = None
-    # The records are in host memory (pageable; each completion owns its own): the trainer moves
-    # them to its device when it uses them.
-    routing: torch.Tensor | None = None  # int32 [L_moe, T, top_k], -1 = no record
+    # The records are in host memory: the trainer moves them to its device when it uses them.
+    routing: torch.Tensor | None = None  # int32 [L_moe, T, top_k], -1 = no record (its own)
     # (layer, site) -> record with leading dim T: NVFP4Tensor ("full"), CompactCodes or
     # PackedSparse; None for the FP4 layers compact guidance leaves out (the trainer rounds
-    # those to nearest).
-    guidance: dict[SiteKey, SiteRecord | None] | None = None
+    # those to nearest). From the engine, a `RowRecords`: full and compact records still in the
+    # rows of bytes the generate call landed them in (shared by its completions, pinned when
+    # made on a GPU), read when first used; `collate` gathers a batch's at once.
+    guidance: GuidanceMap | None = None
 
     @property
     def num_fed_tokens(self) -> int:
@@ -190,7 +155,10 @@ class Completion:
         return (self.prompt_ids + self.completion_ids)[:-1]
 
     def guidance_nbytes(self) -> int:
-        return sum(record_nbytes(r) for r in (self.guidance or {}).values() if r is not None)
+        g = self.guidance or {}
+        rows = g.row_nbytes() if isinstance(g, RowRecords) else 0  # without reading them
+        others = g.others if isinstance(g, RowRecords) else g
+        return rows + sum(record_nbytes(r) for r in others.values() if r is not None)
 
     def routing_nbytes(self) -> int:
         return 0 if self.routing is None else self.routing.numel() * self.routing.element_size()
@@ -313,7 +281,12 @@ def _check_completion(c: Completion) -> None:
         raise ValueError(
             f"{_name(c)}: routing has shape {tuple(c.routing.shape)}, expected (L_moe, {T}, k)"
         )
-    for key, r in (c.guidance or {}).items():
+    g = c.guidance or {}
+    if isinstance(g, RowRecords) and g.plan.keys and g.num_rows != T:
+        raise ValueError(
+            f"{_name(c)}: guidance for {list(g.plan.keys)} has {g.num_rows} rows for {T} fed tokens"
+        )
+    for key, r in (g.others if isinstance(g, RowRecords) else g).items():
         if r is not None and record_num_rows(r) != T:
             raise ValueError(
                 f"{_name(c)}: guidance for layers.{key[0]} site '{key[1]}' has "
@@ -360,8 +333,13 @@ def _cat_guidance(completions: Sequence[Completion]) -> dict[SiteKey, SiteRecord
                 f"{_name(c)}: guidance sites {sorted(c.guidance)} differ from "
                 f"{_name(completions[0])}'s {sorted(first)}"
             )
-    for key, r in first.items():
+    rowed = _gather_rows([c.guidance for c in completions])
+    for key in first:
+        if key in rowed:
+            out[key] = rowed[key]
+            continue
         records = [c.guidance[key] for c in completions]
+        r = records[0]
         if r is None or any(x is None for x in records):
             if any(x is not None for x in records):
                 raise ValueError(
@@ -374,6 +352,15 @@ def _cat_guidance(completions: Sequence[Completion]) -> dict[SiteKey, SiteRecord
         else:
             out[key] = record_cat(records)
     return out
+
+
+def _gather_rows(guidance: list[GuidanceMap]) -> dict[SiteKey, SiteRecord]:
+    """Key -> record of the whole batch, for the records every completion still holds in rows
+    of one layout (`RowRecords`, from the engine): each member gathered once for the batch,
+    straight out of the calls' rows, contiguous as `record_cat` makes it (not one gather and one
+    view per completion and member, then a concatenation). Empty for any other batch."""
+    plan = plan_of(guidance)
+    return RowRecords.gather(guidance) if plan is not None and plan.keys else {}
 
 
 def _unpack_cat(completions: Sequence[Completion], key: SiteKey) -> SparseCodes:

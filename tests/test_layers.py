@@ -17,7 +17,8 @@ ALLOWED = {
     "fp4": {"fp4"},
     "kernels": {"fp4", "kernels"},
     "ops": {"fp4", "kernels"},
-    "records": {"fp4"},
+    "row_records": set(),  # a completion's records as rows of its call's bytes (torch only)
+    "records": {"fp4", "row_records"},
     "model": {"fp4", "ops", "records", "model", "checks"},
     "rollout": {"fp4", "ops", "records", "model", "rollout", "checks"},
     "train": {"fp4", "ops", "records", "model", "train", "checks"},

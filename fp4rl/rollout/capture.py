@@ -8,12 +8,12 @@ top-k ids). Every record has one row per step token, and every row is quantized 
 A step's token-major records (routing, full and compact guidance) leave it as one uint8 buffer
 of a row per token (`PackedRows`, laid out by a cached `fp4rl.rollout.rows.RowLayout`): one
 concatenation (inside the graph, for a graphed decode step) and one copy to pinned host memory,
-whatever the number of records, into the rows the engine keeps for its calls
-(`fp4rl.rollout.rows.HostRows`), after the previous step's. A generate call's `CaptureLog` keeps
-each step's rows and each sequence's `SequenceCapture` the row ranges that are its own;
-`CaptureLog.assemble` gathers them into records over all
-``T = len(prompt) + len(completion) - 1`` fed tokens at the end of the call: per sequence, one
-gather of its rows' site bytes (its records are views of that buffer) and one of its routing.
+whatever the number of records, into the engine's host rows (`fp4rl.rollout.rows.HostRows`),
+after the previous step's. A generate call's `CaptureLog` keeps each step's rows and each
+sequence's `SequenceCapture` the row ranges that are its own; `CaptureLog.assemble` makes them
+records over all ``T = len(prompt) + len(completion) - 1`` fed tokens at the end of the call:
+per sequence, the numbers of its rows, over which its site records stay where they lie until
+read (`fp4rl.records.RowRecords`), and one gather of its routing.
 Sparse records have no fixed bytes per token, so they keep their own path (copied together per
 step, cut and packed at the end).
 
@@ -41,14 +41,17 @@ from fp4rl import ops
 from fp4rl.fp4 import NVFP4Tensor, SparseCodes, sparse
 from fp4rl.fp4.sparse_guidance import PackedSparse
 from fp4rl.records import (
+    RowPlan,
+    RowRecords,
     SiteKey,
     SiteRecord,
     record_cat,
     record_gather_packed,
     record_rows,
-    to_host_together,
 )
-from fp4rl.rollout.rows import HostRows, RowLayout
+from fp4rl.rollout.rows import HostRows, RowLayout, to_host_together
+
+_NO_ROWS = RowPlan((), (), (), 0, 0)  # a call that packed no site records
 
 
 def kept_layers(mode: str | None, fp4_layers: tuple[int, ...], fraction: float) -> frozenset[int]:
@@ -209,11 +212,12 @@ class SequenceCapture:
 class CaptureLog:
     """Every captured step of one generate call, its records kept whole (packed rows in host
     memory); each sequence keeps only where its rows are (`SequenceCapture`). At the end of the
-    call `assemble` gathers each sequence's rows of each record member by one gather out of the
-    steps' rows, which lie joined in ``host_rows`` when every step was copied there
-    (`StepCapture.to_host` ``into=log.host_rows``; else they are joined first); its row indices
-    come from a few array operations over all spans. ``host_rows``: the engine's, reused from
-    call to call (a fresh one by default); the log starts writing it from the beginning."""
+    call `assemble` finds each sequence's rows in the steps' rows by a few array operations
+    over all spans; the rows lie joined in ``host_rows`` when every step was copied there
+    (`StepCapture.to_host` ``into=log.host_rows``; else they are joined first). The sites'
+    records stay there, read when used (`fp4rl.records.RowRecords`); the routing is gathered
+    per sequence. ``host_rows``: the engine's (a fresh one by default), which hands the call's
+    rows over to its records; the log starts writing it from the beginning."""
 
     def __init__(self, host_rows: HostRows | None = None) -> None:
         self.steps: list[StepCapture] = []
@@ -253,47 +257,50 @@ class CaptureLog:
 
     def assemble(
         self, seqs: list[SequenceCapture], moe_layers: tuple[int, ...], top_k: int
-    ) -> list[tuple[torch.Tensor | None, dict[SiteKey, SiteRecord]]]:
+    ) -> list[tuple[torch.Tensor | None, RowRecords]]:
         """Per sequence: the routing record, int32 ``[L_moe, T, k]`` in the order of
         ``moe_layers`` (-1 for a layer nothing recorded; None when routing was not kept), and
-        the guidance records, rows ``T`` in token order (sparse ones packed). Empties the log."""
+        the guidance records, rows ``T`` in token order: full and compact ones where they lie
+        in the call's rows (`fp4rl.records.RowRecords`, read when first used), sparse ones
+        packed. Empties the log; the rows become the records' (`HostRows.take`)."""
         if torch.cuda.is_available():  # the host copies of `StepCapture.to_host` must have landed
             torch.cuda.synchronize()
         steps, num_rows = self.steps, self.num_rows
         self.steps, self.num_rows = [], []
         offsets = np.zeros(len(num_rows) + 1, dtype=np.int64)
         np.cumsum(num_rows, out=offsets[1:])
-        out = [(None, {}) for _ in seqs]
+        nothing = torch.empty(0, 0, dtype=torch.uint8), torch.empty(0, dtype=torch.long)
+        sites = [RowRecords(*nothing, _NO_ROWS) for _ in seqs]
+        routing = [None] * len(seqs)
         if not steps:
-            return out
+            return list(zip(routing, sites, strict=True))
         if steps[0].packed is not None:
             layout = steps[0].packed.layout
             firsts = [c.packed.first for c in steps]
             if None not in firsts:  # copied into the host rows one after another: no join
-                rows, starts = self.host_rows.joined(), np.array(firsts, dtype=np.int64)
+                rows, starts = self.host_rows.take(), np.array(firsts, dtype=np.int64)
             else:
                 rows = [c.packed.rows for c in steps]
                 rows, starts = (rows[0] if len(rows) == 1 else torch.cat(rows)), offsets
             for c in steps:  # the steps' buffers go back before the records are gathered
                 c.packed = None
             index = [i.to(rows.device) for i in _row_index(seqs, starts)]
-            site_keys = [k for k in layout.keys if not isinstance(k, int)]
-            sites = layout.gather(rows, index, site_keys)
+            sites = layout.gather(rows, index, [k for k in layout.keys if not isinstance(k, int)])
             if steps[0].keep_routing:
                 routing = _gather_routing(layout, rows, index, moe_layers, top_k)
-            else:
-                routing = [None] * len(seqs)
-            out = list(zip(routing, sites, strict=True))
         elif steps[0].keep_routing:
             lengths = [sum(b - a for _, a, b in seq.spans) for seq in seqs]
-            out = [(torch.full((len(moe_layers), n, top_k), -1, dtype=torch.int32), {})
-                   for n in lengths]  # fmt: skip
+            routing = [torch.full((len(moe_layers), n, top_k), -1, dtype=torch.int32)
+                       for n in lengths]  # fmt: skip
+        loose = [{} for _ in seqs]
         for key in steps[0].loose():  # sparse: cut and packed in one pass over all sequences
             spans = [[(offsets[s] + a, offsets[s] + b) for s, a, b in seq.spans] for seq in seqs]
             whole = record_cat([c.loose()[key] for c in steps])
-            for (_, sites), record in zip(out, record_gather_packed(whole, spans), strict=True):
-                sites[key] = record
-        return out
+            for mine, record in zip(loose, record_gather_packed(whole, spans), strict=True):
+                mine[key] = record
+        if steps[0].loose():
+            sites = [s.with_others(mine) for s, mine in zip(sites, loose, strict=True)]
+        return list(zip(routing, sites, strict=True))
 
 
 def _row_index(seqs: list[SequenceCapture], starts: np.ndarray) -> list[torch.Tensor]:

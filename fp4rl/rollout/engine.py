@@ -329,8 +329,8 @@ class Engine:
         else:
             # Layers compact mode drops are marked None: the trainer rounds them to nearest by
             # intent, while a key that is simply absent still fails closed.
-            for key in self.layout.guided_keys:
-                guidance.setdefault(key, None)
+            missing = [key for key in self.layout.guided_keys if key not in guidance]
+            guidance = guidance.with_others(dict.fromkeys(missing))
         return Completion(
             prompt_index=seq.prompt_index,
             sample_index=seq.sample_index,

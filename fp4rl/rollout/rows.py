@@ -15,7 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from fp4rl.fp4 import CompactCodes, NVFP4Tensor
-from fp4rl.records import ALIGN_BYTES, SiteRecord, record_members
+from fp4rl.records import RowPlan, RowRecords, SiteRecord, record_like, record_members
+
+ALIGN_BYTES = 16  # every piece of a buffer of rows starts at a multiple of any element size
 
 # The token-major record kinds `RowLayout` lays out: every member has one row per token.
 _ROW_KINDS = (torch.Tensor, NVFP4Tensor, CompactCodes)
@@ -80,83 +82,28 @@ class RowLayout:
         offset, dtype, shape = self.members[item][member]
         return rows[:, offset : offset + math.prod(shape) * dtype.itemsize]
 
-    def gather(self, rows: torch.Tensor, indices: Sequence[torch.Tensor], keys=None) -> list[dict]:
-        """For each index tensor, key -> item over those rows of packed ``rows``, for ``keys``
-        (all by default): per index, one gather of the chosen items' stretch of each row, and
-        the members as views of it. Gathering each member's narrow column on its own, or copying
-        it out contiguous, cost about five times as much on the host (fresh pages for every
-        member). So each member has its rows' stride, and an index's records share one buffer of
-        their own: none with another index's, nor with ``rows``. Each member is one `as_strided`
-        of the buffer viewed as its dtype: a slice and two views per member cost about three
-        times as much host time, which a call's thousands of records add up."""
-        chosen = [i for i, key in enumerate(self.keys) if keys is None or key in keys]
-        if not chosen:
-            return [{} for _ in indices]
-        start = self.members[chosen[0]][0][0]
-        # To a 16-byte end (within the row, as its members are): any member's dtype then views
-        # the gathered buffer's rows.
-        last = max(
-            offset + math.prod(shape) * dt.itemsize
-            for i in chosen
-            for offset, dt, shape in self.members[i]
-        )
-        width = _aligned(last - start)
-        stretch = rows[:, start : start + width]
-        # Per chosen item, per member: its dtype, shape per row, strides and offset in elements
-        # of its dtype within a row of the gathered buffer.
-        plan = [
-            [
-                (
-                    dt,
-                    shape,
-                    (width // dt.itemsize, *_strides(shape)),
-                    (offset - start) // dt.itemsize,
-                )
-                for offset, dt, shape in self.members[i]
-            ]
-            for i in chosen
-        ]
-        dtypes = {dt for members in plan for dt, *_ in members}
-        out = []
-        for index in indices:
-            n = index.shape[0]
-            block = stretch.index_select(0, index)
-            typed = {dt: block.view(dt) for dt in dtypes}
-            out.append({
-                self.keys[i]: _assemble(self.kinds[i], [
-                    typed[dt].as_strided((n, *shape), strides, offset)
-                    for dt, shape, strides, offset in members
-                ])
-                for i, members in zip(chosen, plan, strict=True)
-            })  # fmt: skip
-        return out
+    def plan(self, keys=None) -> RowPlan:
+        """Where the items of ``keys`` (all by default; in layout order) lie: the 16-aligned
+        stretch of a row that holds them all, and each member's offset in it. Made once per
+        layout and keys."""
+        return _row_plan(self, None if keys is None else frozenset(keys))
+
+    def gather(self, rows: torch.Tensor, indices: Sequence[torch.Tensor], keys=None) -> list:
+        """For each index tensor, its rows of packed ``rows`` as `fp4rl.records.RowRecords`
+        of ``keys`` (all by default): nothing is copied until a record is read, which gathers
+        that index's stretch of the rows into memory of its own (one gather, the members views
+        of it). ``rows`` must not be written while the results live."""
+        plan = self.plan(keys)
+        return [RowRecords(rows, index, plan) for index in indices]
 
     def unpack(self, rows: torch.Tensor) -> dict:
         """Key -> item as views of packed ``rows`` (no copy)."""
-        n = rows.shape[0]
-        return {
-            key: _assemble(
-                kind,
-                [
-                    self.column(rows, i, j).view(dtype).view(n, *shape)
-                    for j, (_, dtype, shape) in enumerate(self.members[i])
-                ],
-            )
-            for i, (key, kind) in enumerate(zip(self.keys, self.kinds, strict=True))
-        }
-
-
-def _assemble(kind: type, members: list[torch.Tensor]) -> torch.Tensor | SiteRecord:
-    return members[0] if kind is torch.Tensor else kind(*members)
+        plan = self.plan()
+        return {key: plan.item(rows, i) for i, key in enumerate(plan.keys)}
 
 
 def _tensors(item: torch.Tensor | SiteRecord) -> tuple[torch.Tensor, ...]:
     return (item,) if isinstance(item, torch.Tensor) else record_members(item)
-
-
-def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """A contiguous tensor's strides over ``shape``."""
-    return tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
 
 
 def _aligned(nbytes: int) -> int:
@@ -165,6 +112,31 @@ def _aligned(nbytes: int) -> int:
 
 def _flat(members):
     return [m for item in members for m in item]
+
+
+@functools.lru_cache(maxsize=256)
+def _row_plan(layout: RowLayout, keys: frozenset | None) -> RowPlan:
+    chosen = [i for i, key in enumerate(layout.keys) if keys is None or key in keys]
+    if not chosen:
+        return RowPlan((), (), (), 0, 0)
+    start = layout.members[chosen[0]][0][0]
+    # To a 16-byte end (within the row, as its members are): any member's dtype then views a
+    # gathered block's rows.
+    last = max(
+        offset + math.prod(shape) * dt.itemsize
+        for i in chosen
+        for offset, dt, shape in layout.members[i]
+    )
+    return RowPlan(
+        tuple(layout.keys[i] for i in chosen),
+        tuple(layout.kinds[i] for i in chosen),
+        tuple(
+            tuple((dt, shape, offset - start) for offset, dt, shape in layout.members[i])
+            for i in chosen
+        ),
+        start,
+        _aligned(last - start),
+    )
 
 
 @functools.lru_cache(maxsize=256)
@@ -182,27 +154,29 @@ def _row_layout(signature: tuple) -> RowLayout:
 
 
 class HostRows:
-    """Host memory that the packed rows of one generate call are copied into, step after step,
-    kept by the engine from call to call.
+    """Host memory that the packed rows of one generate call are copied into, step after step.
 
     Each step's rows land after the previous step's (`copy_in`), so at the end of the call its
-    rows already lie joined (`joined`) and the sequences' records are gathered straight out of
-    them. Copying each step into memory of its own and joining the steps at the end cost a fresh
-    pinned allocation per step and one more pass over every byte on the host, in fresh pages:
-    at 16 prompts x 4 samples of 64 tokens on a 4-layer model with compact guidance (one H200),
-    `CaptureLog.assemble` took 25 ms of host time a call that way and 13 ms this way.
+    rows already lie joined, and `take` hands them over to the call's completions, whose
+    records read them where they lie (`fp4rl.records.RowRecords`). Copying each step into
+    memory of its own and joining the steps at the end cost a fresh pinned allocation per step
+    and one more pass over every byte on the host, in fresh pages: at 16 prompts x 4 samples of
+    64 tokens on a 4-layer model with compact guidance (one H200), `CaptureLog.assemble` took
+    25 ms of host time a call that way and 13 ms this way (while it still cut each sequence's
+    records out of the rows).
 
     The memory is pinned when the rows come from a GPU (their copies are only queued), and is
     chunks of flat bytes, so any row width fits: when a call outgrows its chunks another one is
-    added (at least as large as all before it), and a call that needed more than one leaves a
-    single chunk of their total size for the next. A step never straddles two chunks; the rows
-    it skips at a chunk's end are never read. Rows are numbered from the first chunk's first
-    row on, across chunks (`copy_in` returns the number of a step's first row)."""
+    added (at least as large as all before it), and the next call starts with one chunk as
+    large as all of them. A step never straddles two chunks; the rows it skips at a chunk's
+    end are never read. Rows are numbered from the first chunk's first row on, across chunks
+    (`copy_in` returns the number of a step's first row)."""
 
     MIN_CHUNK_BYTES = 64 << 20
 
     def __init__(self) -> None:
         self._chunks: list[torch.Tensor] = []  # flat uint8
+        self._next_bytes = 0  # the size of the next call's first chunk
         self.begin()
 
     def begin(self) -> None:
@@ -224,7 +198,12 @@ class HostRows:
             self._base += self._rows_in(self._chunk)
             self._chunk, self._used = self._chunk + 1, 0
         if self._chunk == len(self._chunks):
-            size = max(n * width, self.MIN_CHUNK_BYTES, sum(c.numel() for c in self._chunks))
+            size = max(
+                n * width,
+                self.MIN_CHUNK_BYTES,
+                self._next_bytes,
+                sum(c.numel() for c in self._chunks),
+            )
             self._chunks.append(torch.empty(size, dtype=torch.uint8, pin_memory=rows.is_cuda))
         host = self._view(self._chunk)[self._used : self._used + n]
         host.copy_(rows, non_blocking=True)
@@ -232,24 +211,27 @@ class HostRows:
         self._used += n
         return host, first
 
-    def joined(self) -> torch.Tensor:
-        """Every row of the call so far, ``[rows, row_bytes]`` in row-number order: a view when
-        the call fitted one chunk, else one concatenation, after which the chunks become one
-        chunk of their total size for the next call. Read it once the copies have landed."""
+    def take(self) -> torch.Tensor:
+        """Every row of the call so far, ``[rows, row_bytes]`` in row-number order, handed
+        over: the caller's from now on (a call's completions read their records out of them),
+        so the next call starts in fresh memory, one chunk as large as this call's chunks
+        together (from a GPU, torch's pinned-memory cache hands back a chunk of that size once
+        the records that held it are gone). A view when the call fitted one chunk, else one
+        concatenation. Read it once the copies have landed."""
         if self._row_bytes == 0:
             return torch.empty(0, 0, dtype=torch.uint8)
         last = self._view(self._chunk)[: self._used]
-        if self._chunk == 0:
-            return last
-        rows = torch.cat([*(self._view(i) for i in range(self._chunk)), last])
-        total, pinned = sum(c.numel() for c in self._chunks), self._chunks[0].is_pinned()
-        self._chunks = [torch.empty(total, dtype=torch.uint8, pin_memory=pinned)]
+        rows = last
+        if self._chunk > 0:
+            rows = torch.cat([*(self._view(i) for i in range(self._chunk)), last])
+        self._next_bytes = sum(c.numel() for c in self._chunks)
+        self._chunks = []
         self.begin()
         return rows
 
     def release(self) -> None:
         """Hand the memory back (the next call allocates afresh)."""
-        self._chunks = []
+        self._chunks, self._next_bytes = [], 0
         self.begin()
 
     def _rows_in(self, chunk: int) -> int:
@@ -259,3 +241,38 @@ class HostRows:
         """Chunk ``chunk`` as ``[rows, row_bytes]`` (its few trailing bytes left out)."""
         width = self._row_bytes
         return self._chunks[chunk][: self._rows_in(chunk) * width].view(-1, width)
+
+
+def to_host_together(items: Sequence[torch.Tensor | SiteRecord]) -> list[torch.Tensor | SiteRecord]:
+    """``items`` (tensors and records, all on one device) copied to the CPU through one byte
+    buffer: their bytes concatenated on the device (one concatenation, each piece padded to 16
+    bytes), one copy to pinned memory queued on the current stream, and each tensor handed back
+    as a view of that buffer. A step's records thus cost two operations instead of one per
+    tensor. The copy is only queued: read the results after the stream has been synchronized.
+    (From the CPU the buffer is a plain one and the copy immediate.)"""
+    parts = [[t] if isinstance(t, torch.Tensor) else list(record_members(t)) for t in items]
+    flat = [t for tensors in parts for t in tensors]
+    if not flat:
+        return list(items)
+    device = flat[0].device
+    pad = torch.empty(ALIGN_BYTES, dtype=torch.uint8, device=device)  # never read
+    pieces, offsets, offset = [], [], 0
+    for t in flat:
+        data = t.contiguous().reshape(-1).view(torch.uint8)
+        pieces.append(data)
+        offsets.append(offset)
+        offset += data.numel()
+        if offset % ALIGN_BYTES:
+            pieces.append(pad[: ALIGN_BYTES - offset % ALIGN_BYTES])
+            offset += ALIGN_BYTES - offset % ALIGN_BYTES
+    host = torch.empty(offset, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    host.copy_(torch.cat(pieces), non_blocking=True)
+    views = iter(
+        host[start : start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        for t, start in zip(flat, offsets, strict=True)
+    )
+    out = []
+    for item, tensors in zip(items, parts, strict=True):
+        mine = [next(views) for _ in tensors]
+        out.append(mine[0] if isinstance(item, torch.Tensor) else record_like(item, mine))
+    return out

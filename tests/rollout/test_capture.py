@@ -6,7 +6,7 @@ import torch
 
 from fp4rl.fp4 import CompactCodes, compact, sparse
 from fp4rl.ops import quantize
-from fp4rl.records import record_cat, record_gather, record_rows, to_host_together
+from fp4rl.records import record_cat, record_gather, record_rows
 from fp4rl.rollout.capture import (
     CaptureLog,
     PackedRows,
@@ -14,7 +14,7 @@ from fp4rl.rollout.capture import (
     StepCapture,
     kept_layers,
 )
-from fp4rl.rollout.rows import HostRows, RowLayout
+from fp4rl.rollout.rows import HostRows, RowLayout, to_host_together
 
 
 def test_kept_layers():

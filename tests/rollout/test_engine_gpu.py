@@ -21,7 +21,7 @@ from tiny_models import (
 )
 
 from fp4rl.model.sites import SiteRecords
-from fp4rl.records import collate, record_rows
+from fp4rl.records import collate, record_members, record_rows
 from fp4rl.rollout import Engine, SamplingParams
 from fp4rl.rollout.attention import AttentionMetadata, PagedAttention, Segment
 from fp4rl.train.policy import policy_logprobs
@@ -52,6 +52,33 @@ def test_guided_trainer_on_gpu_recomputes_the_rollout_codes_and_logprobs():
         for key, t in c.guidance.items():
             assert record_rows(batch.guidance[key], start, start + c.num_fed_tokens).equal(t)
         start += c.num_fed_tokens
+
+
+@torch.no_grad()
+def test_a_calls_records_outlive_the_calls_after_it():
+    """Completions keep their records in the pinned rows their call landed them in
+    (`RowRecords`): the engine hands those rows over, so the calls after it, with their own
+    records, write elsewhere. The first call's records, read after two more calls, equal those
+    read at once from a twin completion set."""
+    packed, _ = rollout_model("nvfp4", "nvfp4", dtype=torch.bfloat16, device="cuda")
+    config = engine_config(block_size=16, capture_routing=True, guidance="compact")
+    engine = Engine(packed, config)
+    params = SamplingParams(n=2, max_tokens=12, seed=3)
+    first = engine.generate(PROMPTS, params)
+    at_once = {
+        (c.prompt_index, c.sample_index): dict(c.guidance) for c in engine.generate(PROMPTS, params)
+    }
+    engine.generate(PROMPTS[::-1], dataclasses.replace(params, seed=4))
+    assert first[0].guidance.rows.is_pinned()
+    for c in first:
+        want = at_once[c.prompt_index, c.sample_index]
+        assert list(c.guidance) == list(want)
+        for key, record in c.guidance.items():
+            if record is None:
+                assert want[key] is None
+                continue
+            for a, b in zip(record_members(record), record_members(want[key]), strict=True):
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), key
 
 
 @pytest.mark.parametrize("kv_cache", ["bf16", "nvfp4"])

@@ -10,17 +10,22 @@ def rows(n: int, width: int, start: int) -> torch.Tensor:
     return (torch.arange(start, start + n * width) % 251).to(torch.uint8).view(n, width)
 
 
-def test_steps_land_one_after_another_and_join_without_a_copy():
+def test_steps_land_one_after_another_and_are_handed_over_without_a_copy():
     host = HostRows()
     steps = [rows(n, 48, 1000 * i) for i, n in enumerate((5, 1, 7))]
     firsts = [host.copy_in(step)[1] for step in steps]
     assert firsts == [0, 5, 6]
-    joined = host.joined()
-    assert torch.equal(joined, torch.cat(steps))
-    assert joined.data_ptr() == host._chunks[0].data_ptr()  # a view of the one chunk
-    host.begin()  # the next call writes from the start again, in the same memory
+    chunk = host._chunks[0]
+    taken = host.take()
+    assert torch.equal(taken, torch.cat(steps))
+    assert taken.data_ptr() == chunk.data_ptr()  # a view of the one chunk
+    # The rows are the taker's now: the next call writes into memory of its own, one chunk as
+    # large as the last call's, and never over the rows taken.
+    assert host._chunks == []
     view, first = host.copy_in(rows(2, 48, 7))
-    assert first == 0 and view.data_ptr() == host._chunks[0].data_ptr()
+    assert first == 0 and view.data_ptr() != chunk.data_ptr()
+    assert [c.numel() for c in host._chunks] == [chunk.numel()]
+    assert torch.equal(taken, torch.cat(steps))
 
 
 def test_a_call_that_outgrows_its_chunk_spills_and_leaves_one_chunk_for_the_next(monkeypatch):
@@ -37,14 +42,15 @@ def test_a_call_that_outgrows_its_chunk_spills_and_leaves_one_chunk_for_the_next
     # chunk 2 (20 rows, as large as both before it): 20..40 (9 + 2); chunk 3: 40..80 (25).
     assert firsts == [0, 6, 10, 20, 29, 40]
     assert [c.numel() // width for c in host._chunks] == [10, 10, 20, 40]
-    joined = host.joined()
+    taken = host.take()
     for step, first in zip(steps, firsts, strict=True):
-        assert torch.equal(joined[first : first + len(step)], step)
-    assert joined.shape == (65, width)
-    assert [c.numel() for c in host._chunks] == [80 * width]
-    host.begin()
+        assert torch.equal(taken[first : first + len(step)], step)
+    assert taken.shape == (65, width)
+    assert host._chunks == []
     assert [host.copy_in(step)[1] for step in steps] == [0, 6, 9, 13, 22, 24]
-    assert host.joined().data_ptr() == host._chunks[0].data_ptr()
+    assert [c.numel() for c in host._chunks] == [80 * width]  # one chunk of the last call's
+    chunk = host._chunks[0]
+    assert host.take().data_ptr() == chunk.data_ptr()  # this call fitted it: no concatenation
 
 
 def test_rows_of_another_width_in_one_call_are_refused_and_release_frees():
@@ -54,7 +60,7 @@ def test_rows_of_another_width_in_one_call_are_refused_and_release_frees():
         host.copy_in(rows(2, 32, 0))
     host.release()
     assert host._chunks == []
-    assert host.joined().shape == (0, 0)
+    assert host.take().shape == (0, 0)
     host.begin()  # a new call may have another width
     assert host.copy_in(rows(3, 32, 0))[1] == 0
 
@@ -67,4 +73,5 @@ def test_rows_from_the_gpu_land_in_pinned_memory_once_synchronized():
     view, first = host.copy_in(step)
     assert first == 0 and view.is_pinned()
     torch.cuda.synchronize()
-    assert torch.equal(host.joined(), step.cpu())
+    taken = host.take()
+    assert taken.is_pinned() and torch.equal(taken, step.cpu())
