@@ -161,7 +161,7 @@ class RowRecords(Mapping):
             tensors = []
             for dtype, shape, offset in members:
                 nbytes = math.prod(shape) * dtype.itemsize
-                column = torch.empty(n, nbytes, dtype=torch.uint8)
+                column = torch.empty(n, nbytes, dtype=torch.uint8, device=runs[0][0].device)
                 at = plan.start + offset
                 done = 0
                 for rows, index in runs:
