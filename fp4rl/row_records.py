@@ -103,10 +103,10 @@ class RowRecords(Mapping):
         return self._block
 
     def __getitem__(self, key):
-        if key in self._made:
-            return self._made[key]
         if key in self.others:
             return self.others[key]
+        if key in self._made:
+            return self._made[key]
         try:
             i = self.plan.keys.index(key)
         except ValueError:
@@ -116,16 +116,20 @@ class RowRecords(Mapping):
 
     def __iter__(self) -> Iterator:
         yield from self.plan.keys
-        yield from (key for key in self.others if key not in self.plan.keys)
+        yield from self.others
 
     def __len__(self) -> int:
-        return len(self.plan.keys) + sum(key not in self.plan.keys for key in self.others)
+        return len(self.plan.keys) + len(self.others)
 
     def __contains__(self, key) -> bool:
         return key in self.others or key in self.plan.keys
 
     def with_others(self, others: Mapping) -> RowRecords:
-        """The same rows with ``others`` added (over any of the same key)."""
+        """The same rows with ``others`` added (over any other of the same key). Raises
+        ValueError naming a key the rows hold: a record lies in one place only."""
+        held = [key for key in others if key in self.plan.keys]
+        if held:
+            raise ValueError(f"the rows already hold the records of {held}")
         return RowRecords(self.rows, self.index, self.plan, {**self.others, **others})
 
     def row_nbytes(self) -> int:

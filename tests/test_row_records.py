@@ -69,10 +69,11 @@ def test_other_records_join_the_rows_and_saving_carries_only_the_records():
     g = torch.Generator().manual_seed(1)
     layout, rows, items = call_rows(6, g)
     (records,) = layout.gather(rows, [torch.arange(6)], KEYS[1:])
-    marked = records.with_others({(1, "k"): None, KEYS[1]: None})
-    assert list(marked) == [KEYS[1], KEYS[2], (1, "k")] and len(marked) == 3
+    marked = records.with_others({(1, "k"): None}).with_others({(1, "k"): None, (4, "v"): None})
+    assert list(marked) == [KEYS[1], KEYS[2], (1, "k"), (4, "v")] and len(marked) == 4
     assert marked[(1, "k")] is None and (1, "k") in marked and (1, "k") not in records
-    assert marked[KEYS[1]] is None  # another record under the same key wins
+    with pytest.raises(ValueError, match=r"the rows already hold the records of \[\(3, 'k'\)\]"):
+        records.with_others({KEYS[1]: None})  # a record lies in one place only
     saved = io.BytesIO()
     torch.save(records, saved)
     saved.seek(0)
