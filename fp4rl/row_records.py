@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,6 +37,12 @@ class RowPlan:
     members: tuple[tuple[tuple[torch.dtype, tuple[int, ...], int], ...], ...]
     start: int
     width: int
+    # key -> its item's number: a sequence's records are looked up by key often (the engine
+    # marks each guided site of each completion), and a tuple is searched one key at a time
+    number: dict = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "number", {key: i for i, key in enumerate(self.keys)})
 
     def stretch(self, rows: torch.Tensor) -> torch.Tensor:
         """The plan's columns of uint8 ``rows`` ``[n, row_bytes]``."""
@@ -107,11 +113,7 @@ class RowRecords(Mapping):
             return self.others[key]
         if key in self._made:
             return self._made[key]
-        try:
-            i = self.plan.keys.index(key)
-        except ValueError:
-            raise KeyError(key) from None
-        self._made[key] = item = self.plan.item(self.block(), i)
+        self._made[key] = item = self.plan.item(self.block(), self.plan.number[key])
         return item
 
     def __iter__(self) -> Iterator:
@@ -122,12 +124,12 @@ class RowRecords(Mapping):
         return len(self.plan.keys) + len(self.others)
 
     def __contains__(self, key) -> bool:
-        return key in self.others or key in self.plan.keys
+        return key in self.others or key in self.plan.number
 
     def with_others(self, others: Mapping) -> RowRecords:
         """The same rows with ``others`` added (over any other of the same key). Raises
         ValueError naming a key the rows hold: a record lies in one place only."""
-        held = [key for key in others if key in self.plan.keys]
+        held = [key for key in others if key in self.plan.number]
         if held:
             raise ValueError(f"the rows already hold the records of {held}")
         return RowRecords(self.rows, self.index, self.plan, {**self.others, **others})
