@@ -20,9 +20,11 @@ bits; `add_rms_norm` so composes the residual add and the RMSNorm kernel after i
 `add_rms_norm_quantize` those two and the routed experts' input site (`fake_quantize` of the
 norm, per row). `quantize_into` stores a per-row quantization straight into a paged cache's
 rows, each row's amax in place of its global scale (`NVFP4Rows`; `quantize_into_pair`: a
-layer's K and V in one launch). `project` multiplies a decode
-step's few rows by up to three weights of one input (q, k and v) in one launch,
-batch-invariant (None where the kernel does not run: the caller uses cuBLAS). The sampler's
+layer's K and V in one launch). Those that make a site's values on the way
+(`add_rms_norm_quantize`, `swiglu_site`, `quantize_into_pair`) can store its record (full or
+compact) from the same launch: a captured site then costs no launch more. `project`
+multiplies a decode step's few rows by up to three weights of one input (q, k and v) in one
+launch, batch-invariant (None where the kernel does not run: the caller uses cuBLAS). The sampler's
 token-order draw (`draw_in_token_order`) is one more, with float64 sums in an order of its own.
 `early_dependents` sets when the kernels launched inside it let the next kernel start
 (`fp4rl.kernels.dependent_launch`); it moves no bit.
@@ -42,6 +44,8 @@ from fp4rl.fp4.tensor import NVFP4Rows, NVFP4Tensor
 
 # Full codes, compact mantissa bits, sparse near-boundary bits, or None: nearest.
 Guidance = NVFP4Tensor | CompactCodes | SparseCodes | None
+# A site's record as a kernel that quantizes the site on the way makes it.
+SiteRecord = NVFP4Tensor | CompactCodes
 
 
 def _kernels(x: torch.Tensor):
@@ -94,16 +98,29 @@ def quantize_into_pair(
     v_TKD: torch.Tensor,
     v_pages: NVFP4Rows,
     slots_T: torch.Tensor,
-) -> None:
+    record: str | None = None,
+) -> tuple[SiteRecord | None, SiteRecord | None]:
     """`quantize_into` of ``k_TKD`` into ``k_pages`` and of ``v_TKD`` (k's shape and dtype) into
     ``v_pages`` at the same ``slots_T``: a layer's new K and V rows, on the GPU in one launch
-    with the two calls' bits."""
+    with the two calls' bits. With ``record`` ("full" or "compact") also K's and V's site
+    records, ``quantize(x, scaling="row")`` as it is or `compact`ed (on the GPU from the same
+    launch); ``(None, None)`` without."""
     impl = _kernels(k_TKD)
-    if impl is None:
-        reference.quantize_into(k_TKD, k_pages, slots_T)
-        reference.quantize_into(v_TKD, v_pages, slots_T)
-    else:
-        impl.quantize_into_pair(k_TKD, k_pages, v_TKD, v_pages, slots_T)
+    if impl is not None:
+        return impl.quantize_into_pair(k_TKD, k_pages, v_TKD, v_pages, slots_T, record)
+    reference.quantize_into(k_TKD, k_pages, slots_T)
+    reference.quantize_into(v_TKD, v_pages, slots_T)
+    return tuple(_record_of(x, record) for x in (k_TKD, v_TKD))
+
+
+def _record_of(x: torch.Tensor, record: str | None) -> SiteRecord | None:
+    """A site's record of ``x`` rounded to nearest per row, in form ``record`` (None: none)."""
+    if record not in ("full", "compact", None):
+        raise ValueError(f"record form must be 'full', 'compact' or None; got {record!r}")
+    if record is None:
+        return None
+    t = reference.quantize(x, scaling="row")
+    return t if record == "full" else rounding.compact(t)
 
 
 def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -295,19 +312,20 @@ def add_rms_norm(
 
 
 def add_rms_norm_quantize(
-    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """``(s, h, h_q)``: `add_rms_norm`'s ``(s, h)`` and ``h_q = fake_quantize(h,
-    scaling="row")`` (round to nearest, one global scale per row; no gradient), bit for bit, in
-    one kernel on the GPU (`fp4rl.kernels.norm_quant`), for x, delta and weight of one float
-    dtype, delta of x's shape and rows of up to 8192 values, a multiple of 16
-    (`norm_quant.supported`); None elsewhere, where the caller runs `add_rms_norm`, then the
-    site."""
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, record=None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, SiteRecord | None] | None:
+    """``(s, h, h_q, h_record)``: `add_rms_norm`'s ``(s, h)``, ``h_q = fake_quantize(h,
+    scaling="row")`` (round to nearest, one global scale per row; no gradient) and, with
+    ``record`` "full" or "compact", the site's record of h (``quantize(h, scaling="row")``, as
+    it is or `compact`ed; None without), bit for bit, in one kernel on the GPU
+    (`fp4rl.kernels.norm_quant`), for x, delta and weight of one float dtype, delta of x's
+    shape and rows of up to 8192 values, a multiple of 16 (`norm_quant.supported`); None
+    elsewhere, where the caller runs `add_rms_norm`, then the site."""
     kernels = _kernels(x)
     if kernels is None or not kernels.norm_quant.supported(x, delta, weight):
         return None
     return kernels.add_rms_norm_quantize_rows(
-        x.contiguous(), delta.contiguous(), weight.contiguous(), eps
+        x.contiguous(), delta.contiguous(), weight.contiguous(), eps, record
     )
 
 
@@ -385,6 +403,21 @@ def swiglu(gate_up_A2I: torch.Tensor, *, quantize: bool = False) -> torch.Tensor
     if kernels is None or not kernels.swiglu.supported(gate_up_A2I):
         return None
     return kernels.swiglu_rows(gate_up_A2I.contiguous(), quantize=quantize)
+
+
+def swiglu_site(
+    gate_up_A2I: torch.Tensor, record: str, row_order: torch.Tensor | None = None
+) -> tuple[torch.Tensor, SiteRecord] | None:
+    """``(h_q, record)``: `swiglu` with ``quantize`` and the intermediate site's record of h in
+    form ``record`` ("full" or "compact"), its rows in the order ``row_order`` names (record row
+    ``c`` from h's row ``row_order[c]``; the record shaped like ``row_order``, else like h's
+    rows), bit for bit what quantizing h, then picking its rows gives, in one kernel on the GPU
+    (`fp4rl.kernels.swiglu`). None where `swiglu` is."""
+    kernels = _kernels(gate_up_A2I)
+    if kernels is None or not kernels.swiglu.supported(gate_up_A2I):
+        return None
+    order = None if row_order is None else row_order.contiguous()
+    return kernels.swiglu_site_rows(gate_up_A2I.contiguous(), record, order)
 
 
 def draw_in_token_order(

@@ -10,7 +10,7 @@ import dataclasses
 
 import torch
 
-from fp4rl.fp4 import NVFP4Tensor
+from fp4rl.fp4 import NVFP4Tensor, rounding
 from fp4rl.fp4.reference import unpack_e2m1
 
 INT_OF = {
@@ -53,10 +53,28 @@ def assert_same_values(got: torch.Tensor, want: torch.Tensor, what: str) -> None
 
 
 def assert_nvfp4_equal(got, want, what: str = "") -> None:
-    """Every member of two `NVFP4Tensor`s (or two `NVFP4Rows`) bitwise."""
+    """Every member of two `NVFP4Tensor`s (or two `NVFP4Rows`) bitwise; in the float members
+    (global scales, the rows' amaxes) any NaN matches any NaN, as in every float output (a
+    GPU's conversion of an FP32 NaN to BF16 keeps another payload than torch's on the CPU)."""
     assert type(got) is type(want), f"{what}: {type(got).__name__} vs {type(want).__name__}"
     for field, g, w in zip(dataclasses.fields(got), got.tensors(), want.tensors(), strict=True):
-        assert_bitwise(g, w, f"{what} {field.name}")
+        if w.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            assert_same_values(g, w, f"{what} {field.name}")
+        else:
+            assert_bitwise(g, w, f"{what} {field.name}")
+
+
+def assert_record_equal(got, want: NVFP4Tensor, form: str, what: str = "") -> None:
+    """A site record a kernel made in ``form`` against the `NVFP4Tensor` it stands for:
+    "full" that tensor itself, "compact" its `rounding.compact`, every member bitwise."""
+    if form == "full":
+        assert_nvfp4_equal(cpu(got), cpu(want), what)
+        return
+    want = rounding.compact(cpu(want))
+    assert type(got) is type(want), f"{what}: {type(got).__name__} vs {type(want).__name__}"
+    for field in dataclasses.fields(want):
+        g, w = getattr(got, field.name), getattr(want, field.name)
+        assert_bitwise(g.cpu(), w, f"{what} {field.name}")
 
 
 def cpu(t: NVFP4Tensor) -> NVFP4Tensor:

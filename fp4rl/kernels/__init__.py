@@ -56,6 +56,7 @@ __all__ = [
     "round_guided_full",
     "sort_expert_ids",
     "swiglu_rows",
+    "swiglu_site_rows",
 ]
 
 
@@ -77,9 +78,11 @@ def quantize_into_pair(
     v_TKD: torch.Tensor,
     v_pages: NVFP4Rows,
     slots_T: torch.Tensor,
-) -> None:
-    """`quantize_into` of K and of V at the same slots, in one launch."""
-    nearest.launch_into_pair(k_TKD, k_pages, v_TKD, v_pages, slots_T)
+    record: str | None = None,
+) -> tuple[NVFP4Tensor | CompactCodes | None, NVFP4Tensor | CompactCodes | None]:
+    """`quantize_into` of K and of V at the same slots, in one launch; with ``record``, their
+    site records from it too."""
+    return nearest.launch_into_pair(k_TKD, k_pages, v_TKD, v_pages, slots_T, record)
 
 
 def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -162,11 +165,12 @@ def add_rms_norm_rows(
 
 
 def add_rms_norm_quantize_rows(
-    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(s, h, fake_quantize(h, scaling="row"))`` for ``(s, h) = add_rms_norm_rows(x, delta,
-    weight, eps)``, bit for bit, in one launch."""
-    return norm_quant.launch(x, delta, weight, eps)
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, record=None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, NVFP4Tensor | CompactCodes | None]:
+    """``(s, h, fake_quantize(h, scaling="row"), record)`` for ``(s, h) = add_rms_norm_rows(x,
+    delta, weight, eps)`` and, in form ``record`` if given, the site's record of h, bit for bit,
+    in one launch."""
+    return norm_quant.launch(x, delta, weight, eps, record)
 
 
 def norm_rope_rows(
@@ -214,6 +218,14 @@ def swiglu_rows(gate_up: torch.Tensor, *, quantize: bool = False) -> torch.Tenso
     """`fp4rl.model.experts.eager_swiglu` bit for bit in one launch; with ``quantize`` the
     intermediate site's fake quantization of it in the same pass."""
     return swiglu.launch(gate_up, quantize=quantize)
+
+
+def swiglu_site_rows(
+    gate_up: torch.Tensor, record: str, row_order: torch.Tensor | None
+) -> tuple[torch.Tensor, NVFP4Tensor | CompactCodes]:
+    """``swiglu_rows(gate_up, quantize=True)`` and the intermediate site's record in form
+    ``record``, its rows ordered by ``row_order`` (`swiglu.launch_recording`), in one launch."""
+    return swiglu.launch_recording(gate_up, record, row_order)
 
 
 def draw_in_token_order(

@@ -10,11 +10,14 @@ import contextlib
 import functools
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
 
 from fp4rl.fp4 import reference
+from fp4rl.fp4.rounding import CompactCodes
+from fp4rl.fp4.tensor import NVFP4Tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +152,50 @@ def outputs(x: torch.Tensor, fake: bool):
     codes = torch.empty((*x.shape[:-1], k // 2), dtype=torch.uint8, device=x.device)
     block_scale = torch.empty((*x.shape[:-1], k // 16), dtype=torch.uint8, device=x.device)
     return x.view(-1, k), codes, word_view(codes), block_scale
+
+
+# A site's record as the quantizing kernels store it on the way (`tiles.store_record`).
+RECORD_FORMS = {None: 0, "full": 1, "compact": 2}
+
+
+class SiteRecordOutputs(NamedTuple):
+    """The buffers a kernel stores a site's record into: ``record`` (what the caller gets: an
+    `NVFP4Tensor`, `CompactCodes`, or None) and the three pointers `tiles.store_record` takes,
+    stand-ins where no record is made (RECORD 0)."""
+
+    record: NVFP4Tensor | CompactCodes | None
+    RECORD: int
+    bits: torch.Tensor
+    block_scale: torch.Tensor
+    global_scale: torch.Tensor
+
+
+def record_outputs(
+    form: str | None, lead: tuple[int, ...], k: int, device: torch.device
+) -> SiteRecordOutputs:
+    """A record of rows ``[*lead, k]`` in ``form`` ("full": `NVFP4Tensor`, "compact":
+    `CompactCodes`, each with one FP32 global scale per row; None: nothing), allocated on
+    ``device``; a bad form is refused by name."""
+    if form not in RECORD_FORMS:
+        raise ValueError(f"record form must be 'full', 'compact' or None; got {form!r}")
+    if form is None:
+        stand_in = torch.empty(0, dtype=torch.int32, device=device)
+        return SiteRecordOutputs(None, 0, stand_in, stand_in, stand_in)
+
+    def empty(width, dtype):
+        return torch.empty((*lead, width), dtype=dtype, device=device)
+
+    block_scale, global_scale = empty(k // 16, torch.uint8), empty(1, torch.float32)
+    scale = block_scale.view(torch.float8_e4m3fn)
+    if form == "full":
+        codes = empty(k // 2, torch.uint8)
+        record = NVFP4Tensor(codes=codes, block_scale=scale, global_scale=global_scale)
+        bits = word_view(codes)
+    else:
+        mantissa = empty(k // 8, torch.uint8)
+        record = CompactCodes(mantissa_bits=mantissa, block_scale=scale, global_scale=global_scale)
+        bits = mantissa.view(torch.int16)
+    return SiteRecordOutputs(record, RECORD_FORMS[form], bits, block_scale, global_scale)
 
 
 def device_of(t: torch.Tensor):

@@ -31,6 +31,7 @@ import triton.language as tl
 
 from fp4rl.fp4 import reference
 from fp4rl.fp4.reference import Scaling
+from fp4rl.fp4.rounding import CompactCodes
 from fp4rl.fp4.tensor import NVFP4Rows, NVFP4Tensor
 from fp4rl.kernels import amax, dependent_launch, expert_quant
 from fp4rl.kernels.dependent_launch import wait_for_prior
@@ -43,6 +44,7 @@ from fp4rl.kernels.launch import (
     device_of,
     outputs,
     pair_view,
+    record_outputs,
     rows_per_group,
     word_view,
 )
@@ -53,7 +55,14 @@ from fp4rl.kernels.numerics import (
     nan_like,
     ratio_divisor,
 )
-from fp4rl.kernels.tiles import block_amax, load_pairs, program_rows, quantize_chunk, row_amax
+from fp4rl.kernels.tiles import (
+    block_amax,
+    load_pairs,
+    program_rows,
+    quantize_chunk,
+    row_amax,
+    store_record,
+)
 
 
 # Row counts change with every batch: no recompiling for R == 1 or R % 16 == 0.
@@ -70,6 +79,12 @@ def _quantize_kernel(
     codes2_RK8,
     block_scale2_RKB,
     global_scale2_G,
+    record_RK,
+    record_block_scale_RKB,
+    record_global_scale_R,
+    record2_RK,
+    record2_block_scale_RKB,
+    record2_global_scale_R,
     R,
     K,
     rows_per_group,
@@ -79,6 +94,7 @@ def _quantize_kernel(
     FAKE: tl.constexpr,
     SCATTER: tl.constexpr,
     PAIRED: tl.constexpr,
+    RECORD: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
@@ -94,6 +110,9 @@ def _quantize_kernel(
             codes_RK8 = codes2_RK8
             block_scale_RKB = block_scale2_RKB
             global_scale_G = global_scale2_G
+            record_RK = record2_RK
+            record_block_scale_RKB = record2_block_scale_RKB
+            record_global_scale_R = record2_global_scale_R
     rows_R, row_ok_R = program_rows(R, BLOCK_R)
     group_R = rows_R // rows_per_group
     out_R = rows_R  # where the row's codes, block scales and (per-row) global scale go
@@ -126,10 +145,14 @@ def _quantize_kernel(
         if not ONE_CHUNK:
             x_even, x_odd = load_pairs(x_RK, rows_R, row_ok_R, k0, K, BLOCK_K)
             block_amax_RB = block_amax(x_even, x_odd)
-        quantize_chunk(
+        q_even, q_odd, block_byte = quantize_chunk(
             x_even, x_odd, block_amax_RB, s_R, scale_R, d_scaled_R, reciprocal_R, fake_RK,
             codes_RK8, block_scale_RKB, out_R, row_ok_R, k0, K,
             POISON_BLOCKS=SCALE_SOURCE == "given", FAKE=FAKE, BLOCK_K=BLOCK_K, PAGE_SIGNS=SCATTER,
+        )  # fmt: skip
+        store_record(
+            record_RK, record_block_scale_RKB, record_global_scale_R, rows_R, row_ok_R, k0, K,
+            q_even, q_odd, block_byte, s_R, RECORD, BLOCK_K,
         )  # fmt: skip
 
 
@@ -189,8 +212,9 @@ def launch(
         with device_of(x):
             _quantize_kernel[grid](
                 pair_view(x_RK), codes_words, block_scale, fake_RK, scale_in, s, x_RK,
-                pair_view(x_RK), codes_words, block_scale, s, num_rows, k, group_rows, 1, 1,
-                SCALE_SOURCE=source, FAKE=fake, SCATTER=False, PAIRED=False, ONE_CHUNK=one_chunk,
+                pair_view(x_RK), codes_words, block_scale, s, *[s] * 6, num_rows, k, group_rows,
+                1, 1, SCALE_SOURCE=source, FAKE=fake, SCATTER=False, PAIRED=False, RECORD=0,
+                ONE_CHUNK=one_chunk,
                 **meta,
                 **dependent_launch.keywords(x.device),
             )  # fmt: skip
@@ -210,7 +234,7 @@ def launch_into(x_TKD: torch.Tensor, pages: NVFP4Rows, slots_T: torch.Tensor) ->
     (it would need a device sync)."""
     _check_rows(x_TKD, pages, "x_TKD", "pages")
     _check_slots(slots_T, x_TKD)
-    _scatter_rows(x_TKD, pages, x_TKD, pages, slots_T, paired=False)
+    _scatter_rows(x_TKD, pages, x_TKD, pages, slots_T, paired=False, record=None)
 
 
 def launch_into_pair(
@@ -219,10 +243,14 @@ def launch_into_pair(
     v_TKD: torch.Tensor,
     v_pages: NVFP4Rows,
     slots_T: torch.Tensor,
-) -> None:
+    record: str | None = None,
+) -> tuple[NVFP4Tensor | CompactCodes | None, NVFP4Tensor | CompactCodes | None]:
     """`launch_into` of ``k_TKD`` into ``k_pages`` and of ``v_TKD`` (k's shape and dtype) into
     ``v_pages`` at the same ``slots_T``, in ONE launch: grid axis 1 picks K (0) or V (1), every
-    bit what the two `launch_into` calls store. Errors name the k or v value at fault."""
+    bit what the two `launch_into` calls store. With ``record`` ("full" or "compact") the same
+    launch also makes K's and V's site records, ``quantize(x, scaling="row")`` (as it is, or its
+    `rounding.compact`) of each, and returns them (else ``(None, None)``). Errors name the k or v
+    value at fault."""
     _check_rows(k_TKD, k_pages, "k_TKD", "k_pages")
     _check_rows(v_TKD, v_pages, "v_TKD", "v_pages")
     if v_TKD.shape != k_TKD.shape or v_TKD.dtype != k_TKD.dtype:
@@ -231,7 +259,7 @@ def launch_into_pair(
             f"{tuple(v_TKD.shape)} {v_TKD.dtype}"
         )
     _check_slots(slots_T, k_TKD)
-    _scatter_rows(k_TKD, k_pages, v_TKD, v_pages, slots_T, paired=True)
+    return _scatter_rows(k_TKD, k_pages, v_TKD, v_pages, slots_T, paired=True, record=record)
 
 
 def _check_rows(x_TKD: torch.Tensor, pages: NVFP4Rows, x_name: str, pages_name: str) -> None:
@@ -269,11 +297,13 @@ def _check_slots(slots_T: torch.Tensor, x_TKD: torch.Tensor) -> None:
         )
 
 
-def _scatter_rows(x_TKD, pages, x2_TKD, pages2, slots_T, *, paired: bool) -> None:
-    """The checked launch: x's rows (and, ``paired``, x2's: grid axis 1) into their pages."""
+def _scatter_rows(x_TKD, pages, x2_TKD, pages2, slots_T, *, paired: bool, record):
+    """The checked launch: x's rows (and, ``paired``, x2's: grid axis 1) into their pages, with
+    their records in form ``record`` if given; returns the records (None without)."""
     T, heads, k = x_TKD.shape
+    recs = [record_outputs(record, tuple(x_TKD.shape[:-1]), k, x_TKD.device) for _ in range(2)]
     if T == 0:
-        return
+        return recs[0].record, recs[1].record
     x_RK, x2_RK = x_TKD.view(-1, k), x2_TKD.view(-1, k)
     (programs,), meta = _default_config("row_amax", k, False).launch(x_RK.shape[0], k)
     grid = (programs, 2 if paired else 1)
@@ -281,8 +311,9 @@ def _scatter_rows(x_TKD, pages, x2_TKD, pages2, slots_T, *, paired: bool) -> Non
         _quantize_kernel[grid](
             pair_view(x_RK), word_view(pages.codes), pages.block_scale.view(torch.uint8), x_RK,
             x_RK, pages.amax, slots_T, pair_view(x2_RK), word_view(pages2.codes),
-            pages2.block_scale.view(torch.uint8), pages2.amax, x_RK.shape[0], k, 1,
-            heads, slots_T.stride(0), SCALE_SOURCE="row_amax", FAKE=False, SCATTER=True,
-            PAIRED=paired, ONE_CHUNK=k <= meta["BLOCK_K"], **meta,
-            **dependent_launch.keywords(x_TKD.device),
+            pages2.block_scale.view(torch.uint8), pages2.amax, *recs[0][2:], *recs[1][2:],
+            x_RK.shape[0], k, 1, heads, slots_T.stride(0), SCALE_SOURCE="row_amax", FAKE=False,
+            SCATTER=True, PAIRED=paired, RECORD=recs[0].RECORD, ONE_CHUNK=k <= meta["BLOCK_K"],
+            **meta, **dependent_launch.keywords(x_TKD.device),
         )  # fmt: skip
+    return recs[0].record, recs[1].record

@@ -14,7 +14,8 @@ The norm's sum of squares is ordered by its ``[BLOCK_D]`` tile and the quantizat
 blocks of 16 as (even, odd) pairs: the program stores h, waits for its threads at a barrier
 (after which each sees the others' stores) and loads its row of h back in the pair layout. So
 the engine's FP4 MoE layers make their experts' input in the norm's launch, where the site took
-one launch more (`fp4rl.ops.add_rms_norm_quantize`).
+one launch more (`fp4rl.ops.add_rms_norm_quantize`); where the rollout keeps that site's
+record, the same launch stores it too (`tiles.store_record`).
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ import torch
 import triton
 import triton.language as tl
 
+from fp4rl.fp4.rounding import CompactCodes
+from fp4rl.fp4.tensor import NVFP4Tensor
 from fp4rl.kernels import dependent_launch, rms_norm
 from fp4rl.kernels.dependent_launch import wait_for_prior
-from fp4rl.kernels.launch import device_of, pair_view
+from fp4rl.kernels.launch import device_of, pair_view, record_outputs
 from fp4rl.kernels.tiles import fake_quantize_rows, load_pairs, program_rows
 
 DTYPES = rms_norm.DTYPES
@@ -34,8 +37,9 @@ MAX_WIDTH = 8192  # values per row held in registers (one chunk), as `nearest`'s
 
 @triton.jit(do_not_specialize=["R"])
 def _add_rms_norm_quantize_kernel(
-    x_RD, delta_RD, weight_D, s_RD, h_RD, h_pairs_RD, h_q_RD, R, D, inv_width, eps,
-    BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    x_RD, delta_RD, weight_D, s_RD, h_RD, h_pairs_RD, h_q_RD, record_RD, record_block_scale_RD,
+    record_global_scale_R, R, D, inv_width, eps, RECORD: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_prior(PDL)
     OUT: tl.constexpr = s_RD.dtype.element_ty
@@ -46,7 +50,10 @@ def _add_rms_norm_quantize_kernel(
     tl.debug_barrier()  # h as stored, every thread's, for the pair loads below
     rows_R, row_ok_R = program_rows(R, 1)  # this one row
     h_even, h_odd = load_pairs(h_pairs_RD, rows_R, row_ok_R, 0, D, BLOCK_D)
-    fake_quantize_rows(h_even, h_odd, h_q_RD, rows_R, row_ok_R, D, BLOCK_D)
+    fake_quantize_rows(
+        h_even, h_odd, h_q_RD, rows_R, row_ok_R, D, record_RD, record_block_scale_RD,
+        record_global_scale_R, rows_R, RECORD, BLOCK_D,
+    )  # fmt: skip
 
 
 def supported(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -60,12 +67,17 @@ def supported(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> boo
 
 
 def launch(
-    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(s, h, h_q)``: ``(s, h) = rms_norm.launch_add(x, delta, weight, eps)`` and ``h_q =
-    fake_quantize(h, scaling="row")``, bit for bit, in one launch, for x and delta of one shape
-    (any leading shape, rows of D values, D a multiple of 16 up to `MAX_WIDTH`) and ``weight
-    [D]``, all of one dtype."""
+    x: torch.Tensor,
+    delta: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    record: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, NVFP4Tensor | CompactCodes | None]:
+    """``(s, h, h_q, h_record)``: ``(s, h) = rms_norm.launch_add(x, delta, weight, eps)``, ``h_q
+    = fake_quantize(h, scaling="row")`` and, with ``record`` "full" or "compact", the site's
+    record of h (``quantize(h, scaling="row")`` or its `rounding.compact`; None without), bit for
+    bit, in one launch, for x and delta of one shape (any leading shape, rows of D values, D a
+    multiple of 16 up to `MAX_WIDTH`) and ``weight [D]``, all of one dtype."""
     D = x.shape[-1] if x.dim() else 0
     if not 0 < D <= MAX_WIDTH or D % 16:
         raise ValueError(
@@ -74,14 +86,16 @@ def launch(
         )
     rms_norm.check_add(x, delta, weight)
     s, h, h_q = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
+    rec = record_outputs(record, tuple(x.shape[:-1]), D, x.device)
     rows = x.numel() // D
     if rows == 0:
-        return s, h, h_q
+        return s, h, h_q, rec.record
     block = triton.next_power_of_2(D)
     with device_of(x):
         _add_rms_norm_quantize_kernel[(rows,)](
-            x, delta, weight, s, h, pair_view(h.view(rows, D)), h_q, rows, D, 1.0 / D,
-            float(eps), BLOCK_D=block, num_warps=rms_norm.warps_for(block), enable_fp_fusion=False,
+            x, delta, weight, s, h, pair_view(h.view(rows, D)), h_q, rec.bits, rec.block_scale,
+            rec.global_scale, rows, D, 1.0 / D, float(eps), RECORD=rec.RECORD, BLOCK_D=block,
+            num_warps=rms_norm.warps_for(block), enable_fp_fusion=False,
             **dependent_launch.keywords(x.device),
         )  # fmt: skip
-    return s, h, h_q
+    return s, h, h_q, rec.record

@@ -12,6 +12,10 @@ With QUANTIZE the kernel stores ``dequantize(quantize(h, scaling="row"))`` inste
 dtype: the intermediate's round-to-nearest site (`fp4rl.kernels.nearest`'s per-row arithmetic,
 `tiles.quantize_chunk`), so the engine's packed experts make their intermediate in one launch
 where eagerly it takes three. Rows of up to `MAX_WIDTH` values are one chunk in registers.
+`launch_recording` also stores the site's record (full codes or compact mantissa bits, with the
+scales) from the same launch, its rows in the order the caller names (the experts' assignments
+in token order, while h stays sorted by expert): a captured intermediate then costs no launch
+more than an uncaptured one.
 
 Under Triton's interpreter (CPU tests) the exp is numpy's, which may round differently: there
 the silu is checked against the eager formulation to within one unit in its last place.
@@ -23,9 +27,17 @@ import torch
 import triton
 import triton.language as tl
 
+from fp4rl.fp4.rounding import CompactCodes
+from fp4rl.fp4.tensor import NVFP4Tensor
 from fp4rl.kernels import dependent_launch
 from fp4rl.kernels.dependent_launch import wait_for_prior
-from fp4rl.kernels.launch import check_contiguous, check_kernel_device, device_of, pair_view
+from fp4rl.kernels.launch import (
+    check_contiguous,
+    check_kernel_device,
+    device_of,
+    pair_view,
+    record_outputs,
+)
 from fp4rl.kernels.numerics import (
     exp_rn,
     round_to,
@@ -73,22 +85,34 @@ def _swiglu(gate, up, DTYPE: tl.constexpr):
 def _swiglu_kernel(
     gate_up_RK,
     out_AI,
+    row_order_A,
+    record_AI,
+    record_block_scale_AI,
+    record_global_scale_A,
     A,
     I,
     QUANTIZE: tl.constexpr,
+    RECORD: tl.constexpr,
+    ROW_ORDER: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_prior(PDL)
-    rows_A, ok_A = program_rows(A, BLOCK_R)
+    record_rows_A, ok_A = program_rows(A, BLOCK_R)
+    rows_A = record_rows_A
+    if ROW_ORDER:  # the program takes records' rows; row_order[c]: the row of gate_up and out
+        rows_A = tl.load(row_order_A + record_rows_A, mask=ok_A, other=0)
     # gate_up [A, 2I] seen as [2A, I]: row 2a is a's gate, row 2a + 1 its up.
     g_even, g_odd = load_pairs(gate_up_RK, 2 * rows_A, ok_A, 0, I, BLOCK_K)
     u_even, u_odd = load_pairs(gate_up_RK, 2 * rows_A + 1, ok_A, 0, I, BLOCK_K)
     DTYPE: tl.constexpr = out_AI.dtype.element_ty
     h_even, h_odd = _swiglu(g_even, u_even, DTYPE), _swiglu(g_odd, u_odd, DTYPE)
     if QUANTIZE:
-        fake_quantize_rows(h_even, h_odd, out_AI, rows_A, ok_A, I, BLOCK_K)
+        fake_quantize_rows(
+            h_even, h_odd, out_AI, rows_A, ok_A, I, record_AI, record_block_scale_AI,
+            record_global_scale_A, record_rows_A, RECORD, BLOCK_K,
+        )  # fmt: skip
     else:
         store_values(out_AI, rows_A, ok_A, 0, I, h_even, h_odd, BLOCK_K)
 
@@ -112,6 +136,32 @@ def launch(
     (``fake_quantize(h, scaling="row")``, bitwise). ``rows`` a program and ``num_warps`` other
     than `rows_per_program`'s and `warps_for`'s are for benchmarking variants; no bit depends
     on them."""
+    return _launch(gate_up, quantize, None, None, rows, num_warps)[0]
+
+
+def launch_recording(
+    gate_up: torch.Tensor, form: str, row_order: torch.Tensor | None = None
+) -> tuple[torch.Tensor, NVFP4Tensor | CompactCodes]:
+    """``(h_q, record)``: `launch` with ``quantize`` and, from the same launch, the site's
+    record of it in ``form`` ("full": ``quantize(h, scaling="row")``; "compact": its
+    `rounding.compact`), bit for bit. ``row_order`` (int64, any shape of A elements, e.g. the
+    experts' ``[T, k]``) puts record row ``c`` from row ``row_order[c]`` of h (a permutation;
+    not checked, which would need a device sync), the record then shaped ``[*row_order.shape,
+    I // ...]``; without it the record's rows are h's."""
+    if form is None:
+        raise ValueError("launch_recording needs a record form, 'full' or 'compact'; got None")
+    if row_order is not None:
+        check_kernel_device("row_order", row_order)
+        check_contiguous("row_order", row_order)
+        if row_order.dtype != torch.int64 or row_order.numel() != gate_up.shape[0]:
+            raise ValueError(
+                f"row_order must be int64 with one entry per row of gate_up ({gate_up.shape[0]}); "
+                f"got {row_order.dtype} of shape {tuple(row_order.shape)}"
+            )
+    return _launch(gate_up, True, form, row_order, None, None)
+
+
+def _launch(gate_up, quantize, form, row_order, rows, num_warps):
     check_kernel_device("gate_up", gate_up)
     if not supported(gate_up):
         raise ValueError(
@@ -122,8 +172,10 @@ def launch(
     A, width = gate_up.shape
     I = width // 2  # noqa: E741 - the legend's name
     out = torch.empty((A, I), dtype=gate_up.dtype, device=gate_up.device)
+    lead = (A,) if row_order is None else tuple(row_order.shape)
+    rec = record_outputs(form, lead, I, gate_up.device)
     if A == 0:
-        return out
+        return out, rec.record
     block_k = triton.next_power_of_2(I)
     block_r = rows_per_program(A, I) if rows is None else rows
     warps = warps_for(A) if num_warps is None else num_warps
@@ -132,10 +184,12 @@ def launch(
             raise ValueError(f"swiglu.launch: {name} must be a power of two; got {v}")
     with device_of(gate_up):
         _swiglu_kernel[(triton.cdiv(A, block_r),)](
-            pair_view(gate_up.view(2 * A, I)), out, A, I,
-            QUANTIZE=quantize, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=warps,
+            pair_view(gate_up.view(2 * A, I)), out, out if row_order is None else row_order,
+            rec.bits, rec.block_scale, rec.global_scale, A, I, QUANTIZE=quantize,
+            RECORD=rec.RECORD, ROW_ORDER=row_order is not None, BLOCK_R=block_r, BLOCK_K=block_k,
+            num_warps=warps,
             # The division and the site's scale arithmetic must not fuse into FMAs.
             enable_fp_fusion=False,
             **dependent_launch.keywords(gate_up.device),
         )  # fmt: skip
-    return out
+    return out, rec.record

@@ -281,18 +281,57 @@ def quantize_chunk(
             codes_RK8, block_scale_RKB, rows_R, row_ok_R, k0, K, code_byte(q_even, q_odd),
             block_byte, BLOCK_K, PAGE_SIGNS,
         )  # fmt: skip
+    return q_even, q_odd, block_byte
 
 
 @triton.jit
-def fake_quantize_rows(x_even, x_odd, out_RK, rows_R, row_ok_R, K, BLOCK_K: tl.constexpr):
+def store_record(
+    record_RK, record_block_scale_RKB, record_global_scale_R, record_rows_R, row_ok_R, k0, K,
+    q_even, q_odd, block_byte, s_R, RECORD: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Store a quantized chunk (`quantize_chunk`'s returns) as a site's record at rows
+    ``record_rows_R``: with RECORD 1 ("full") its codes (``record_RK`` the packed codes as int32
+    words, `launch.word_view`), with RECORD 2 ("compact") its mantissa bits (``record_RK`` the
+    bits as int16, a block's 16 in one), and either way the block-scale bytes and, from the
+    chunk at column 0, the rows' FP32 global scales ``s_R``. RECORD 0 stores nothing."""
+    if RECORD != 0:
+        packed = code_byte(q_even, q_odd)
+        if RECORD == 1:
+            store_codes(
+                record_RK, record_block_scale_RKB, record_rows_R, row_ok_R, k0, K, packed,
+                block_byte, BLOCK_K,
+            )  # fmt: skip
+        else:
+            # A pair's two mantissa bits (bit 0 of each nibble) go to bits 2q and 2q + 1 of its
+            # block's 16 for pair q of the block (the pair order above); bits do not overlap.
+            bits = ((packed & 1) | ((packed >> 3) & 2)).to(tl.int32)
+            i = tl.arange(0, 8)
+            pair = 4 * (i % 2) + i // 2
+            block_bits = tl.sum(bits << (2 * pair)[None, None, :], axis=2)
+            offsets, mask = block_offsets(record_rows_R, row_ok_R, k0, K, BLOCK_K)
+            tl.store(record_RK + offsets, block_bits.to(tl.int16), mask=mask)
+            tl.store(record_block_scale_RKB + offsets, block_byte.to(tl.uint8), mask=mask)
+        tl.store(record_global_scale_R + record_rows_R, s_R, mask=row_ok_R & (k0 == 0))
+
+
+@triton.jit
+def fake_quantize_rows(
+    x_even, x_odd, out_RK, rows_R, row_ok_R, K, record_RK, record_block_scale_RKB,
+    record_global_scale_R, record_rows_R, RECORD: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
     """Whole rows held as pairs (one chunk, BLOCK_K >= K) stored as their per-row
     round-to-nearest fake quantization in ``out_RK``'s dtype: each row's global scale from its
-    amax, then `quantize_chunk` with FAKE, what `nearest`'s kernel stores for such rows."""
+    amax, then `quantize_chunk` with FAKE, what `nearest`'s kernel stores for such rows; with
+    RECORD also the site's record of them at rows ``record_rows_R`` (`store_record`)."""
     block_amax_RB = block_amax(x_even, x_odd)
     amax_R = tl.reduce(block_amax_RB, 1, max_nan)
     s_R = global_scale_from_amax(amax_R, is_finite(amax_R))
     scale_R, d_scaled_R, reciprocal_R = ratio_divisor(s_R)
-    quantize_chunk(
+    q_even, q_odd, block_byte = quantize_chunk(
         x_even, x_odd, block_amax_RB, s_R, scale_R, d_scaled_R, reciprocal_R, out_RK, out_RK,
         out_RK, rows_R, row_ok_R, 0, K, POISON_BLOCKS=False, FAKE=True, BLOCK_K=BLOCK_K,
+    )  # fmt: skip
+    store_record(
+        record_RK, record_block_scale_RKB, record_global_scale_R, record_rows_R, row_ok_R, 0, K,
+        q_even, q_odd, block_byte, s_R, RECORD, BLOCK_K,
     )  # fmt: skip

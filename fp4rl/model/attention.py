@@ -69,9 +69,11 @@ class Nvfp4KV:
     def store(self, kv: NewKV, cache, layer: int, slots_T: torch.Tensor) -> None:
         """K and V quantized per token-head straight into the cache's pages (`KVCache.write`:
         `ops.quantize_into_pair`, one launch on the GPU), bitwise the rows `packed()` gives; a
-        site whose record the capture keeps makes it (`Fp4Site.quantize`). The pages keep
-        rows rounded to nearest (each with its amax in place of its global scale), so a site
-        that would follow guidance here is refused rather than stored otherwise."""
+        site whose record the capture keeps gets it from the same write
+        (`Fp4Site.on_the_way`), or makes it itself where its capture keeps values too
+        (`Fp4Site.quantize`). The pages keep rows rounded to nearest (each with its amax in
+        place of its global scale), so a site that would follow guidance here is refused rather
+        than stored otherwise."""
         sites = ((self.k_site, kv.k_TKD), (self.v_site, kv.v_TKD))
         for site, _ in sites:
             if site.follows(kv.guidance):
@@ -79,10 +81,16 @@ class Nvfp4KV:
                     f"layers.{site.layer} site '{site.name}' follows guidance, but a paged NVFP4 "
                     "KV cache keeps rows rounded to nearest"
                 )
-        for site, x in sites:
-            if not site.follows_nothing(kv.guidance, kv.capture):
-                site.quantize(x, kv.guidance, kv.capture)  # its record
-        cache.write(layer, slots_T, kv.k_TKD.detach(), kv.v_TKD.detach())
+        forms = [site.on_the_way(kv.guidance, kv.capture) for site, _ in sites]
+        for (site, x), form in zip(sites, forms, strict=True):
+            if form is None:
+                site.quantize(x, kv.guidance, kv.capture)  # its record, with its values
+        # One capture keeps one form: the write makes both records if either site keeps one.
+        form = next((f for f in forms if f), None)
+        records = cache.write(layer, slots_T, kv.k_TKD.detach(), kv.v_TKD.detach(), record=form)
+        for (site, _), wanted, record in zip(sites, forms, records, strict=True):
+            if wanted:
+                site.keep(kv.capture, record)
 
 
 @dataclass(frozen=True, slots=True)

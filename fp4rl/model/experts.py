@@ -47,11 +47,15 @@ class RoutedExperts(nn.Module):
     def input_site(self, x_TH, guidance, capture):
         return x_TH
 
-    def input_follows_nothing(self, guidance, capture) -> bool:
-        """Whether the input site is an FP4 site that rounds to nearest and whose record nobody
-        keeps, so that a caller may make its values on the way (`forward`'s ``x_site_TH``).
-        False here: these experts' input has no site."""
-        return False
+    def input_on_the_way(self, guidance, capture) -> str | None:
+        """Whether a caller may make the input site's values on the way (`forward`'s
+        ``x_site_TH``: an FP4 site rounding to nearest), and which record of them with them
+        (``x_site_record``): "" none, else its form (`fp4rl.model.sites.Fp4Site.on_the_way`).
+        None here: these experts' input has no site."""
+        return None
+
+    def keep_input(self, capture, record) -> None:
+        raise RuntimeError(f"layers.{self.layer}: these experts' input has no site to record")
 
     def hidden_site(self, h_AI, row_order_Tk, guidance, capture):
         return h_AI
@@ -70,12 +74,19 @@ class RoutedExperts(nn.Module):
         capture: Capture | None = None,
         *,
         x_site_TH: torch.Tensor | None = None,
+        x_site_record=None,
     ) -> torch.Tensor:
         """``x_site_TH``, where given, is ``input_site(x_TH, ...)`` made by the caller (where
-        `input_follows_nothing`, bit for bit what the site returns): it is used in its place."""
+        `input_on_the_way` allows, bit for bit what the site returns): it is used in its place,
+        and ``x_site_record`` (the site's record, where the capture keeps one) is kept."""
         k = topk_ids_Tk.shape[1]
         w13, w2 = self.weights()
-        x_TH = self.input_site(x_TH, guidance, capture) if x_site_TH is None else x_site_TH
+        if x_site_TH is None:
+            x_TH = self.input_site(x_TH, guidance, capture)
+        else:
+            x_TH = x_site_TH
+            if x_site_record is not None:
+                self.keep_input(capture, x_site_record)
         # Sort the T*k assignments by expert so each expert's rows are contiguous;
         # row_order[t, j]: the sorted row that holds assignment (t, j).
         order_A, row_order_Tk, counts_E = dispatch_order(topk_ids_Tk, self.num_experts)
@@ -230,20 +241,30 @@ class Fp4Sites:
     def input_site(self, x_TH, guidance, capture):
         return self._input(x_TH, guidance, capture)
 
-    def input_follows_nothing(self, guidance, capture) -> bool:
-        return self._input.follows_nothing(guidance, capture)
+    def input_on_the_way(self, guidance, capture) -> str | None:
+        return self._input.on_the_way(guidance, capture)
+
+    def keep_input(self, capture, record) -> None:
+        self._input.keep(capture, record)
 
     def hidden_site(self, h_AI, row_order_Tk, guidance, capture):
         return self._hidden(h_AI, guidance, capture, row_order=row_order_Tk)
 
     def intermediate_values(self, gate_up_A2I, row_order_Tk, guidance, capture):
         """Where no gradient is wanted (the engine) and the intermediate site rounds to nearest
-        with nobody keeping its record, on the GPU one kernel makes the site's values from
-        ``gate_up`` (`fp4rl.ops.swiglu`, the same bits as the SwiGLU then the site)."""
-        if not gate_up_A2I.requires_grad and self._hidden.follows_nothing(guidance, capture):
+        (`Fp4Site.on_the_way`), on the GPU one kernel makes the site's values from ``gate_up``
+        (`fp4rl.ops.swiglu`, the same bits as the SwiGLU then the site) and, where the capture
+        keeps it, the site's record in token order (`fp4rl.ops.swiglu_site`)."""
+        form = self._hidden.on_the_way(guidance, capture)
+        if not gate_up_A2I.requires_grad and form == "":
             h_AI = ops.swiglu(gate_up_A2I, quantize=True)
             if h_AI is not None:
                 return h_AI
+        elif not gate_up_A2I.requires_grad and form is not None:
+            out = ops.swiglu_site(gate_up_A2I, form, row_order_Tk)
+            if out is not None:
+                self._hidden.keep(capture, out[1])
+                return out[0]
         return super().intermediate_values(gate_up_A2I, row_order_Tk, guidance, capture)
 
 

@@ -92,24 +92,29 @@ class SparseMoeBlock(nn.Module):
         else:
             self.shared_expert = self.shared_expert_gate = None
 
-    def input_follows_nothing(self, guidance, capture) -> bool:
-        """Whether the routed experts' input site rounds to nearest and nobody keeps its record
-        (`fp4rl.model.experts.RoutedExperts.input_follows_nothing`): then the caller may make
-        its values (``x_site_TH``)."""
-        return self.experts.input_follows_nothing(guidance, capture)
+    def input_on_the_way(self, guidance, capture) -> str | None:
+        """How the caller may make the routed experts' input site on the way
+        (`fp4rl.model.experts.RoutedExperts.input_on_the_way`): its values (``x_site_TH``) and
+        their record in the form returned, if any (``x_site_record``); None: it may not."""
+        return self.experts.input_on_the_way(guidance, capture)
 
     def forward(
-        self, x_TH, *, x_site_TH=None, replay_Tk=None, guidance=None, capture=None, stats=None
-    ):
+        self, x_TH, *, x_site_TH=None, x_site_record=None, replay_Tk=None, guidance=None,
+        capture=None, stats=None,
+    ):  # fmt: skip
         """The routed experts' (and shared expert's) output for ``x_TH``; the router and the
         shared expert read x_TH, the routed experts ``x_site_TH`` where it is given: x_TH
-        through their input site, made by the caller (`input_follows_nothing`)."""
+        through their input site, made by the caller with its record ``x_site_record``
+        (`input_on_the_way`)."""
         weights_Tk, ids_Tk, fallback = self.router(x_TH, replay_Tk)
         if capture is not None:
-            capture.record_routing(self.experts.layer, ids_Tk.to(torch.int32))
+            capture.record_routing(self.experts.layer, ids_Tk)
         if stats is not None and replay_Tk is not None:
             stats["replay_fallback_tokens"] = stats.get("replay_fallback_tokens", 0) + fallback
-        y_TH = self.experts(x_TH, ids_Tk, weights_Tk, guidance, capture, x_site_TH=x_site_TH)
+        y_TH = self.experts(
+            x_TH, ids_Tk, weights_Tk, guidance, capture, x_site_TH=x_site_TH,
+            x_site_record=x_site_record,
+        )  # fmt: skip
         if self.shared_expert is not None:
             y_TH = y_TH + torch.sigmoid(self.shared_expert_gate(x_TH)) * self.shared_expert(x_TH)
         return y_TH

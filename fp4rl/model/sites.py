@@ -23,19 +23,26 @@ class Capture(Protocol):
     """Receives what the rollout computed, for the trainer to align with later.
 
     ``record`` gets the site's `NVFP4Tensor` and, when ``keeps_values``, also the values it
-    quantized (same layout): sparse guidance needs to know how close each was to a boundary."""
+    quantized (same layout): sparse guidance needs to know how close each was to a boundary.
+    Where it does not, a kernel that rounds a site to nearest on its way (the KV store, the
+    experts' SwiGLU, the norm before the experts) may make the record itself, in
+    ``record_form``: "full" (the `NVFP4Tensor`) or "compact" (its `CompactCodes`, which
+    ``record`` then gets as they are)."""
 
     keeps_values: bool
+    record_form: str
 
     def records(self, layer: int, site: str) -> bool:
         """Whether `record` keeps anything of this site (else a site may skip making it)."""
         ...
 
     def record(
-        self, layer: int, site: str, t: NVFP4Tensor, x: torch.Tensor | None = None
+        self, layer: int, site: str, t: NVFP4Tensor | CompactCodes, x: torch.Tensor | None = None
     ) -> None: ...
 
-    def record_routing(self, layer: int, topk_ids_Tk: torch.Tensor) -> None: ...
+    def record_routing(self, layer: int, topk_ids_Tk: torch.Tensor) -> None:
+        """Keep a MoE layer's top-k expert ids ``[T, k]`` (any integer dtype: kept as int32)."""
+        ...
 
 
 class SiteRecords:
@@ -43,6 +50,7 @@ class SiteRecords:
     what a trainer compares with the rollout's records (mismatch metrics, tests)."""
 
     keeps_values = False
+    record_form = "full"
 
     def __init__(self) -> None:
         self.sites: dict[SiteKey, NVFP4Tensor] = {}
@@ -55,7 +63,7 @@ class SiteRecords:
         self.sites[(layer, site)] = t
 
     def record_routing(self, layer: int, topk_ids_Tk: torch.Tensor) -> None:
-        self.routing[layer] = topk_ids_Tk
+        self.routing[layer] = topk_ids_Tk.to(torch.int32)
 
 
 class _StraightThrough(torch.autograd.Function):
@@ -124,8 +132,24 @@ class Fp4Site:
         """Whether this site rounds to nearest and nobody keeps its record: then a kernel may
         quantize it on the way (the KV store, the experts' SwiGLU) without making its
         `NVFP4Tensor`."""
-        recorded = capture is not None and capture.records(self.layer, self.name)
-        return not self.follows(guidance) and not recorded
+        return self.on_the_way(guidance, capture) == ""
+
+    def on_the_way(self, guidance: GuidanceMap | None, capture: Capture | None) -> str | None:
+        """Whether a kernel that rounds this site's values to nearest on its way (the KV
+        store, the experts' SwiGLU, the norm before the experts) may stand in for the site, and
+        which record it must then make: "" where nobody keeps one, else the capture's
+        ``record_form`` (hand the record to `keep`); None where the site must run itself (it
+        follows guidance, or its capture keeps the values too)."""
+        if self.follows(guidance):
+            return None
+        if capture is None or not capture.records(self.layer, self.name):
+            return ""
+        return None if capture.keeps_values else capture.record_form
+
+    def keep(self, capture: Capture, record: NVFP4Tensor | CompactCodes) -> None:
+        """Hand ``capture`` the record a kernel made on the way (`on_the_way`), rows in the
+        site's canonical layout."""
+        capture.record(self.layer, self.name, record)
 
     def _quantize(self, x, g, capture, row_order) -> NVFP4Tensor:
         x = x.detach()

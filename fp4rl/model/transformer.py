@@ -41,8 +41,8 @@ class DecoderLayer(nn.Module):
         (`RMSNorm.sum_and_norm`: on the GPU the add and the norm in one launch). Returns the
         stream after attention and the MLP's output, pending.
 
-        Where the routed experts' input site rounds to nearest and nobody keeps its record,
-        the post-attention norm's kernel also makes the site's values
+        Where the routed experts' input site rounds to nearest, the post-attention norm's
+        kernel also makes the site's values and, where the capture keeps it, its record
         (`RMSNorm.sum_norm_and_quantize`), which the experts then take as they are."""
         if pending_TH is None:
             h_TH = self.input_layernorm(x_TH)
@@ -53,14 +53,17 @@ class DecoderLayer(nn.Module):
         if not isinstance(self.mlp, SparseMoeBlock):
             x_TH, h_TH = norm.sum_and_norm(x_TH, attn_TH)
             return x_TH, self.mlp(h_TH)
-        site_TH = None  # the experts' input site's values of h_TH, where the norm made them
-        if self.mlp.input_follows_nothing(guidance, capture):
-            x_TH, h_TH, site_TH = norm.sum_norm_and_quantize(x_TH, attn_TH)
+        # The experts' input site's values of h_TH (and record), where the norm made them.
+        site_TH = record = None
+        form = self.mlp.input_on_the_way(guidance, capture)
+        if form is not None:
+            x_TH, h_TH, site_TH, record = norm.sum_norm_and_quantize(x_TH, attn_TH, form or None)
         else:
             x_TH, h_TH = norm.sum_and_norm(x_TH, attn_TH)
         h_TH = self.mlp(
             h_TH,
             x_site_TH=site_TH,
+            x_site_record=record,
             replay_Tk=replay_Tk,
             guidance=guidance,
             capture=capture,

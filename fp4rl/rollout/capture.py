@@ -18,8 +18,9 @@ Sparse records have no fixed bytes per token, so they keep their own path (copie
 step, cut and packed at the end).
 
 Guidance modes: "full" keeps each `NVFP4Tensor`; "compact" keeps `fp4rl.ops.compact(t)`
-(mantissa bits and scales; one launch on the GPU) for the latter ``fraction`` of the FP4 layers
-only and drops the rest (the trainer rounds those to nearest); "sparse" keeps
+(mantissa bits and scales) for the latter ``fraction`` of the FP4 layers only and drops the rest
+(the trainer rounds those to nearest); in both the engine's kernels that quantize a site on the
+way make its record in the same launch (`fp4rl.model.sites.Fp4Site.on_the_way`); "sparse" keeps
 `fp4rl.fp4.sparse(x, t, delta)` in every FP4 layer: the row maxima, and a position and a bit
 for each block scale near an E4M3 rounding boundary and each value the site computed within
 ``delta`` grid units of an E2M1 one (so it asks the sites for their values too), packed per
@@ -38,7 +39,7 @@ import numpy as np
 import torch
 
 from fp4rl import ops
-from fp4rl.fp4 import NVFP4Tensor, SparseCodes, sparse
+from fp4rl.fp4 import CompactCodes, NVFP4Tensor, SparseCodes, sparse
 from fp4rl.fp4.sparse_guidance import PackedSparse
 from fp4rl.records import (
     RowPlan,
@@ -112,6 +113,7 @@ class StepCapture:
             raise ValueError("guidance='sparse' needs sparse_delta (grid units)")
         self.keep_routing, self.guidance, self.sparse_delta = routing, guidance, sparse_delta
         self.keeps_values = guidance == "sparse"
+        self.record_form = "compact" if guidance == "compact" else "full"
         # Records the trainer would not follow (a site outside the precision plan's guided
         # sites, a layer compact mode drops) are not kept at all.
         self.keep = frozenset(keep)
@@ -122,12 +124,21 @@ class StepCapture:
     def records(self, layer: int, site: str) -> bool:
         return self.guidance is not None and (layer, site) in self.keep
 
-    def record(self, layer: int, site: str, t: NVFP4Tensor, x: torch.Tensor | None = None) -> None:
+    def record(
+        self, layer: int, site: str, t: NVFP4Tensor | CompactCodes, x: torch.Tensor | None = None
+    ) -> None:
+        """Keep a site's record: ``t`` its `NVFP4Tensor`, or in compact mode its `CompactCodes`
+        as a kernel made them on the way (`record_form`)."""
         if not self.records(layer, site):
             return
+        if isinstance(t, CompactCodes) and self.guidance != "compact":
+            raise ValueError(
+                f"layers.{layer} site '{site}': got compact codes, but {self.guidance!r} "
+                "guidance keeps the full NVFP4 record"
+            )
         # Compact or sparsify the whole step at once: one pass instead of one per sequence.
         if self.guidance == "compact":
-            self._sites[(layer, site)] = ops.compact(t)
+            self._sites[(layer, site)] = t if isinstance(t, CompactCodes) else ops.compact(t)
         elif self.guidance == "sparse":
             if x is None:
                 raise ValueError(
@@ -139,14 +150,17 @@ class StepCapture:
             self._sites[(layer, site)] = t
 
     def record_routing(self, layer: int, topk_ids_Tk: torch.Tensor) -> None:
+        """Keep a layer's ids as the router gave them (int64): `pack` makes all layers' int32
+        at once."""
         if self.keep_routing:
-            self._routing[layer] = topk_ids_Tk.to(torch.int32)
+            self._routing[layer] = topk_ids_Tk
 
     @property
     def routing(self) -> dict[int, torch.Tensor]:
         """MoE layer -> int32 top-k ids ``[T, k]`` (a fresh dict: record with `record_routing`)."""
         packed = {} if self.packed is None else self.packed.layout.unpack(self.packed.rows)
-        return self._routing | {k: v for k, v in packed.items() if isinstance(k, int)}
+        live = {k: v.to(torch.int32) for k, v in self._routing.items()}
+        return live | {k: v for k, v in packed.items() if isinstance(k, int)}
 
     @property
     def sites(self) -> dict[SiteKey, SiteRecord]:
@@ -164,7 +178,9 @@ class StepCapture:
         layout is made once per kind of step (`RowLayout.of`); the bytes cost one concatenation.
         A decode graph ends with this, so its replay writes the buffer."""
         keys = sorted(self._routing)
-        items = [self._routing[k] for k in keys]
+        items = []
+        if keys:  # every layer's ids made int32 by one stack and one cast, not a cast a layer
+            items = list(torch.stack([self._routing[k] for k in keys], 1).to(torch.int32).unbind(1))
         loose = self.loose()
         sites = sorted(k for k in self._sites if k not in loose)
         keys += sites

@@ -78,9 +78,12 @@ class _Bf16Pages:
         self.k_NBKD = torch.zeros(num_blocks, block_size, K, D, dtype=dtype, device=device)
         self.v_NBKD = torch.zeros_like(self.k_NBKD)
 
-    def write(self, slots_T, k_TKD, v_TKD) -> None:
+    def write(self, slots_T, k_TKD, v_TKD, record=None) -> tuple[None, None]:
+        if record is not None:
+            raise ValueError(f"BF16 pages quantize nothing to make a {record!r} record of")
         self.k_NBKD.flatten(0, 1)[slots_T] = k_TKD.to(self.k_NBKD.dtype)
         self.v_NBKD.flatten(0, 1)[slots_T] = v_TKD.to(self.v_NBKD.dtype)
+        return None, None
 
     def read(self, slots_C, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return (
@@ -109,8 +112,8 @@ class _Nvfp4Pages:
         self.k = _empty_rows(num_blocks, block_size, K, D, dtype, device)
         self.v = _empty_rows(num_blocks, block_size, K, D, dtype, device)
 
-    def write(self, slots_T, k_TKD, v_TKD) -> None:
-        ops.quantize_into_pair(k_TKD, self.k, v_TKD, self.v, slots_T)
+    def write(self, slots_T, k_TKD, v_TKD, record=None):
+        return ops.quantize_into_pair(k_TKD, self.k, v_TKD, self.v, slots_T, record)
 
     def read(self, slots_C, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         def rows(m: torch.Tensor) -> torch.Tensor:
@@ -139,12 +142,20 @@ class KVCache:
         ]
 
     def write(
-        self, layer: int, slots_T: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor
-    ) -> None:
+        self,
+        layer: int,
+        slots_T: torch.Tensor,
+        k_TKD: torch.Tensor,
+        v_TKD: torch.Tensor,
+        *,
+        record: str | None = None,
+    ) -> tuple[ops.SiteRecord | None, ops.SiteRecord | None]:
         """Store this step's K/V values ``[T, K, D]`` of ``layer`` at ``slots_T`` in the layer's
         format: as they are in a "bf16" layer; in an "nvfp4" one quantized per token-head
         straight into the pages (`ops.quantize_into_pair`: one launch on the GPU), bitwise what
-        the layer's K/V sites give rounding to nearest."""
+        the layer's K/V sites give rounding to nearest. Returns K's and V's site records in form
+        ``record`` ("full" or "compact", an "nvfp4" layer only) from the same write, or ``(None,
+        None)``."""
         for name, x in (("k_TKD", k_TKD), ("v_TKD", v_TKD)):
             if not isinstance(x, torch.Tensor) or x.dtype != self.spec.dtype:
                 what = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
@@ -153,7 +164,7 @@ class KVCache:
                     f"{name} is {what}"
                 )
         try:
-            self.layers[layer].write(slots_T, k_TKD, v_TKD)
+            return self.layers[layer].write(slots_T, k_TKD, v_TKD, record)
         except ValueError as err:
             raise ValueError(f"layers.{layer} K/V: {err}") from err
 

@@ -6,13 +6,20 @@ differ in NaN bit patterns).
 """
 
 import torch
-from assertions import assert_bitwise, assert_nvfp4_equal, assert_same_values, cpu
+from assertions import (
+    assert_bitwise,
+    assert_nvfp4_equal,
+    assert_record_equal,
+    assert_same_values,
+    cpu,
+)
 
 __all__ = [
     "DTYPES",
     "assert_attention_within",
     "assert_bitwise",
     "assert_nvfp4_equal",
+    "assert_record_equal",
     "assert_same_values",
     "cpu",
     "dealt_tables",

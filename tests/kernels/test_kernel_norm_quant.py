@@ -13,7 +13,14 @@ import torch
 
 pytest.importorskip("triton", reason="the kernels need triton (pip install 'fp4rl[kernels]')")
 
-from kernel_checks import DTYPES, assert_same_values, e4m3_edge_rows, tie_rows  # noqa: E402
+from kernel_checks import (  # noqa: E402
+    DTYPES,
+    assert_bitwise,
+    assert_record_equal,
+    assert_same_values,
+    e4m3_edge_rows,
+    tie_rows,
+)
 from test_kernel_rms_norm import interpreted, offset_by_one, rows  # noqa: E402
 from tiny_models import rollout_model  # noqa: E402
 
@@ -21,19 +28,27 @@ from fp4rl import kernels, ops  # noqa: E402
 from fp4rl.fp4 import reference  # noqa: E402
 from fp4rl.kernels import norm_quant, rms_norm  # noqa: E402
 from fp4rl.model.attention import CausalAttention  # noqa: E402
+from fp4rl.rollout.capture import StepCapture  # noqa: E402
 
 
 def check(x, delta, w, eps, device, what):
     """The three outputs against `launch_add` then `fake_quantize` on the same device, and the
     quantization against the reference on the CPU. Returns the kernel's h (on the CPU)."""
     x, delta, w = x.to(device), delta.to(device), w.to(device)
-    s, h, h_q = norm_quant.launch(x, delta, w, eps)
+    s, h, h_q, none = norm_quant.launch(x, delta, w, eps)
+    assert none is None
     want_s, want_h = rms_norm.launch_add(x, delta, w, eps)
     assert_same_values(s, want_s.cpu(), f"{what}: the sum")
     assert_same_values(h, want_h.cpu(), f"{what}: the norm")
     assert_same_values(h_q, kernels.fake_quantize(want_h, scaling="row").cpu(), f"{what}: site")
-    want_q = reference.dequantize(reference.quantize(want_h.cpu(), scaling="row"), x.dtype)
+    want_t = reference.quantize(want_h.cpu(), scaling="row")
+    want_q = reference.dequantize(want_t, x.dtype)
     assert_same_values(h_q, want_q, f"{what}: site against the reference")
+    for form in ("full", "compact"):  # the site's record from the same launch
+        *outs, record = norm_quant.launch(x, delta, w, eps, form)
+        for got, want in zip(outs, (s, h, h_q), strict=True):
+            assert_same_values(got, want.cpu(), f"{what}: outputs with a {form} record")
+        assert_record_equal(record, want_t, form, f"{what}: {form} record")
     return h.cpu()
 
 
@@ -129,22 +144,31 @@ def test_ops_answers_none_where_the_kernel_does_not_run(device):
     assert fused(x[:, :24], x[:, :24], w[:24], 1e-6) is None  # D % 16
     assert fused(x, x.double(), w, 1e-6) is None
     assert fused(x, x[:1], w, 1e-6) is None
-    s, h, h_q = fused(x, x, w, 1e-6)
+    s, h, h_q, record = fused(x, x, w, 1e-6)
     assert torch.equal(s, x + x) and torch.equal(h_q, kernels.fake_quantize(h, scaling="row"))
+    assert record is None
+    *_, record = fused(x, x, w, 1e-6, "compact")
+    assert_record_equal(record, kernels.quantize(h, scaling="row"), "compact", "ops' record")
 
 
-def test_model_forward_takes_the_site_from_the_norm(monkeypatch, device):
+@pytest.mark.parametrize("mode", [None, "compact"])
+def test_model_forward_takes_the_site_from_the_norm(monkeypatch, device, mode):
     """In inference mode each FP4 MoE layer's post-attention norm makes its experts' input
     (one fused launch per FP4 layer, trainer and rollout experts alike) and the logits keep
     their bits: against the same forward with the fused op answering None, where the norm's
-    add + RMSNorm kernel runs and the experts quantize their input themselves."""
+    add + RMSNorm kernel runs and the experts quantize their input themselves. With a rollout
+    capture keeping the expert inputs (``mode``), the records it keeps keep their bits too."""
     packed, qat = rollout_model(dtype=torch.bfloat16, device=device)
     fp4 = sum(p.fp4 for p in qat.plan.layers)
     assert fp4 > 0
     tokens = torch.tensor([3, 1, 4, 1, 5, 9], device=device)
+    keep = {(p.index, "expert_input") for p in qat.plan.layers if p.fp4}
     for model in (qat, packed):
-        out, calls = {}, {}
+        out, calls, kept = {}, {}, {}
         for fused in (True, False):
+            capture = None
+            if mode is not None:
+                capture = StepCapture(routing=False, guidance=mode, keep=keep)
             calls[fused] = []
             with monkeypatch.context() as m:
                 for name in ("rms_norm", "add_rms_norm", "add_rms_norm_quantize"):
@@ -158,10 +182,17 @@ def test_model_forward_takes_the_site_from_the_norm(monkeypatch, device):
 
                     m.setattr(ops, name, run)
                 with torch.inference_mode():
-                    out[fused] = model(tokens, CausalAttention([4, 2], device=device))
+                    attn = CausalAttention([4, 2], device=device)
+                    out[fused] = model(tokens, attn, capture=capture)
+                kept[fused] = {} if capture is None else capture.sites
         assert calls[True].count("add_rms_norm_quantize") == fp4
         assert calls[False].count("add_rms_norm") == calls[True].count("add_rms_norm") + fp4
         assert_same_values(out[True], out[False].cpu(), type(model).__name__)
+        assert set(kept[True]) == set(kept[False]) == (keep if mode else set())
+        for key, record in kept[False].items():
+            got = kept[True][key]
+            for name in ("mantissa_bits", "block_scale", "global_scale"):
+                assert_bitwise(getattr(got, name).cpu(), getattr(record, name).cpu(), str(key))
 
 
 @pytest.mark.gpu

@@ -12,6 +12,7 @@ from kernel_checks import (  # noqa: E402
     DTYPES,
     assert_bitwise,
     assert_nvfp4_equal,
+    assert_record_equal,
     assert_same_values,
     cpu,
     e4m3_edge_rows,
@@ -219,10 +220,18 @@ def check_pair_into(k, v, slots, k_pages, v_pages, what: str) -> None:
     single = [clone_pages(p) for p in (k_pages, v_pages)]
     kernels.quantize_into(k, single[0], slots)
     kernels.quantize_into(v, single[1], slots)
-    kernels.quantize_into_pair(k, k_pages, v, v_pages, slots)
+    assert kernels.quantize_into_pair(k, k_pages, v, v_pages, slots) == (None, None)
     for name, got, one, spec in zip("kv", (k_pages, v_pages), single, want, strict=True):
         assert_nvfp4_equal(cpu(got), cpu(one), f"{what} {name}: pair vs two launches")
         assert_nvfp4_equal(cpu(got), spec, f"{what} {name}: pair vs reference")
+    # With records, the same pages and each site's record (its per-row quantization).
+    for form in ("full", "compact"):
+        pages = [clone_pages(p) for p in single]
+        records = kernels.quantize_into_pair(k, pages[0], v, pages[1], slots, form)
+        for name, x, got, record, spec in zip("kv", (k, v), pages, records, want, strict=True):
+            assert_nvfp4_equal(cpu(got), spec, f"{what} {name}: pages with a {form} record")
+            want_t = R.quantize(x.cpu(), scaling="row")
+            assert_record_equal(record, want_t, form, f"{what} {name}: {form} record")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -286,6 +295,10 @@ def test_quantize_into_pair_checks_name_k_or_v(device):
     kernels.quantize_into_pair(k[:0], k_pages, v[:0], v_pages, empty)
     for got, want in zip((k_pages, v_pages), before, strict=True):
         assert_nvfp4_equal(cpu(got), cpu(want), "no rows")
+    records = kernels.quantize_into_pair(k[:0], k_pages, v[:0], v_pages, empty, "full")
+    assert [r.codes.shape for r in records] == [(0, 2, 16)] * 2
+    with pytest.raises(ValueError, match="record form must be 'full', 'compact' or None"):
+        kernels.quantize_into_pair(k, k_pages, v, v_pages, slots, "sparse")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

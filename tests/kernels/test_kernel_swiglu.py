@@ -6,7 +6,7 @@ import torch
 
 pytest.importorskip("triton", reason="the kernels need triton (pip install 'fp4rl[kernels]')")
 
-from kernel_checks import assert_same_values  # noqa: E402
+from kernel_checks import assert_record_equal, assert_same_values  # noqa: E402
 
 from fp4rl.fp4 import reference as R  # noqa: E402
 from fp4rl.kernels import swiglu  # noqa: E402
@@ -62,6 +62,43 @@ def test_fused_site_is_the_fake_quantization_of_the_output(device, A, I):  # noq
     got = swiglu.launch(x, quantize=True)
     want = R.dequantize(R.quantize(h.cpu(), scaling="row"), torch.bfloat16)
     assert_same_values(got, want, f"swiglu + site {tuple(x.shape)}")
+
+
+@pytest.mark.parametrize("form", ["full", "compact"])
+@pytest.mark.parametrize(("A", "I", "ordered"), [(1, 768, True), (12, 48, True), (6, 256, False)])
+def test_the_record_from_the_same_launch(device, form, A, I, ordered):  # noqa: E741
+    """`launch_recording`: the values of `launch` with quantize, and the site's record of h
+    (full or compact), rows picked by ``row_order`` ([T, k] over a permutation) where given:
+    bitwise the reference's quantization of those rows of h, special rows included."""
+    x = gate_up(A, I, seed=A + 2 * I).to(device)
+    if A > 4:
+        x[1] = 0.0
+        x[2, 3] = float("inf")
+        x[4, I + 5] = float("nan")
+    g = torch.Generator().manual_seed(A)
+    order = torch.randperm(A, generator=g).view(-1, 3 if A % 3 == 0 else 1) if ordered else None
+    h_q, record = swiglu.launch_recording(x, form, None if order is None else order.to(device))
+    assert_same_values(h_q, swiglu.launch(x, quantize=True).cpu(), "values")
+    h = swiglu.launch(x).cpu()
+    rows = h if order is None else h[order.flatten()].view(*order.shape, I)
+    assert_record_equal(record, R.quantize(rows, scaling="row"), form, f"{form} record")
+
+
+def test_the_record_checks_name_the_values(device):
+    x = gate_up(6, 32, seed=0).to(device)
+    with pytest.raises(ValueError, match=r"record form must be 'full', 'compact' or None; got "
+                       r"'codes'"):  # fmt: skip
+        swiglu.launch_recording(x, "codes")
+    with pytest.raises(ValueError, match="needs a record form"):
+        swiglu.launch_recording(x, None)
+    order = torch.arange(6, device=device)
+    with pytest.raises(ValueError, match=r"row_order must be int64 with one entry per row of "
+                       r"gate_up \(6\); got torch.int32 of shape \(6,\)"):  # fmt: skip
+        swiglu.launch_recording(x, "full", order.int())
+    with pytest.raises(ValueError, match=r"got torch.int64 of shape \(5,\)"):
+        swiglu.launch_recording(x, "full", order[:5])
+    empty, record = swiglu.launch_recording(x[:0], "compact", order[:0].view(0, 8))
+    assert empty.shape == (0, 32) and record.mantissa_bits.shape == (0, 8, 4)
 
 
 @pytest.mark.parametrize("quantize", [False, True])

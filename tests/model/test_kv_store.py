@@ -1,7 +1,8 @@
 """How an NVFP4-KV layer stores its new K and V rows in the paged cache (`Nvfp4KV.store`): both
 go straight into the pages through one op (`ops.quantize_into_pair`: one launch on the GPU),
-whether or not a capture records the sites (a recorded site also makes its record). The pages
-keep rows rounded to nearest, so a site that would follow guidance is refused."""
+whether or not a capture records the sites (a recorded site's record comes from the same op,
+full or compact as the capture keeps it). The pages keep rows rounded to nearest, so a site that
+would follow guidance is refused."""
 
 import pytest
 import torch
@@ -36,7 +37,7 @@ def pair_calls(monkeypatch):
 
     def counted(k_TKD, *args):
         calls.append(k_TKD)
-        real(k_TKD, *args)
+        return real(k_TKD, *args)
 
     monkeypatch.setattr(ops, "quantize_into_pair", counted)
     return calls

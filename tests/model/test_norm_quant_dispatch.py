@@ -1,8 +1,9 @@
 """Where the model asks `fp4rl.ops.add_rms_norm_quantize` for the post-attention add + RMSNorm
 with its FP4 layer's expert-input site (`fp4rl.kernels.norm_quant`): only where no gradient is
-recorded and that site rounds to nearest with nobody keeping its record; and what the experts
-do with its answer. Off the GPU the op answers None; here it is also made to answer with the
-unfused results, which must leave the logits' bits as they are."""
+recorded and that site rounds to nearest, with the site's record in the form the capture keeps
+where it keeps one; and what the experts do with its answer. Off the GPU the op answers None;
+here it is also made to answer with the unfused results, which must leave the logits' and the
+records' bits as they are."""
 
 import dataclasses
 
@@ -15,6 +16,7 @@ from fp4rl.model.attention import CausalAttention
 from fp4rl.model.layers import eager_rms_norm
 from fp4rl.model.precision import PrecisionConfig
 from fp4rl.model.sites import SiteRecords
+from fp4rl.rollout.capture import StepCapture
 
 TOKENS = torch.tensor([3, 1, 4, 1, 5, 9])
 
@@ -29,25 +31,28 @@ def model_of(fp4_experts: str, precision: PrecisionConfig = FP4_EVERYWHERE, dtyp
     return qat if fp4_experts == "qat" else packed_twin(qat, precision)
 
 
-def unfused(x, delta, weight, eps):
+def unfused(x, delta, weight, eps, record=None):
     """What the layer computes without the fused kernel on the CPU: torch's add, the eager
-    RMSNorm and the site's round-to-nearest fake quantization."""
+    RMSNorm, the site's round-to-nearest fake quantization and, asked for, its record."""
     s = x + delta
     h = eager_rms_norm(s, weight, eps)
-    return s, h, ops.fake_quantize(h, scaling="row")
+    t = None if record is None else ops.quantize(h, scaling="row")
+    if record == "compact":
+        t = ops.compact(t)
+    return s, h, ops.fake_quantize(h, scaling="row"), t
 
 
 @pytest.fixture
 def asked(monkeypatch):
-    """``asked(answer) -> calls``: the op records each call's inputs and answers ``answer(x,
-    delta, weight, eps)``."""
+    """``asked(answer) -> calls``: the op records each call's ``(x, record)`` and answers
+    ``answer(x, delta, weight, eps, record)``."""
 
     def use(answer):
         calls = []
 
-        def op(x, delta, weight, eps):
-            calls.append(x)
-            return answer(x, delta, weight, eps)
+        def op(x, delta, weight, eps, record=None):
+            calls.append((x, record))
+            return answer(x, delta, weight, eps, record)
 
         monkeypatch.setattr(ops, "add_rms_norm_quantize", op)
         return calls
@@ -85,29 +90,63 @@ def test_asked_once_per_fp4_moe_layer_without_gradients(asked, fp4_experts):
         assert len(calls) == 2 * len(fp4)
 
 
-def test_not_asked_where_the_site_is_guided_or_recorded(asked):
-    """Guidance for the expert input, or a capture that keeps it: not asked for those layers.
-    Guidance the plan does not let the expert input follow, or a capture that keeps nothing of
-    it: asked."""
+def test_asked_for_the_record_a_capture_keeps_and_not_where_guided(asked):
+    """A capture that keeps the expert input: asked with its record form in those layers (None
+    in the others). A capture that keeps values too (sparse guidance), or guidance for the
+    expert input: not asked for those layers. Guidance the plan does not let the expert input
+    follow: asked."""
     model = qat_model()
-    moe = len(model.moe_layers)
+    moe = model.moe_layers
     records = SiteRecords()
     with torch.inference_mode():
         model(TOKENS, attn(), capture=records)
-    assert (model.moe_layers[0], "expert_input") in records.sites
+    assert (moe[0], "expert_input") in records.sites
     calls = asked(lambda *args: None)
     with torch.inference_mode():
         model(TOKENS, attn(), capture=SiteRecords())
+        assert [form for _, form in calls] == ["full"] * len(moe)
+        calls.clear()
+        model(TOKENS, attn(), capture=KeepsOne(moe[0]))
+        assert [form for _, form in calls] == ["full"] + [None] * (len(moe) - 1)
+        calls.clear()
+        sparse = StepCapture(routing=False, guidance="sparse", keep=set(records.sites),
+                             sparse_delta=0.5)  # fmt: skip
+        model(TOKENS, attn(), capture=sparse)
         model(TOKENS, attn(), guidance=records.sites)
         assert calls == []
-        model(TOKENS, attn(), capture=KeepsOne(model.moe_layers[0]))
-        assert len(calls) == moe - 1
     plan = dataclasses.replace(FP4_EVERYWHERE, guided_sites=("expert_hidden", "k", "v"))
     unguided_input = qat_model(plan)
     guidance = {k: v for k, v in records.sites.items() if k[1] != "expert_input"}
     with torch.inference_mode():
         unguided_input(TOKENS, attn(), guidance=guidance)
-    assert len(calls) == 2 * moe - 1
+    assert len(calls) == len(moe)
+
+
+@pytest.mark.parametrize("mode", ["full", "compact"])
+def test_the_records_it_answers_are_the_sites_records(asked, mode):
+    """A rollout capture keeping every site: the records the op makes (here the unfused ones)
+    are kept as the site's own, bitwise what the layers record where the op answers None."""
+    model = model_of("packed", dtype=torch.bfloat16)
+    keep = {(layer, "expert_input") for layer in model.moe_layers}
+
+    def forward(answer):
+        asked(answer)
+        capture = StepCapture(routing=False, guidance=mode, keep=keep)
+        with torch.inference_mode():
+            logits = model(TOKENS, attn(), capture=capture)
+        return logits, capture.sites
+
+    want_logits, want = forward(lambda *args: None)
+    got_logits, got = forward(unfused)
+    assert torch.equal(got_logits, want_logits) and set(got) == set(want) == keep
+    for key, record in want.items():
+        kind = type(record)
+        assert isinstance(got[key], kind)
+        for name in ("block_scale", "global_scale"):
+            assert torch.equal(getattr(got[key], name).view(torch.uint8),
+                               getattr(record, name).view(torch.uint8))  # fmt: skip
+        bits = "mantissa_bits" if mode == "compact" else "codes"
+        assert torch.equal(getattr(got[key], bits), getattr(record, bits))
 
 
 @pytest.mark.parametrize("fp4_experts", ["qat", "packed"])
@@ -122,5 +161,5 @@ def test_the_experts_take_the_site_values_it_answers(asked, fp4_experts):
         got = model(TOKENS, attn())
         assert len(calls) == len(model.moe_layers)
         assert torch.equal(got, want)
-        asked(lambda *args: unfused(*args)[:2] + unfused(*args)[1:2])
+        asked(lambda *args: unfused(*args)[:2] + unfused(*args)[1:2] + (None,))
         assert not torch.equal(model(TOKENS, attn()), want)
