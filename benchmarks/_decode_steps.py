@@ -76,7 +76,7 @@ class _OpCounter(TorchDispatchMode):
 
     SILENT = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::detach_",
               "aten::lift_fresh", "aten::_local_scalar_dense"}  # fmt: skip
-    DEVICE_SPECIFIC = ("fp4rl/ops.py", "fp4rl/fp4/", "fp4rl/kernels/")
+    DEVICE_SPECIFIC = ("fp4rl/ops/", "fp4rl/fp4/", "fp4rl/kernels/")
     GATHERED = ("_gathered_decode", "attend_fp32")  # decode attention off the GPU
 
     def __init__(self, layers) -> None:

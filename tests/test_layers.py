@@ -16,7 +16,7 @@ ALLOWED = {
     "checks": set(),
     "fp4": {"fp4"},
     "kernels": {"fp4", "kernels"},
-    "ops": {"fp4", "kernels"},
+    "ops": {"fp4", "kernels", "ops"},
     "row_records": set(),  # a completion's records as rows of its call's bytes (torch only)
     "records": {"fp4", "row_records"},
     "model": {"fp4", "ops", "records", "model", "checks"},

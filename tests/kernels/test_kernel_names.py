@@ -1,7 +1,8 @@
 """`fp4rl.ops` reaches the kernels through the package it imports on CUDA tensors only
 (``kernels = _kernels(x)``), so the CPU suite never runs those lookups: a kernel module's name
-moved elsewhere breaks only the GPU. Every ``kernels.<module>.<name>`` that ops.py spells out,
-directly or through a local alias of the module, must name something that module defines."""
+moved elsewhere breaks only the GPU. Every ``kernels.<module>.<name>`` that a module of
+`fp4rl.ops` spells out, directly or through a local alias of the module, must name something
+that module defines."""
 
 import ast
 import importlib
@@ -48,11 +49,15 @@ def kernel_lookups(source: str) -> list[tuple[int, str, str]]:
 
 
 def test_ops_names_only_what_the_kernel_modules_define():
-    lookups = kernel_lookups(Path(fp4rl.ops.__file__).read_text())
-    assert len(lookups) >= 15  # the walk finds them (ops.py spells out about twenty)
+    lookups = [
+        (path.name, *lookup)
+        for path in sorted(Path(fp4rl.ops.__file__).parent.glob("*.py"))
+        for lookup in kernel_lookups(path.read_text())
+    ]
+    assert len(lookups) >= 15  # the walk finds them (fp4rl.ops spells out about twenty)
     missing = [
-        f"ops.py:{line}: kernels.{module}.{name}"
-        for line, module, name in lookups
+        f"{file}:{line}: kernels.{module}.{name}"
+        for file, line, module, name in lookups
         if not hasattr(importlib.import_module(f"fp4rl.kernels.{module}"), name)
     ]
     assert not missing, missing

@@ -4,6 +4,7 @@ record."""
 import pytest
 import torch
 
+from fp4rl import ops
 from fp4rl.model import sites
 from fp4rl.model.sites import Fp4Site, SiteRecords
 from fp4rl.ops import dequantize, quantize
@@ -50,3 +51,26 @@ def test_a_recorded_site_makes_and_records_its_tensor(monkeypatch):
         (2, "expert_input")
     ].equal(want)
     assert torch.equal(got, dequantize(want, x.dtype))
+
+
+def test_which_record_a_kernel_on_the_way_must_make():
+    """`Fp4Site.on_the_way`: "" where nobody keeps the record, the capture's record form where
+    it keeps one, None where the site must run itself (it follows guidance, or its capture
+    keeps the values too); `keep` hands a record made on the way to the capture as it is."""
+    site = Fp4Site(2, "expert_input", guided=True)
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(2))
+    guidance = {(2, "expert_input"): quantize(x, scaling="row")}
+    kept = {(2, "expert_input")}
+    assert site.on_the_way(None, None) == ""
+    assert site.on_the_way(None, _KeepsNothing()) == ""
+    assert site.on_the_way(None, SiteRecords()) == "full"
+    assert site.on_the_way(None, Capture(routing=False, guidance="full", keep=kept)) == "full"
+    compact = Capture(routing=False, guidance="compact", keep=kept)
+    assert site.on_the_way(None, compact) == "compact"
+    sparse = Capture(routing=False, guidance="sparse", keep=kept, sparse_delta=0.5)
+    assert site.on_the_way(None, sparse) is None
+    assert site.on_the_way(guidance, None) is None
+    assert Fp4Site(2, "expert_input", guided=False).on_the_way(guidance, compact) == "compact"
+    record = ops.compact(quantize(x, scaling="row"))
+    site.keep(compact, record)
+    assert compact.sites[(2, "expert_input")] is record  # kept as made, not compacted again

@@ -32,6 +32,21 @@ def step_capture(mode, layers=frozenset({1, 2}), sites=("expert_input", "k")):
     return StepCapture(routing=True, guidance=mode, keep=keep)
 
 
+def test_compact_codes_are_kept_as_given_and_refused_where_full_codes_are_kept():
+    """A kernel may hand compact guidance its `CompactCodes` (made on the way): kept as they
+    are; full guidance keeps the `NVFP4Tensor` and refuses compact codes by the site's name."""
+    t = quantize(torch.randn(3, 32, generator=torch.Generator().manual_seed(4)), scaling="row")
+    cap = step_capture("compact")
+    codes = compact(t)
+    cap.record(1, "k", codes)
+    cap.record(2, "k", t)
+    assert cap.sites[(1, "k")] is codes
+    assert torch.equal(cap.sites[(2, "k")].mantissa_bits, codes.mantissa_bits)
+    assert cap.record_form == "compact" and step_capture("full").record_form == "full"
+    with pytest.raises(ValueError, match=r"layers.1 site 'k': got compact codes, but 'full'"):
+        step_capture("full").record(1, "k", codes)
+
+
 def test_sequences_gather_their_rows_from_the_log():
     g = torch.Generator().manual_seed(0)
     x1, x2 = torch.randn(5, 32, generator=g), torch.randn(3, 32, generator=g)
