@@ -169,6 +169,10 @@ class SiteRecordOutputs(NamedTuple):
     block_scale: torch.Tensor
     global_scale: torch.Tensor
 
+    def pointers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(bits, block_scale, global_scale)``, in `tiles.store_record`'s order."""
+        return self.bits, self.block_scale, self.global_scale
+
 
 def record_outputs(
     form: str | None, lead: tuple[int, ...], k: int, device: torch.device

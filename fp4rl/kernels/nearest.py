@@ -20,7 +20,10 @@ bits where pages keep them (`reference.page_codes`), each row's amax stored in x
 (x, pages) sets at the same slots: a layer's K and V in one launch (`launch_into_pair`).
 
 With FAKE the kernel stores ``dequantize(quantize(x))`` in x's dtype instead of codes, block
-scales and global scales: the trainer's forward needs only those values.
+scales and global scales: the trainer's forward needs only those values. With RECORD it also
+stores each row's site record (full codes or compact mantissa bits, block and global scales) at
+the row's own place (`tiles.store_record`): the K and V records a rollout keeps come out of the
+launch that writes them into the pages (`launch_into_pair` with ``record``).
 """
 
 from __future__ import annotations
@@ -311,7 +314,8 @@ def _scatter_rows(x_TKD, pages, x2_TKD, pages2, slots_T, *, paired: bool, record
         _quantize_kernel[grid](
             pair_view(x_RK), word_view(pages.codes), pages.block_scale.view(torch.uint8), x_RK,
             x_RK, pages.amax, slots_T, pair_view(x2_RK), word_view(pages2.codes),
-            pages2.block_scale.view(torch.uint8), pages2.amax, *recs[0][2:], *recs[1][2:],
+            pages2.block_scale.view(torch.uint8), pages2.amax, *recs[0].pointers(),
+            *recs[1].pointers(),
             x_RK.shape[0], k, 1, heads, slots_T.stride(0), SCALE_SOURCE="row_amax", FAKE=False,
             SCATTER=True, PAIRED=paired, RECORD=recs[0].RECORD, ONE_CHUNK=k <= meta["BLOCK_K"],
             **meta, **dependent_launch.keywords(x_TKD.device),

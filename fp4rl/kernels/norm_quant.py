@@ -93,8 +93,8 @@ def launch(
     block = triton.next_power_of_2(D)
     with device_of(x):
         _add_rms_norm_quantize_kernel[(rows,)](
-            x, delta, weight, s, h, pair_view(h.view(rows, D)), h_q, rec.bits, rec.block_scale,
-            rec.global_scale, rows, D, 1.0 / D, float(eps), RECORD=rec.RECORD, BLOCK_D=block,
+            x, delta, weight, s, h, pair_view(h.view(rows, D)), h_q, *rec.pointers(), rows, D,
+            1.0 / D, float(eps), RECORD=rec.RECORD, BLOCK_D=block,
             num_warps=rms_norm.warps_for(block), enable_fp_fusion=False,
             **dependent_launch.keywords(x.device),
         )  # fmt: skip

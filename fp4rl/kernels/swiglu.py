@@ -146,8 +146,8 @@ def launch_recording(
     record of it in ``form`` ("full": ``quantize(h, scaling="row")``; "compact": its
     `rounding.compact`), bit for bit. ``row_order`` (int64, any shape of A elements, e.g. the
     experts' ``[T, k]``) puts record row ``c`` from row ``row_order[c]`` of h (a permutation;
-    not checked, which would need a device sync), the record then shaped ``[*row_order.shape,
-    I // ...]``; without it the record's rows are h's."""
+    not checked, which would need a device sync), the record's leading dims then
+    ``row_order.shape``; without it the record's rows are h's."""
     if form is None:
         raise ValueError("launch_recording needs a record form, 'full' or 'compact'; got None")
     if row_order is not None:
@@ -185,7 +185,7 @@ def _launch(gate_up, quantize, form, row_order, rows, num_warps):
     with device_of(gate_up):
         _swiglu_kernel[(triton.cdiv(A, block_r),)](
             pair_view(gate_up.view(2 * A, I)), out, out if row_order is None else row_order,
-            rec.bits, rec.block_scale, rec.global_scale, A, I, QUANTIZE=quantize,
+            *rec.pointers(), A, I, QUANTIZE=quantize,
             RECORD=rec.RECORD, ROW_ORDER=row_order is not None, BLOCK_R=block_r, BLOCK_K=block_k,
             num_warps=warps,
             # The division and the site's scale arithmetic must not fuse into FMAs.

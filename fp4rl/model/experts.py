@@ -261,10 +261,11 @@ class Fp4Sites:
             if h_AI is not None:
                 return h_AI
         elif not gate_up_A2I.requires_grad and form is not None:
-            out = ops.swiglu_site(gate_up_A2I, form, row_order_Tk)
-            if out is not None:
-                self._hidden.keep(capture, out[1])
-                return out[0]
+            made = ops.swiglu_site(gate_up_A2I, form, row_order_Tk)
+            if made is not None:
+                h_AI, record = made
+                self._hidden.keep(capture, record)
+                return h_AI
         return super().intermediate_values(gate_up_A2I, row_order_Tk, guidance, capture)
 
 
