@@ -16,7 +16,9 @@ next decode step before reading a step's tokens (`EngineConfig.overlap_steps`), 
 rows taken one step at a time; prefill attention and everything else is still plain PyTorch.
 The ratios are against the graphed, overlapped engines. ``--cdf-orders probability,token`` runs
 every row with each `SamplingParams.cdf_order` (the default draw sorts the vocabulary each step;
-"token" does not), each order's ratios against the baselines of that order.
+"token" does not), each order's ratios against the baselines of that order. The column
+"paired" is the ratio to the uncaptured NVFP4 row taken repeat by repeat (its median): a small
+cost such as a capture's shows there through the machine's drift.
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ def main() -> None:
         for name, p in source.named_parameters():
             p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02)
     weights = source.state_dict()
-    rows, base = [], {}
+    rows, base, base_runs = [], {}, {}
     warmup = dataclasses.replace(sampling, max_tokens=args.warmup_tokens or args.max_tokens)
     lengths = f"{args.max_tokens} new tokens each"
     if args.spread_lengths:
@@ -180,13 +182,15 @@ def main() -> None:
                 base.setdefault((order, "bf16"), tok_s)
             elif not routing and guidance is None:
                 base[order, "fp4"] = tok_s
+                base_runs[order] = (times[name, order], generated)
         capture = capture_bytes_per_generated_token(out)
         label = name if order == "probability" else f"{name}, {order}-order CDF"
         rows.append(
             f"| {label} | {seconds:.2f} ±{100 * spread / 2:.0f}% | {tok_s:,.0f} | "
             f"{_ratio(tok_s, base.get((order, 'bf16')))} | "
-            f"{_ratio(tok_s, base.get((order, 'fp4')))} | {capture['routing']:,.0f} | "
-            f"{capture['guidance']:,.0f} |"
+            f"{_ratio(tok_s, base.get((order, 'fp4')))} | "
+            f"{_paired(times[name, order], generated, base_runs.get(order))} | "
+            f"{capture['routing']:,.0f} | {capture['guidance']:,.0f} |"
         )
         if args.profile and order == orders[0]:
             profile_call(engines[name], prompts, _in_order(warmup, order), args.profile, name, cuda)
@@ -199,8 +203,8 @@ def main() -> None:
             f"n={args.n}, {lengths}",
             "",
             "| engine | seconds | generated tok/s | vs bf16 | vs nvfp4 uncaptured "
-            "| routing B/tok | guidance B/tok |",
-            "|---|---|---|---|---|---|---|",
+            "| paired | routing B/tok | guidance B/tok |",
+            "|---|---|---|---|---|---|---|---|",
             *rows,
         ],
     )
@@ -235,6 +239,20 @@ def profile_call(engine, prompts, sampling, top: int, title: str, cuda: bool) ->
     print(f"### {title}: one call of up to {tokens} new tokens, {wall * 1e3:.1f} ms wall "
           f"(profiled), {busy:.1f} ms of kernels")  # fmt: skip
     print(events.table(sort_by=key, row_limit=top, max_name_column_width=70), flush=True)
+
+
+def _paired(seconds: list[float], generated: int, base_run) -> str:
+    """Against the uncaptured NVFP4 row repeat by repeat: the median over repeats of that
+    repeat's tok/s ratio (the two runs of a repeat are neighbours in time, so the machine's
+    drift largely cancels, which the ratio of the medians leaves in); a dash where that row was
+    not run before."""
+    if base_run is None:
+        return "—"
+    base_seconds, base_generated = base_run
+    ratios = [
+        (generated / t) / (base_generated / b) for t, b in zip(seconds, base_seconds, strict=True)
+    ]
+    return f"{statistics.median(ratios):.3f}"
 
 
 def _ratio(tok_s: float, base: float | None) -> str:
