@@ -72,7 +72,14 @@ def update(policy, optimizer, completions, advantages, **kw) -> dict[str, float]
     )  # fmt: skip
 
 
-COUNTED = ("reduce_scatter_single", "all_gather_single")  # what FSDP2's collectives call
+def _first_of(*names: str) -> str:
+    return next(name for name in names if hasattr(dist, name))
+
+
+# What FSDP2's collectives call: the ``_single`` names from torch 2.13, the ``_tensor`` ones before.
+REDUCE_SCATTER = _first_of("reduce_scatter_single", "reduce_scatter_tensor")
+ALL_GATHER = _first_of("all_gather_single", "all_gather_into_tensor")
+COUNTED = (REDUCE_SCATTER, ALL_GATHER)
 
 
 @contextlib.contextmanager
@@ -172,12 +179,12 @@ def test_each_update_reduce_scatters_once_per_unit_unless_told_every_micro_batch
         for counts in result["counts"]:  # per update: each rank's counts
             for rank_counts in counts:
                 setting = (gradient_sync, keep_gathered, rank_counts)
-                assert rank_counts["reduce_scatter_single"] == units * per_update, setting
+                assert rank_counts[REDUCE_SCATTER] == units * per_update, setting
                 # A layer gathers for its forward and again for its backward, the root once
                 # (it stays gathered from its forward to its backward); kept gathered, each
                 # unit gathers once per update.
                 gathers = units if keep_gathered else (2 * units - 1) * micro_batches
-                assert rank_counts["all_gather_single"] == gathers, setting
+                assert rank_counts[ALL_GATHER] == gathers, setting
 
 
 def test_every_setting_trains_the_one_process_weights(sharded, one_process):

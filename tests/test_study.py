@@ -19,6 +19,7 @@ TINY = study.Size(
     warmup_dtype="float32",
     seeds=(0,),
     overrides=(
+        "model.device=cpu",  # a resumed run equal to the unstopped one: the CPU's promise
         "run.steps=2",
         "run.eval_every=1",
         "run.eval_samples=1",
