@@ -139,7 +139,9 @@ class Completion:
     logprobs: torch.Tensor | None = None
     raw_logprobs: torch.Tensor | None = None
     # The records are in host memory: the trainer moves them to its device when it uses them.
-    routing: torch.Tensor | None = None  # int32 [L_moe, T, top_k], -1 = no record (its own)
+    # int32 [L_moe, T, top_k], -1 = no record; from the engine, a view of one block that
+    # holds the routing of its generate call, token-major (so not contiguous).
+    routing: torch.Tensor | None = None
     # (layer, site) -> record with leading dim T: NVFP4Tensor ("full"), CompactCodes or
     # PackedSparse; None for the FP4 layers compact guidance leaves out (the trainer rounds
     # those to nearest). From the engine, a `RowRecords`: full and compact records still in the
