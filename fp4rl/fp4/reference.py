@@ -274,11 +274,12 @@ def rows_tensor(rows: NVFP4Rows) -> NVFP4Tensor:
     )
 
 
-def quantize_into(x_TKD: torch.Tensor, pages: NVFP4Rows, slots_T: torch.Tensor) -> None:
+def quantize_into(x_TKD: torch.Tensor, pages: NVFP4Rows, slots_T: torch.Tensor) -> NVFP4Tensor:
     """``quantize(x_TKD, scaling="row")`` stored as rows ``slots_T`` of ``pages`` flattened over
     their first two dims (a paged cache's ``[N, P, ...]``: slot ``n * P + p``), with each row's
     `row_amax` in place of its global scale and the codes in the pages' layout (`page_codes`).
-    x must have the dtype of the pages' amaxes, so that they hold each amax exactly."""
+    x must have the dtype of the pages' amaxes, so that they hold each amax exactly. Returns
+    the quantized rows (the site record of ``x`` rounded to nearest)."""
     if x_TKD.dtype != pages.amax.dtype:
         raise ValueError(
             f"x_TKD is {x_TKD.dtype} but the pages keep {pages.amax.dtype} amaxes; a row's amax "
@@ -288,3 +289,4 @@ def quantize_into(x_TKD: torch.Tensor, pages: NVFP4Rows, slots_T: torch.Tensor) 
     values = (page_codes(t.codes), t.block_scale, row_amax(x_TKD))
     for page, value in zip(pages.tensors(), values, strict=True):
         page.flatten(0, 1)[slots_T] = value
+    return t

@@ -96,19 +96,15 @@ def quantize_into_pair(
     impl = _kernels(k_TKD)
     if impl is not None:
         return impl.quantize_into_pair(k_TKD, k_pages, v_TKD, v_pages, slots_T, record)
-    reference.quantize_into(k_TKD, k_pages, slots_T)
-    reference.quantize_into(v_TKD, v_pages, slots_T)
-    return tuple(_record_of(x, record) for x in (k_TKD, v_TKD))
-
-
-def _record_of(x: torch.Tensor, record: str | None) -> SiteRecord | None:
-    """A site's record of ``x`` rounded to nearest per row, in form ``record`` (None: none)."""
     if record not in ("full", "compact", None):
         raise ValueError(f"record form must be 'full', 'compact' or None; got {record!r}")
+    k_rows = reference.quantize_into(k_TKD, k_pages, slots_T)
+    v_rows = reference.quantize_into(v_TKD, v_pages, slots_T)
     if record is None:
-        return None
-    t = reference.quantize(x, scaling="row")
-    return t if record == "full" else rounding.compact(t)
+        return None, None
+    if record == "full":
+        return k_rows, v_rows
+    return rounding.compact(k_rows), rounding.compact(v_rows)
 
 
 def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -73,10 +73,11 @@ def test_rows_give_back_the_tensor_that_quantize_makes(dtype):
         torch.zeros(4, 4, 2, 1, dtype=dtype),
     )
     slots = torch.randperm(16, generator=g)[:12]
-    reference.quantize_into(x, pages, slots)
+    returned = reference.quantize_into(x, pages, slots)
     got = reference.rows_tensor(pages.map(lambda m: m.flatten(0, 1)[slots]))
     want = reference.quantize(x, scaling="row")
     assert got.equal(want)
+    assert returned.equal(want)  # what the pages hold, as the site's record
     assert want.global_scale[0].eq(0).all() and want.global_scale[3].isnan().all()
     if dtype != torch.float16:  # FP16 holds no amax that small
         assert want.global_scale[1, 0].item() == 2.0**-117
