@@ -21,9 +21,9 @@ moment leaves the earlier checkpoints intact and at most a temporary directory, 
 save or resume removes once its writer is dead. Old checkpoints are taken out of the final
 name space by a rename before they are deleted, so no torn one ever carries a final name.
 
-Also owns the run directory's other rewrites on resume: ``metrics.jsonl`` cut back to the
-checkpoint's step, and `resume_config`. Does not own the order of the loop (`fp4rl.loop`),
-the safetensors layout (`fp4rl.model.checkpoint`) or the optimizer (`fp4rl.train.optim`).
+Does not own the rest of the run directory (`fp4rl.run_dir`: ``metrics.jsonl`` cut back on a
+resume, `resume_config`), the order of the loop (`fp4rl.loop`), the safetensors layout
+(`fp4rl.model.checkpoint`) or the optimizer (`fp4rl.train.optim`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from fp4rl import config as run_config
 from fp4rl.distributed import Ranks, full_state_dict
 from fp4rl.model.checkpoint import save_checkpoint
 from fp4rl.model.checkpoint.writer import fsync_path, partial_path, remove_dead_partials
@@ -66,9 +65,6 @@ MODEL_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
-# What `fp4rl train --resume` may change: how long the run goes on and what it keeps or
-# mirrors. Everything else would make the steps after the resume those of another run.
-RESUME_OVERRIDES = ("run.steps", "run.checkpoint_every", "run.keep_checkpoints", "run.tensorboard")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -385,59 +381,6 @@ def remove_stale(run_dir: str | Path) -> list[Path]:
     process or of another host are left alone."""
     folder = Path(run_dir) / FOLDER
     return remove_dead_partials(folder) if folder.is_dir() else []
-
-
-def cut_metrics(run_dir: str | Path, step: int) -> list[dict]:
-    """Rewrite ``metrics.jsonl`` to hold only the entries of steps before ``step`` (those a
-    resume from the checkpoint of ``step`` keeps) and return them. Atomic: the file is
-    replaced by a rename. The entries must be those of steps 0 .. step - 1 in order; a last
-    line cut short by a kill is dropped, any other unreadable line is an error naming it."""
-    file = Path(run_dir) / "metrics.jsonl"
-    text = file.read_text() if file.exists() else ""
-    lines = text.split("\n")
-    kept, entries = [], []
-    for number, line in enumerate(lines, start=1):
-        if not line:
-            continue
-        try:
-            entry = json.loads(line)
-            entry_step = entry["step"]
-            if not isinstance(entry_step, int):
-                raise TypeError(f"step {entry_step!r} is not an int")
-        except (ValueError, TypeError, KeyError) as err:
-            if number == len(lines):  # no newline after it: a write cut short by a kill
-                break
-            raise ValueError(
-                f"{file}:{number}: not a metrics entry ({err}): {line[:80]!r}"
-            ) from None
-        if entry_step < step:
-            kept.append(line)
-            entries.append(entry)
-    steps = [e["step"] for e in entries]
-    if steps != list(range(step)):
-        raise ValueError(
-            f"{file}: has entries for steps {steps[:10]}{'...' if len(steps) > 10 else ''} "
-            f"before step {step}; resuming there needs exactly steps 0 .. {step - 1}"
-        )
-    write_atomic(file, "".join(line + "\n" for line in kept))
-    return entries
-
-
-def resume_config(run_dir: str | Path, overrides: list[str] = ()) -> run_config.RunConfig:
-    """The config of the run in ``run_dir`` (its ``config.toml``), with ``run.out_dir`` set to
-    ``run_dir`` and ``overrides`` applied, each of which must be one of `RESUME_OVERRIDES`."""
-    run_dir = Path(run_dir)
-    file = run_dir / "config.toml"
-    if not file.is_file():
-        raise FileNotFoundError(f"{run_dir} is not a run directory: it has no config.toml")
-    for text in overrides:
-        section, key, _ = run_config.parse_override(text)
-        if f"{section}.{key}" not in RESUME_OVERRIDES:
-            raise ValueError(
-                f"--set {text!r}: a resumed run may change only {', '.join(RESUME_OVERRIDES)}; "
-                f"{section}.{key} would make it another run"
-            )
-    return run_config.load(file, [*overrides, f"run.out_dir={json.dumps(str(run_dir))}"])
 
 
 def write_atomic(file: Path, text: str) -> None:

@@ -5,7 +5,7 @@
 - `restore`: the trainer and its optimizer from that checkpoint, its data position checked
   against the config, the engine refit from the restored trainer;
 - `open_run_dir`: ``config.toml`` written and, on a resume, ``metrics.jsonl`` cut back to the
-  checkpoint's step;
+  checkpoint's step (`cut_metrics`); `resume_config`, the config a resume runs under;
 - `MetricsLog`: each step's metrics appended to ``metrics.jsonl`` (and, with
   ``run.tensorboard``, TensorBoard) and flushed; fsynced before a checkpoint;
 - `checkpoint_due` and `save`: when the state is saved, and the save, of one process or
@@ -25,10 +25,15 @@ from pathlib import Path
 import torch
 
 from fp4rl import checkpoints
-from fp4rl.config import RunConfig, to_toml
+from fp4rl.config import RunConfig, parse_override, to_toml
+from fp4rl.config import load as load_config
 from fp4rl.distributed import Ranks, weights_of
 from fp4rl.report import TensorBoardLog
 from fp4rl.tasks import Task, step_seed
+
+# What `fp4rl train --resume` may change: how long the run goes on and what it keeps or
+# mirrors. Everything else would make the steps after the resume those of another run.
+RESUME_OVERRIDES = ("run.steps", "run.checkpoint_every", "run.keep_checkpoints", "run.tensorboard")
 
 
 def resume_point(run_dir: Path, resume: bool, log, writer: bool = True) -> Path | None:
@@ -95,9 +100,62 @@ def open_run_dir(
     def write() -> list[dict]:
         run_dir.mkdir(parents=True, exist_ok=True)
         checkpoints.write_atomic(run_dir / "config.toml", to_toml(config))
-        return checkpoints.cut_metrics(run_dir, start) if resume else []
+        return cut_metrics(run_dir, start) if resume else []
 
     return write() if ranks is None else ranks.on_writer(write)
+
+
+def cut_metrics(run_dir: str | Path, step: int) -> list[dict]:
+    """Rewrite ``metrics.jsonl`` to hold only the entries of steps before ``step`` (those a
+    resume from the checkpoint of ``step`` keeps) and return them. Atomic: the file is
+    replaced by a rename. The entries must be those of steps 0 .. step - 1 in order; a last
+    line cut short by a kill is dropped, any other unreadable line is an error naming it."""
+    file = Path(run_dir) / "metrics.jsonl"
+    text = file.read_text() if file.exists() else ""
+    lines = text.split("\n")
+    kept, entries = [], []
+    for number, line in enumerate(lines, start=1):
+        if not line:
+            continue
+        try:
+            entry = json.loads(line)
+            entry_step = entry["step"]
+            if not isinstance(entry_step, int):
+                raise TypeError(f"step {entry_step!r} is not an int")
+        except (ValueError, TypeError, KeyError) as err:
+            if number == len(lines):  # no newline after it: a write cut short by a kill
+                break
+            raise ValueError(
+                f"{file}:{number}: not a metrics entry ({err}): {line[:80]!r}"
+            ) from None
+        if entry_step < step:
+            kept.append(line)
+            entries.append(entry)
+    steps = [e["step"] for e in entries]
+    if steps != list(range(step)):
+        raise ValueError(
+            f"{file}: has entries for steps {steps[:10]}{'...' if len(steps) > 10 else ''} "
+            f"before step {step}; resuming there needs exactly steps 0 .. {step - 1}"
+        )
+    checkpoints.write_atomic(file, "".join(line + "\n" for line in kept))
+    return entries
+
+
+def resume_config(run_dir: str | Path, overrides: list[str] = ()) -> RunConfig:
+    """The config of the run in ``run_dir`` (its ``config.toml``), with ``run.out_dir`` set to
+    ``run_dir`` and ``overrides`` applied, each of which must be one of `RESUME_OVERRIDES`."""
+    run_dir = Path(run_dir)
+    file = run_dir / "config.toml"
+    if not file.is_file():
+        raise FileNotFoundError(f"{run_dir} is not a run directory: it has no config.toml")
+    for text in overrides:
+        section, key, _ = parse_override(text)
+        if f"{section}.{key}" not in RESUME_OVERRIDES:
+            raise ValueError(
+                f"--set {text!r}: a resumed run may change only {', '.join(RESUME_OVERRIDES)}; "
+                f"{section}.{key} would make it another run"
+            )
+    return load_config(file, [*overrides, f"run.out_dir={json.dumps(str(run_dir))}"])
 
 
 class MetricsLog:

@@ -22,6 +22,7 @@ from tiny_models import qat_model, tiny_config, tiny_precision
 
 from fp4rl import checkpoints, cli, demo
 from fp4rl import config as run_config
+from fp4rl import run_dir as run_directory
 from fp4rl.commands import train as train_command
 from fp4rl.loop import train
 from fp4rl.model.checkpoint import save_checkpoint
@@ -36,7 +37,7 @@ OPTIM = OptimConfig(lr=1e-3)  # any: loading replaces the state
 # checkpoint of step 4 (or of the deletion of step 2's), then runs `fp4rl.loop.train`.
 CHILD = """
 import json, shutil, sys, time
-from fp4rl import checkpoints, demo
+from fp4rl import checkpoints, demo, run_dir as run_directory
 from fp4rl import config as run_config
 from fp4rl.commands import train as train_command
 from fp4rl.loop import train
@@ -71,7 +72,7 @@ elif stop_at == "delete":  # step 2's checkpoint renamed away, not yet deleted
         return rmtree(path, *args, **kwargs)
     shutil.rmtree = stop_then_rmtree
 if overrides is None:
-    train(checkpoints.resume_config(run_dir), log=lambda _: None, resume=True)
+    train(run_directory.resume_config(run_dir), log=lambda _: None, resume=True)
 else:
     train(run_config.load(demo.CONFIG_FILE, overrides), log=lambda _: None)
 """
@@ -262,20 +263,20 @@ def write_metrics(run_dir: Path, text: str) -> Path:
 def test_metrics_are_cut_back_to_the_checkpoint(tmp_path):
     entries = "".join(json.dumps({"step": s, "reward": s / 10}) + "\n" for s in range(4))
     file = write_metrics(tmp_path, entries + '{"step": 4, "rew')  # the last write cut short
-    assert checkpoints.cut_metrics(tmp_path, 2) == [
+    assert run_directory.cut_metrics(tmp_path, 2) == [
         {"step": 0, "reward": 0.0},
         {"step": 1, "reward": 0.1},
     ]
     assert file.read_text() == entries[: entries.index('{"step": 2')]
-    assert checkpoints.cut_metrics(tmp_path, 0) == [] and file.read_text() == ""
+    assert run_directory.cut_metrics(tmp_path, 0) == [] and file.read_text() == ""
     assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]  # no temporary left
 
     write_metrics(tmp_path, entries.replace('{"step": 1', '{"step": x', 1))
     with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a metrics entry"):
-        checkpoints.cut_metrics(tmp_path, 3)
+        run_directory.cut_metrics(tmp_path, 3)
     write_metrics(tmp_path, entries.replace('{"step": 1', '{"step": 5', 1))
     with pytest.raises(ValueError, match=r"steps \[0, 2\] before step 3; .* steps 0 .. 2"):
-        checkpoints.cut_metrics(tmp_path, 3)
+        run_directory.cut_metrics(tmp_path, 3)
 
 
 def test_resume_takes_the_runs_config_and_changes_only_what_keeps_the_run(tmp_path, base):
@@ -283,16 +284,16 @@ def test_resume_takes_the_runs_config_and_changes_only_what_keeps_the_run(tmp_pa
     config = run_config.load(demo.CONFIG_FILE, overrides(base, tmp_path / "elsewhere"))
     moved.mkdir()
     (moved / "config.toml").write_text(run_config.to_toml(config))
-    resumed = checkpoints.resume_config(moved, ["run.steps=9", "run.keep_checkpoints=1"])
+    resumed = run_directory.resume_config(moved, ["run.steps=9", "run.keep_checkpoints=1"])
     assert resumed.run.out_dir == str(moved) and resumed.run.steps == 9
     assert resumed.run.keep_checkpoints == 1 and resumed.optim == config.optim
     with pytest.raises(ValueError, match=r"optim.lr would make it another run"):
-        checkpoints.resume_config(moved, ["optim.lr=1e-2"])
+        run_directory.resume_config(moved, ["optim.lr=1e-2"])
     with pytest.raises(FileNotFoundError, match="has no config.toml"):
-        checkpoints.resume_config(tmp_path / "nothing")
+        run_directory.resume_config(tmp_path / "nothing")
     parser = argparse.ArgumentParser()
     train_command.add_arguments(parser)
-    assert all(key in parser.format_help() for key in checkpoints.RESUME_OVERRIDES)
+    assert all(key in parser.format_help() for key in run_directory.RESUME_OVERRIDES)
 
 
 def test_a_new_run_refuses_a_directory_with_checkpoints(tmp_path, base):

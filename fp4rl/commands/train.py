@@ -35,10 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from fp4rl import checkpoints, config, distributed, loop
+    from fp4rl import config, distributed, loop, run_dir
 
     if args.resume is not None:
-        run_config = checkpoints.resume_config(args.resume, args.set)
+        run_config = run_dir.resume_config(args.resume, args.set)
     else:
         run_config = config.load(args.config, args.set)
     # Under torchrun, the process group of its ranks; otherwise None: one process.
