@@ -35,9 +35,9 @@ Against the first layout of this kernel (q as operand A, its 8 heads twice over 
 rows, K^T and V as operand B): a third fewer products, half the softmax, and 160 registers a
 thread instead of 228 (SASS for sm_90, `python benchmarks/sass.py`).
 
-Decode: byte tables per block and PRMT lookups (`fragments.byte_tables`, `fragments.look_up`);
-K's and V's blocks each have their tables built once, by the one thread that holds them, and
-each row's global scale is computed once, by one lane (`_row_lanes`).
+Loads and decode: `kv_page_registers` (byte tables per block and PRMT lookups; K's and V's
+blocks each have their tables built once, by the one thread that holds them, and each row's
+global scale is computed once, by one lane).
 
 Numerics: `paged_attention`'s contract, op for op. K and V enter the products as
 ``round_bf16((e2m1 * sf) * s)``, the values ``KVCache.read`` returns; BF16 products are exact
@@ -64,186 +64,28 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from fp4rl.fp4.format import GLOBAL_SCALE_DIVISOR, MIN_GLOBAL_SCALE
 from fp4rl.kernels import dependent_launch, fragments
+from fp4rl.kernels.kv_page_registers import (
+    bits,
+    decoded,
+    key_layout,
+    members,
+    pages_step,
+    row_lanes,
+    step_offsets,
+)
 from fp4rl.kernels.launch import register_kernels_refusal
-from fp4rl.kernels.numerics import GLOBAL_SCALE_BIAS
 
 HEADS = gl.constexpr(8)  # the MMA's N: the query heads of one KV head, padded
-_DIVISOR = gl.constexpr(GLOBAL_SCALE_DIVISOR)
-_MIN_SCALE = gl.constexpr(MIN_GLOBAL_SCALE)
-# RN(1 / 2688) in FP32
-_RECIPROCAL = gl.constexpr(torch.tensor(1.0 / GLOBAL_SCALE_DIVISOR, dtype=torch.float32).item())
-
-
-@gluon.constexpr_function
-def _bits(n):
-    """The bit positions of a power of two's index range: ``range(log2(n))``."""
-    return range(int(math.log2(n)))
-
-
-@gluon.constexpr_function
-def _key_layout(block_n, cols):
-    """K's (and V's) ``[BLOCK_N, cols]`` words (``cols = D/8``) or block scales (``D/16``): lane
-    (g, c) holds keys ``g + 8 j`` and, of each, the columns its operand-A fragments need
-    (`fragments`' order); a block scale sits with the thread that holds its two words."""
-    per = cols // 4  # columns a lane holds of a key
-    regs = [[0, 1 << i] for i in _bits(per)] + [[8 << i, 0] for i in _bits(block_n // 8)]
-    lanes = [[0, per], [0, 2 * per], [1, 0], [2, 0], [4, 0]]
-    return gl.DistributedLinearLayout(regs, lanes, [], [], [block_n, cols])
 
 
 @gluon.constexpr_function
 def _pairs_layout(block_n, d):
-    """`_key_layout` of ``[BLOCK_N, D]`` values, its registers ordered value first, so that
+    """`key_layout` of ``[BLOCK_N, D]`` values, its registers ordered value first, so that
     each two consecutive values of a token are one register's pair (`_as_operand_a`)."""
-    regs = [[0, 1 << i] for i in _bits(d // 4)] + [[8 << i, 0] for i in _bits(block_n // 8)]
+    regs = [[0, 1 << i] for i in bits(d // 4)] + [[8 << i, 0] for i in bits(block_n // 8)]
     lanes = [[0, d // 4], [0, d // 2], [1, 0], [2, 0], [4, 0]]
     return gl.DistributedLinearLayout(regs, lanes, [], [], [block_n, d])
-
-
-@gluon.constexpr_function
-def _row_lanes(block_n):
-    """``[BLOCK_N]`` rows one a lane (up to 32 rows; with 16 each row in two lanes): a row's
-    amax is loaded and its global scale computed once there, then moved to the 4 lanes that
-    hold the row's blocks, instead of each of those lanes computing the scale of both rows it
-    holds. Lane (g, c) takes row ``g + 8 (c % 2) + 16 (c // 2)``, the rows ``g + 8 j`` of its
-    own quad (`_key_layout`, K's and V's): one butterfly shuffle moves a lane's two rows where
-    row r in lane r took two indexed ones."""
-    lanes = [[8], [16 if block_n > 16 else 0], [1], [2], [4]]
-    regs = [[32 << i] for i in _bits(max(1, block_n // 32))]
-    return gl.DistributedLinearLayout(regs, lanes, [], [], [block_n])
-
-
-@gluon.jit
-def global_scales(amax_N):
-    """The FP32 global scales of rows from the amaxes their pages keep, bit for bit
-    `numerics.global_scale_from_amax`'s but for the NaN's payload: ``amax / 2688`` correctly
-    rounded, 0 below MIN_GLOBAL_SCALE (masked rows load an amax of 0), a NaN where the amax is
-    not finite (from the arithmetic: inf - inf).
-
-    The quotient of a BF16 or FP16 amax is Markstein's: ``q = amax * y`` for ``y = RN(1 /
-    2688)``, then ``q + (amax - 2688 q) * y`` in one rounding (the residual is exact). For every
-    finite BF16 and FP16 amax this is the IEEE quotient once flushed below MIN_GLOBAL_SCALE,
-    checked value by value; three FP32 instructions where ``div.rn.f32`` costs about fifteen.
-    FP32 amaxes, not covered by that check, take ``div.rn.f32``."""
-    a = amax_N.to(gl.float32)
-    if amax_N.dtype == gl.float32:
-        s = gl.div_rn(a, gl.full_like(a, _DIVISOR))
-        s = gl.where(gl.abs(a) < float("inf"), s, float("nan"))
-    else:
-        q = a * _RECIPROCAL
-        # q * -2688 is -(2688 q) exactly; -q would be 0 - q, one more instruction.
-        s = gl.fma(gl.fma(q, -_DIVISOR, a), _RECIPROCAL, q)
-    return gl.where(s < _MIN_SCALE, 0.0, s)
-
-
-@gluon.jit
-def _step_offsets(num_kv_heads, kv_head, words_l: gl.constexpr, scales_l: gl.constexpr,
-                  rows_l: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                  PAIRS: gl.constexpr):  # fmt: skip
-    """What of a step's addresses no step changes, computed once before the loop: each code
-    word's, block scale's (or pair of block scales', where ``PAIRS``) and amax's offset in
-    elements from its step's first cache row ``slot * K`` (token i's row is ``(slot + i) * K +
-    kv head``), and the tokens' indices in the step, to mask with (`_pages_step`)."""
-    i_N = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, scales_l))
-    SCALES: gl.constexpr = D // 32 if PAIRS else D // 16
-    col_S = gl.arange(0, SCALES, layout=gl.SliceLayout(0, scales_l))
-    scales_NS = (i_N * num_kv_heads + kv_head)[:, None] * SCALES + col_S[None, :]
-    i_W = gl.convert_layout(i_N, gl.SliceLayout(1, words_l), assert_trivial=True)
-    word_W = gl.arange(0, D // 8, layout=gl.SliceLayout(0, words_l))
-    words_NW = (i_W * num_kv_heads + kv_head)[:, None] * (D // 8) + word_W[None, :]
-    j_N = gl.arange(0, BLOCK_N, layout=rows_l)
-    rows_J = j_N * num_kv_heads + kv_head
-    # Unsigned (no offset is negative): the loop adds each to a 64-bit address as it is, where
-    # a signed one would be sign-extended and its upper word kept live in a register.
-    return (words_NW.to(gl.uint32), scales_NS.to(gl.uint32), rows_J.to(gl.uint32), i_N, j_N)
-
-
-@gluon.jit
-def _pages_step(pages, block_scale, amax, table_row, n0, end, num_kv_heads, kv_head, offsets,
-                words_l: gl.constexpr, scales_l: gl.constexpr, rows_l: gl.constexpr,
-                BLOCK_N: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr,
-                PAIRS: gl.constexpr):  # fmt: skip
-    """The codes ``[BLOCK_N, W]``, block-scale bytes ``[BLOCK_N, D/16]`` (where ``PAIRS``, each
-    two of a row's as one 2-byte word ``[BLOCK_N, D/32]``) and row amaxes of tokens ``n0 .. n0
-    + BLOCK_N`` in the layouts given, as loaded (nothing waits on them here: the next step's
-    are loaded ahead); zeros past ``end`` (cache row = slot * K + kv head, the slot found
-    through the sequence's block table; ``offsets``: `_step_offsets`').
-
-    Where a step lies in one page, a step's address of each array is one 64-bit multiply-add,
-    base + ``slot * K`` rows (``IMAD.WIDE.U32``), to which each load adds its lane's 32-bit
-    offset. ``slot * K``, a cache row, is computed in 32 bits: a cache of 2^32 rows would hold
-    2 * 2^32 * D/2 bytes of K and V codes alone (512 GiB at D = 128); page indices, as slots,
-    are never negative. Where a step spans pages, each row finds its own."""
-    words_NW, scales_NS, rows_J, i_N, j_N = offsets
-    if PAIRS:
-        block_scale = block_scale.to(gl.pointer_type(gl.uint16))
-    SCALES: gl.constexpr = D // 32 if PAIRS else D // 16
-    left = end - n0  # token i is in the context where i < left, as n0 + i < end
-    ok_N = i_N < left
-    ok_W = gl.convert_layout(ok_N, gl.SliceLayout(1, words_l), assert_trivial=True)
-    if PAGE % BLOCK_N == 0:  # steps start at multiples of BLOCK_N: a step lies in one page
-        t0 = n0.to(gl.uint32)  # never negative: unsigned, // and % need no sign fix-up
-        page = gl.load(table_row + t0 // PAGE, mask=n0 < end, other=0).to(gl.uint32)
-        row0 = ((page * PAGE + t0 % PAGE) * num_kv_heads.to(gl.uint32)).to(gl.uint64)
-        scales = gl.load(block_scale + row0 * SCALES + scales_NS, mask=ok_N[:, None], other=0)
-        # The amaxes one row a lane (`_row_lanes`), each row's scale computed once (`_decoded`).
-        amax_N = gl.load(amax + row0 + rows_J, mask=j_N < left, other=0.0)
-        words = gl.load(pages + row0 * (D // 8) + words_NW, mask=ok_W[:, None], other=0)
-    else:
-        t_N = n0 + i_N
-        page_N = gl.load(table_row + t_N // PAGE, mask=ok_N, other=0)
-        rows_N = (page_N.to(gl.int64) * PAGE + t_N % PAGE) * num_kv_heads + kv_head
-        col_S = gl.arange(0, SCALES, layout=gl.SliceLayout(0, scales_l))
-        scales = gl.load(block_scale + rows_N[:, None] * SCALES + col_S[None, :],
-                         mask=ok_N[:, None], other=0)  # fmt: skip
-        amax_N = gl.load(amax + gl.convert_layout(rows_N, rows_l), mask=j_N < left, other=0.0)
-        rows_W = gl.convert_layout(rows_N, gl.SliceLayout(1, words_l), assert_trivial=True)
-        word_W = gl.arange(0, D // 8, layout=gl.SliceLayout(0, words_l))
-        words = gl.load(pages + rows_W[:, None] * (D // 8) + word_W[None, :], mask=ok_W[:, None],
-                        other=0)  # fmt: skip
-    return words, scales, amax_N
-
-
-@gluon.jit
-def _e4m3_pairs(pairs):
-    """The FP32 values of 2-byte words of two E4M3 block scales each (low byte first), by the
-    instructions Triton converts E4M3 with (``cvt.rn.f16x2.e4m3x2``, each half widened), fed the
-    word as loaded (Triton loads a lane's two bytes of a row as this one word): converted as
-    bytes, the word's two would be split apart as loaded and joined again for the conversion,
-    four instructions a word."""
-    return gl.inline_asm_elementwise(
-        """{ .reg .b16 lo, hi; .reg .b32 h;
-        cvt.rn.f16x2.e4m3x2 h, $2;
-        mov.b32 {lo, hi}, h;
-        cvt.f32.f16 $0, lo;
-        cvt.f32.f16 $1, hi; }""",
-        "=r,=r,h",
-        [pairs],
-        dtype=(gl.float32, gl.float32),
-        is_pure=True,
-        pack=1,
-    )
-
-
-@gluon.jit
-def _decoded(words, scales, amax_N, words_l: gl.constexpr, blocks_l: gl.constexpr,
-             BLOCK_N: gl.constexpr, D: gl.constexpr, PAIRS: gl.constexpr):  # fmt: skip
-    """``[BLOCK_N, D]`` BF16 values of a step's codes, real order, in the threads that hold the
-    codes: ``round((e2m1 * sf) * s)`` by byte-table lookup, s from the rows' amaxes (one a
-    lane, `_row_lanes`), moved by warp shuffles to the lanes of the rows' blocks. ``scales`` as
-    `_pages_step` loads them."""
-    # Biased in the one lane that computed it: one product a row (exact, a power of two),
-    # rather than one in each lane that holds the row.
-    s_N = gl.convert_layout(global_scales(amax_N) * GLOBAL_SCALE_BIAS, gl.SliceLayout(1, blocks_l))
-    if PAIRS:
-        lo, hi = _e4m3_pairs(scales)
-        sf = gl.reshape(gl.join(lo, hi), [BLOCK_N, D // 16])
-        sf = gl.convert_layout(sf, blocks_l, assert_trivial=True)
-    else:
-        sf = scales.to(gl.float8e4nv, bitcast=True).to(gl.float32)
-    return fragments.looked_up(words, sf, s_N[:, None], BLOCK_N, D, words_l, PAGE_SIGNS=True)
 
 
 @gluon.jit
@@ -264,7 +106,7 @@ def _transposed(x):
 
 @gluon.jit
 def _as_operand_a(v, a_l: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr):
-    """``[BLOCK_N, D]`` BF16 values of V as decoded in K's layout (`_key_layout`: lane (g, c)
+    """``[BLOCK_N, D]`` BF16 values of V as decoded in K's layout (`key_layout`: lane (g, c)
     holds tokens ``g + 8 h`` and values ``(D/4) c ... (D/4) c + D/4 - 1`` of each) -> V^T as
     operand A of ``O^T += V^T . P^T``, its rows in the output order (`_real_order`). The
     product reduces over the tokens, so a lane must hold pairs of tokens where it decoded pairs
@@ -333,13 +175,13 @@ def _paged_decode_registers_kernel(
     )
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    kw_l: gl.constexpr = _key_layout(BLOCK_N, D // 8)
-    kb_l: gl.constexpr = _key_layout(BLOCK_N, D // 16)
+    kw_l: gl.constexpr = key_layout(BLOCK_N, D // 8)
+    kb_l: gl.constexpr = key_layout(BLOCK_N, D // 16)
     # K's block scales as loaded: a lane's two of a row (its 32 values of the row) as one
     # 2-byte word (`_e4m3_pairs`).
     K_PAIRS: gl.constexpr = D % 128 == 0
-    ks_l: gl.constexpr = _key_layout(BLOCK_N, D // 32) if K_PAIRS else kb_l
-    rows_l: gl.constexpr = _row_lanes(BLOCK_N)
+    ks_l: gl.constexpr = key_layout(BLOCK_N, D // 32) if K_PAIRS else kb_l
+    rows_l: gl.constexpr = row_lanes(BLOCK_N)
     io_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
 
     b = gl.program_id(0) // num_kv_heads
@@ -367,24 +209,24 @@ def _paged_decode_registers_kernel(
     l_H = gl.zeros([HEADS], gl.float32, layout=gl.SliceLayout(0, mma))
     acc = gl.zeros([D, HEADS], gl.float32, layout=mma)  # O^T, rows in the output order
     # K and V lie alike in their pages and are loaded alike: one set of offsets.
-    at = _step_offsets(num_kv_heads, kv_head, kw_l, ks_l, rows_l, BLOCK_N, D, K_PAIRS)
-    k_words, k_scales, k_maxes = _pages_step(
+    at = step_offsets(num_kv_heads, kv_head, kw_l, ks_l, rows_l, BLOCK_N, D, K_PAIRS)
+    k_words, k_scales, k_maxes = pages_step(
         k_pages, k_block_scale, k_amax, table_row, start, end, num_kv_heads, kv_head, at,
         kw_l, ks_l, rows_l, BLOCK_N, PAGE, D, K_PAIRS,
     )  # fmt: skip
-    v_words, v_scales, v_maxes = _pages_step(
+    v_words, v_scales, v_maxes = pages_step(
         v_pages, v_block_scale, v_amax, table_row, start, end, num_kv_heads, kv_head, at,
         kw_l, ks_l, rows_l, BLOCK_N, PAGE, D, K_PAIRS,
     )  # fmt: skip
     for n0 in range(start, end, BLOCK_N):
         # The next step's K in flight while this one computes (zeros past the end).
-        next_k = _pages_step(
+        next_k = pages_step(
             k_pages, k_block_scale, k_amax, table_row, n0 + BLOCK_N, end, num_kv_heads,
             kv_head, at, kw_l, ks_l, rows_l, BLOCK_N, PAGE, D, K_PAIRS,
         )  # fmt: skip
 
         # Scores S^T = K . q^T [BLOCK_N, HEADS]: the keys are the MMA's rows.
-        k_ND = _decoded(k_words, k_scales, k_maxes, kw_l, kb_l, BLOCK_N, D, K_PAIRS)
+        k_ND = decoded(k_words, k_scales, k_maxes, kw_l, kb_l, BLOCK_N, D, K_PAIRS)
         k_a = gl.convert_layout(fragments.hardware_order(k_ND, BLOCK_N, D), a_l,
                                 assert_trivial=True)  # fmt: skip
         scores = mma_v2(k_a, q_b, gl.zeros([BLOCK_N, HEADS], gl.float32, layout=mma))
@@ -402,12 +244,12 @@ def _paged_decode_registers_kernel(
         rest = p - p1.to(gl.float32)
         p2 = rest.to(gl.bfloat16)
         p3 = (rest - p2.to(gl.float32)).to(gl.bfloat16)
-        v_ND = _decoded(v_words, v_scales, v_maxes, kw_l, kb_l, BLOCK_N, D, K_PAIRS)
+        v_ND = decoded(v_words, v_scales, v_maxes, kw_l, kb_l, BLOCK_N, D, K_PAIRS)
         v_a = _as_operand_a(v_ND, a_l, BLOCK_N, D)
         # The next step's V loaded only now that this one's is decoded: into the same
         # registers, where loaded with K's the two steps' V would be live at once and each
         # step's copied over the other's at the end of the loop.
-        next_v = _pages_step(
+        next_v = pages_step(
             v_pages, v_block_scale, v_amax, table_row, n0 + BLOCK_N, end, num_kv_heads,
             kv_head, at, kw_l, ks_l, rows_l, BLOCK_N, PAGE, D, K_PAIRS,
         )  # fmt: skip
@@ -458,12 +300,6 @@ def check_launch(q_BHD: torch.Tensor, nvfp4: bool, head_dim: int, group: int) ->
         )
     if (refusal := register_kernels_refusal(q_BHD.device)) is not None:
         raise ValueError(f"a registers DecodeTile (q_BHD's device) {refusal}")
-
-
-def members(pages) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(codes as int32 words, block-scale bytes, row amaxes) of `NVFP4Rows` pages, as this
-    kernel reads them (the launcher has checked them with `paged_kv.page_members`)."""
-    return pages.codes.view(torch.int32), pages.block_scale.view(torch.uint8), pages.amax
 
 
 def launch_kernel(grid, q_BHD, k, v, block_table_BN, context_B, out_BHD, parts, *,

@@ -236,7 +236,7 @@ def test_launcher_passes_the_register_kernel_its_arguments_by_name(device, monke
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_global_scales_are_the_quantizers_for_every_amax_on_gpu(dtype):
-    """`paged_attention_registers.global_scales` (Markstein's quotient for BF16 and FP16
+    """`kv_page_registers.global_scales` (Markstein's quotient for BF16 and FP16
     amaxes, ``div.rn`` for FP32) against `reference.global_scale_from_amax` on the CPU: every
     BF16 and FP16 bit pattern, and FP32 ones at random and around the flush, bit for bit but
     for NaN payloads."""
@@ -244,13 +244,15 @@ def test_global_scales_are_the_quantizers_for_every_amax_on_gpu(dtype):
     from triton.experimental.gluon import language as gl
 
     from fp4rl.fp4.reference import global_scale_from_amax
-    from fp4rl.kernels import paged_attention_registers as registers
+    from fp4rl.kernels import kv_page_registers
 
     @gluon.jit
     def scales_kernel(amax, out, n, BLOCK: gl.constexpr):
         i = gl.program_id(0) * BLOCK + gl.arange(0, BLOCK, gl.BlockedLayout([1], [32], [4], [0]))
         ok = i < n
-        gl.store(out + i, registers.global_scales(gl.load(amax + i, mask=ok, other=0.0)), mask=ok)
+        gl.store(
+            out + i, kv_page_registers.global_scales(gl.load(amax + i, mask=ok, other=0.0)), mask=ok
+        )
 
     if dtype == torch.float32:
         g = torch.Generator().manual_seed(0)
