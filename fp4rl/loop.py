@@ -34,11 +34,11 @@ import torch
 from fp4rl.config import RunConfig
 from fp4rl.distributed import Ranks, ShardedAdamW, shard_policy, weights_of
 from fp4rl.evaluation import Evaluator, evaluate
+from fp4rl.metrics_log import check_tensorboard
 from fp4rl.model.weights import load_pretrained
 from fp4rl.progress import Progress
 from fp4rl.records import Completion, bytes_per_generated_token, capture_totals, collate
 from fp4rl.refit import RefitReceiver
-from fp4rl.report import check_tensorboard
 from fp4rl.rollout import Engine, SamplingParams
 from fp4rl.run_dir import (
     MetricsLog,

@@ -1,16 +1,19 @@
-"""Looking at a run: its metrics read back, mirrored to TensorBoard, plotted and summarized.
+"""Looking at a run: its metrics plotted and summarized in ``report.md``.
 
 A run directory holds ``config.toml`` and ``metrics.jsonl`` (`fp4rl.loop`: one JSON object per
-step, the last one the final evaluation). This module owns what is done with them afterwards:
+step, the last one the final evaluation), read by `fp4rl.metrics_log`. This module owns what is
+drawn and written from them afterwards:
 
-- `read_metrics`: the entries of ``metrics.jsonl``, checked (a bad line is an error naming it);
-- `TensorBoardLog`: every numeric metric of a step as a TensorBoard scalar (``run.tensorboard``),
-  written by the loop beside ``metrics.jsonl``; `check_tensorboard`, whether it can be;
-- `write_report`: PNG plots of what the run recorded and ``report.md``, a short summary.
+- `FIGURES` and `plot`: PNG plots of what the run recorded (`figure_maker`, the matplotlib
+  figures they and `fp4rl.study_results` draw on);
+- `summary`: ``report.md``'s text, its sections the configuration that defines the run, reward
+  and held-out accuracy, the trainer-vs-rollout mismatch, time per phase and what is not
+  plotted;
+- `write_report`: the plots and ``report.md`` of a run into its report directory.
 
-It does not own which metrics exist (the loop, `fp4rl.train.observe`, `fp4rl.train.step`) and
-imports nothing else of fp4rl. matplotlib and tensorboard are optional extras, imported only
-when used.
+It does not own which metrics exist (the loop, `fp4rl.train.observe`, `fp4rl.train.step`) or
+reading them back and mirroring them to TensorBoard (`fp4rl.metrics_log`, the one module of
+fp4rl it imports). matplotlib is an optional extra, imported only when used.
 """
 
 from __future__ import annotations
@@ -22,112 +25,15 @@ import re
 import tomllib
 from pathlib import Path
 
+from fp4rl.metrics_log import is_number, read_metrics, series
+
 REPORT_EXTRA = "pip install 'fp4rl[report]'"
-TENSORBOARD_EXTRA = "pip install 'fp4rl[tensorboard]'"
-
-
-def _number(value) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def scalars(m: dict) -> dict[str, float]:
-    """The numeric metrics of one entry (ints and floats, not bools), ``step`` left out."""
-    return {k: float(v) for k, v in m.items() if k != "step" and _number(v)}
-
-
-def _summary_writer():
-    """TensorBoard's ``SummaryWriter`` class; ModuleNotFoundError naming the extra to install
-    when the tensorboard package is missing."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError as err:
-        raise ModuleNotFoundError(
-            f"run.tensorboard = true needs the tensorboard package ({err}): {TENSORBOARD_EXTRA}",
-            name="tensorboard",
-        ) from None
-    return SummaryWriter
-
-
-def check_tensorboard() -> None:
-    """Raise ValueError (a bad setting: ``fp4rl train`` says it in one line) when
-    ``run.tensorboard = true`` cannot be honoured; the loop asks before it loads anything."""
-    try:
-        _summary_writer()
-    except ModuleNotFoundError as err:
-        raise ValueError(str(err)) from None
-
-
-class TensorBoardLog:
-    """TensorBoard event files under ``<run_dir>/tensorboard``: `write` adds every numeric
-    metric of an entry as a scalar at the entry's ``step`` and flushes, so a killed run loses
-    nothing it wrote to ``metrics.jsonl``.
-
-    ``purge_step``: a run resumed at step ``s`` passes ``s``, and TensorBoard hides the events
-    an earlier attempt wrote at steps >= ``s`` (those steps are run again); None for a new
-    run."""
-
-    def __init__(self, run_dir: str | Path, *, purge_step: int | None = None) -> None:
-        summary_writer = _summary_writer()
-        if purge_step is not None and (not isinstance(purge_step, int) or purge_step < 0):
-            raise ValueError(f"purge_step must be an int >= 0 or None, got {purge_step!r}")
-        self.path = Path(run_dir) / "tensorboard"
-        self._writer = summary_writer(str(self.path), purge_step=purge_step)
-
-    def write(self, m: dict) -> None:
-        for tag, value in scalars(m).items():
-            self._writer.add_scalar(tag, value, global_step=m["step"])
-        self._writer.flush()
-
-    def close(self) -> None:
-        self._writer.close()
-
-    def __enter__(self) -> TensorBoardLog:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def read_metrics(run_dir: str | Path) -> list[dict]:
-    """The entries of ``<run_dir>/metrics.jsonl`` in order. Each line must be a JSON object
-    whose ``step`` is an int larger than the line before's (a file holding two runs, or a
-    torn last line, is an error naming the line)."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"{run_dir} has no metrics.jsonl: not a run directory")
-    entries: list[dict] = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        where = f"{path}:{number}"
-        try:
-            m = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{where}: not a JSON object ({err.msg}): {line[:60]!r}") from None
-        if not isinstance(m, dict):
-            raise ValueError(f"{where}: not a JSON object: {line[:60]!r}")
-        step = m.get("step")
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"{where}: 'step' must be an int >= 0, got {step!r}")
-        if entries and step <= entries[-1]["step"]:
-            raise ValueError(
-                f"{where}: step {step} follows step {entries[-1]['step']}; steps must increase "
-                "(does the file hold more than one run?)"
-            )
-        entries.append(m)
-    if not entries:
-        raise ValueError(f"{path} holds no entries")
-    return entries
-
-
-def series(entries: list[dict], key: str) -> tuple[list[int], list[float]]:
-    """``(steps, values)`` of the entries that recorded ``key`` as a number."""
-    pairs = [(m["step"], float(m[key])) for m in entries if key != "step" and _number(m.get(key))]
-    return [s for s, _ in pairs], [v for _, v in pairs]
 
 
 def _recorded(entries: list[dict], *patterns: str) -> list[str]:
     """The numeric keys recorded by any entry that match ``patterns`` (regexes), in the
     patterns' order, each pattern's keys sorted with layers in numeric order."""
-    recorded = {k for m in entries for k, v in m.items() if k != "step" and _number(v)}
+    recorded = {k for m in entries for k, v in m.items() if k != "step" and is_number(v)}
     out = []
     for pattern in patterns:
         keys = [k for k in recorded - set(out) if re.fullmatch(pattern, k)]

@@ -28,7 +28,7 @@ from fp4rl import checkpoints
 from fp4rl.config import RunConfig, parse_override, to_toml
 from fp4rl.config import load as load_config
 from fp4rl.distributed import Ranks, weights_of
-from fp4rl.report import TensorBoardLog
+from fp4rl.metrics_log import TensorBoardLog
 from fp4rl.tasks import Task, step_seed
 
 # What `fp4rl train --resume` may change: how long the run goes on and what it keeps or

@@ -15,7 +15,8 @@ one base policy, several seeds each, and what their runs recorded, aggregated.
 
 The GRPO run every variant shares is ``fp4rl/configs/study.toml``; `SIZES` says what each
 size changes (model shape, warm-up, steps, task). Does not own the loop, the variants' meaning
-(`fp4rl.config.AlignSection`) or a single run's report (`fp4rl.report`).
+(`fp4rl.config.AlignSection`), a run's metrics read back (`fp4rl.metrics_log`) or a single
+run's report (`fp4rl.report`).
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from pathlib import Path
 
 from fp4rl import checkpoints, demo, inference, loop
 from fp4rl import config as run_config
+from fp4rl.metrics_log import read_metrics
 from fp4rl.model.presets import demo_qwen3_moe
-from fp4rl.report import read_metrics
 from fp4rl.study_results import EVAL_KEYS, ROLLOUT_EVAL, aggregate, run_dir
 from fp4rl.train.optim import OptimConfig
 

@@ -12,7 +12,8 @@ import json
 import statistics
 from pathlib import Path
 
-from fp4rl.report import figure_maker, read_metrics, series
+from fp4rl.metrics_log import read_metrics, series
+from fp4rl.report import figure_maker
 
 ROLLOUT_EVAL = "eval_rollout_precision.json"
 EVAL_KEYS = ("held_out_accuracy", "held_out_greedy")

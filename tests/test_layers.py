@@ -28,13 +28,14 @@ ALLOWED = {
     "tasks": {"tasks", "checks"},
     "config": {"fp4", "ops", "records", "model", "rollout", "train", "tasks", "config", "checks"},
     "progress": set(),
-    "report": set(),  # metrics read back, TensorBoard, plots; its extras imported lazily
+    "metrics_log": set(),  # metrics.jsonl read back, TensorBoard; tensorboard imported lazily
+    "report": {"metrics_log"},  # a run's plots and report.md; matplotlib imported lazily
     # a run's saved state: the HF writer, the optimizer's state, the run's config
     "checkpoints": {"model", "train", "config", "distributed"},
     # held-out accuracy and the engine it is measured on (the rollout's, or a BF16 twin)
     "evaluation": {"rollout", "refit", "tasks", "config", "distributed"},
     # a run directory over the run's life: start or resume, metrics.jsonl, checkpoints saved
-    "run_dir": {"tasks", "config", "report", "checkpoints", "distributed"},
+    "run_dir": {"tasks", "config", "metrics_log", "checkpoints", "distributed"},
     "loop": {
         "fp4",
         "ops",
@@ -46,20 +47,20 @@ ALLOWED = {
         "tasks",
         "config",
         "progress",
-        "report",
+        "metrics_log",
         "distributed",
         "evaluation",
         "run_dir",
     },  # fmt: skip
     "demo": {"fp4", "ops", "records", "model", "train", "tasks", "config", "loop"},
     # a study directory's layout and its finished runs aggregated: curves, tables, results.md
-    "study_results": {"report"},
+    "study_results": {"metrics_log", "report"},
     # the rollout variants compared: the demo's base policy, the loop's runs, their metrics
     "study": {
         "model",
         "train",
         "config",
-        "report",
+        "metrics_log",
         "checkpoints",
         "loop",
         "demo",

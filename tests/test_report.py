@@ -16,8 +16,9 @@ from fp4rl import config as run_config
 from fp4rl import demo
 from fp4rl.cli import main
 from fp4rl.config import AlignSection
+from fp4rl.metrics_log import TensorBoardLog, read_metrics
 from fp4rl.model.precision import PrecisionConfig
-from fp4rl.report import ESSENTIALS, FIGURES, TensorBoardLog, read_metrics, summary, write_report
+from fp4rl.report import ESSENTIALS, FIGURES, summary, write_report
 from fp4rl.train.optim import OptimConfig
 
 STEPS = 3

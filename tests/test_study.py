@@ -9,7 +9,7 @@ import pytest
 
 from fp4rl import demo, study, study_results
 from fp4rl.checkpoints import FOLDER
-from fp4rl.report import read_metrics
+from fp4rl.metrics_log import read_metrics
 from fp4rl.train.optim import OptimConfig
 
 TINY = study.Size(

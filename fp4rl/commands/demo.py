@@ -37,13 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from fp4rl import config, demo, report
+    from fp4rl import config, demo, metrics_log
 
     overrides = list(args.set) + ([f"run.steps={args.steps}"] if args.steps is not None else [])
     chosen = seeds(args.seeds)
     # Bad settings stop before a directory is made or a base policy is warmed up.
     if config.load(demo.CONFIG_FILE, overrides).run.tensorboard:
-        report.check_tensorboard()
+        metrics_log.check_tensorboard()
     out_dir = demo.new_run_dir(args.out_dir)
     demo.run(seeds=chosen, cache_dir=args.cache_dir, out_dir=out_dir, overrides=overrides)
 
