@@ -1,13 +1,16 @@
-"""The engine end to end on a tiny real model (FP32, CPU).
+"""The engine's outputs and records on a tiny real model (FP32, CPU): right, and unchanged by how
+it schedules the work. What it stops on or refuses, and the KV pages it gives back, are in
+`test_engine_limits.py`; the prompts, tolerances and `assert_same_outputs` both use are in
+`engine_checks.py`, the `models` fixture in `conftest.py`.
 
 Parity claims and their tolerances. The rollout model holds its FP4 experts packed; the
 trainer's full-sequence forward (`CausalAttention`, no cache) runs either that same model or its
 QAT twin. Cached decode and full forward differ only in summation order (paged attention vs
 SDPA, GEMMs over different row counts), so in FP32 the logprobs agree to LOGPROB_ATOL and the
 greedy tokens are identical. Everything that only reorders work (prefix sharing, preemption,
-batch composition) must leave tokens and routing identical and logprobs within the same
-tolerance; FP4 records within `assert_close_records`. Where the trainer is guided by the
-rollout's records, codes and scales are compared bitwise.
+batch composition, chunked prefill, overlapped steps) must leave tokens and routing identical
+and logprobs within the same tolerance; FP4 records within `assert_records_close`. Where the
+trainer is guided by the rollout's records, codes and scales are compared bitwise.
 
 To extend to the QAT-parity check: take a `Completion` from any test here and compare
 `trainer_logprobs(qat, c, replay=True, guided=True)` with `c.raw_logprobs`
@@ -16,14 +19,9 @@ To extend to the QAT-parity check: take a `Completion` from any test here and co
 
 import pytest
 import torch
-from assertions import assert_matches_rollout, assert_records_close
-from tiny_models import (
-    DEVICES,
-    engine_config,
-    rollout_model,
-    trainer_distribution,
-    trainer_logprobs,
-)
+from assertions import assert_matches_rollout
+from engine_checks import LOGPROB_ATOL, PROMPTS, assert_same_outputs
+from tiny_models import engine_config, rollout_model, trainer_distribution, trainer_logprobs
 
 from fp4rl.fp4 import CompactCodes, NVFP4Tensor, compact
 from fp4rl.fp4.reference import unpack_e2m1
@@ -31,45 +29,7 @@ from fp4rl.model.sites import SiteRecords
 from fp4rl.records import capture_bytes_per_generated_token
 from fp4rl.rollout import Engine, SamplingParams
 
-LOGPROB_ATOL = 1e-5  # FP32 model; observed ~1.5e-6
-PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [7] * 20, [3], [90, 12, 55, 4, 4, 4, 100]]
-
-
 config = engine_config
-
-
-@pytest.fixture(scope="module")
-def models():
-    """(kv_cache, experts) -> (packed rollout model, QAT trainer twin)."""
-    return {
-        key: rollout_model(*key)
-        for key in (("bf16", "bf16"), ("bf16", "nvfp4"), ("nvfp4", "nvfp4"))
-    }
-
-
-# Work that is only reordered (another batch, a recomputed prefill after preemption) sums in
-# another order; where a value sits at an FP4 rounding midpoint that can flip one code (the
-# effect guided rounding exists for) and move nearby logprobs by up to ~1e-2. Seen once in 300
-# positions on one machine (0.004), never on another: bound the size and the share of such moves.
-FLIP_ATOL, FLIP_SHARE = 2e-2, 0.05
-
-
-def assert_same_outputs(a, b, *, capture=False):
-    assert [(c.prompt_index, c.sample_index) for c in a] == [
-        (c.prompt_index, c.sample_index) for c in b
-    ]
-    diffs = []
-    for x, y in zip(a, b, strict=True):
-        assert x.completion_ids == y.completion_ids and x.finish_reason == y.finish_reason
-        diffs.append((x.logprobs - y.logprobs).abs())
-        if capture:
-            assert torch.equal(x.routing, y.routing)
-            assert x.guidance.keys() == y.guidance.keys()
-            for key in x.guidance:
-                assert_records_close(x.guidance[key], y.guidance[key])
-    diff = torch.cat(diffs)
-    assert diff.max() <= FLIP_ATOL
-    assert (diff > LOGPROB_ATOL).float().mean() <= FLIP_SHARE
 
 
 @pytest.mark.parametrize("kv, experts", [("bf16", "bf16"), ("bf16", "nvfp4"), ("nvfp4", "nvfp4")])
@@ -324,27 +284,6 @@ def test_capture_is_off_by_default(models):
     assert c.routing is None and c.guidance is None
 
 
-def test_stop_tokens_eos_and_lengths(models):
-    packed, _ = models[("bf16", "bf16")]
-    greedy = SamplingParams(temperature=0, max_tokens=6)
-    (free,) = Engine(packed, config()).generate(PROMPTS[:1], greedy)
-    assert free.finish_reason == "length" and len(free.completion_ids) == 6
-    third = free.completion_ids[2]
-    first_at = free.completion_ids.index(third)
-    stop = SamplingParams(temperature=0, max_tokens=6, stop_token_ids=(third,))
-    (c,) = Engine(packed, config()).generate(PROMPTS[:1], stop)
-    assert c.finish_reason == "stop" and c.completion_ids == free.completion_ids[: first_at + 1]
-    eos_engine = Engine(packed, config(), eos_token_ids=(third,))
-    (c,) = eos_engine.generate(PROMPTS[:1], greedy)
-    assert c.finish_reason == "stop" and c.completion_ids[-1] == third
-    ignoring = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    (c,) = eos_engine.generate(PROMPTS[:1], ignoring)
-    assert c.completion_ids == free.completion_ids
-    # max_model_len bounds prompt + completion.
-    (c,) = Engine(packed, config(max_model_len=14)).generate(PROMPTS[:1], greedy)
-    assert c.finish_reason == "length" and len(c.prompt_ids) + len(c.completion_ids) == 14
-
-
 def test_completion_records(models):
     packed, _ = models[("bf16", "bf16")]
     engine = Engine(packed, config())
@@ -356,111 +295,3 @@ def test_completion_records(models):
         assert c.logprobs.dtype == torch.float32 and c.logprobs.shape == (5,)
     (c,) = engine.generate(PROMPTS[:1], SamplingParams(max_tokens=2, return_logprobs=False))
     assert c.logprobs is None and c.raw_logprobs is None
-
-
-@pytest.mark.parametrize(
-    "prompts, message",
-    [
-        ([[1, 2], []], "prompt 1 is empty"),
-        ([[5] * 64], "prompt 0 has 64 tokens; engine.max_model_len=64"),
-        ([[1], [2, 128]], r"prompt 1 has token id 128 outside the vocabulary \[0, 128\)"),
-        ([[-1]], "prompt 0 has token id -1"),
-    ],
-)
-def test_bad_prompts_raise(models, prompts, message):
-    packed, _ = models[("bf16", "bf16")]
-    with pytest.raises(ValueError, match=message):
-        Engine(packed, config()).generate(prompts, SamplingParams())
-
-
-def test_engine_settings_must_fit_the_model(models):
-    packed, _ = models[("nvfp4", "nvfp4")]
-    bf16, _ = models[("bf16", "bf16")]
-    with pytest.raises(ValueError, match="engine.guidance='full' records FP4 sites, but"):
-        Engine(bf16, config(guidance="full"))
-    with pytest.raises(
-        ValueError, match="max_model_len=512 exceeds .* max_position_embeddings=256"
-    ):
-        Engine(packed, config(max_model_len=512, max_num_batched_tokens=512))
-
-
-# The engine reads a step's tokens and its bad-row flags in one copy, after the sampler ran on
-# the bad rows too: every way of drawing must get there without an error of its own.
-@pytest.mark.parametrize("fill", [float("nan"), float("inf"), -float("inf")], ids=str)
-@pytest.mark.parametrize(
-    "sampling",
-    [
-        SamplingParams(max_tokens=5),
-        SamplingParams(max_tokens=5, top_k=3, top_p=0.9),
-        SamplingParams(max_tokens=5, temperature=0.0),
-    ],
-    ids=["temperature", "top_k", "greedy"],
-)
-def test_non_finite_logits_stop_generation(models, fill, sampling):
-    packed, _ = models[("bf16", "bf16")]
-
-    class Poisoned:
-        """The model, with non-finite logits once a sequence is longer than 3 tokens."""
-
-        def __init__(self, model):
-            self.model = model
-            self.config, self.plan, self.moe_layers = model.config, model.plan, model.moe_layers
-            self.embed_tokens = model.embed_tokens
-
-        def hidden_states(self, tokens_T, attn, **kwargs):
-            self.long = bool((attn.positions >= 3).any())
-            return self.model.hidden_states(tokens_T, attn, **kwargs)
-
-        def logits(self, h_NH):
-            out = self.model.logits(h_NH)
-            return out.fill_(fill) if self.long else out
-
-    engine = Engine(Poisoned(packed), config())
-    with pytest.raises(RuntimeError, match="non-finite logits for prompt 0 sample 0"):
-        engine.generate([[1, 2]], sampling)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_bad_rows_are_those_with_a_nan_a_positive_inf_or_nothing_finite(device):
-    """The engine refuses a row holding a NaN or +inf logit anywhere, or only -inf ones; a row
-    whose finite logits sit beside -inf ones (masked tokens) samples. On the GPU as on the CPU
-    (the one reduction rests on the row maximum propagating NaN on both)."""
-    from fp4rl.rollout.engine import _bad_rows
-
-    nan, inf = float("nan"), float("inf")
-    rows = {
-        (0.5, -1.0, 2.0, 0.0): False,
-        (0.5, -inf, 2.0, -inf): False,
-        (-inf, -inf, -inf, 3.0): False,
-        (0.5, nan, 2.0, 0.0): True,
-        (nan, nan, nan, nan): True,
-        (-inf, nan, -inf, -inf): True,
-        (0.5, -1.0, inf, 0.0): True,
-        (inf, nan, -inf, 1.0): True,
-        (-inf, -inf, -inf, -inf): True,
-        (inf, inf, inf, inf): True,
-    }
-    logits = torch.tensor(list(rows), dtype=torch.float32, device=device)
-    assert _bad_rows(logits).tolist() == list(rows.values())
-    # Wide rows: the one bad logit anywhere in them.
-    wide = torch.randn(3, 151936, device=device)
-    wide[0, 151935], wide[1, 17], wide[2, :] = nan, inf, -inf
-    assert _bad_rows(wide).tolist() == [True, True, True]
-    assert _bad_rows(torch.randn(2, 151936, device=device)).tolist() == [False, False]
-
-
-def test_kv_pages_can_be_given_back_and_taken_again(models):
-    """A colocated trainer takes the pages' memory while it runs; the engine refuses to
-    generate without them, and generates the same after taking them again."""
-    packed, _ = models[("nvfp4", "nvfp4")]
-    engine = Engine(packed, config())
-    sampling = SamplingParams(n=2, max_tokens=6, seed=4)
-    finished = []
-    before = engine.generate(PROMPTS[:2], sampling, on_finish=finished.append)
-    assert sum(finished) == 4
-    engine.release_kv()
-    assert engine.cache is None
-    with pytest.raises(RuntimeError, match="KV pages were released; call acquire_kv"):
-        engine.generate(PROMPTS[:2], sampling)
-    engine.acquire_kv()
-    assert_same_outputs(before, engine.generate(PROMPTS[:2], sampling))
