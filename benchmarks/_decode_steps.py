@@ -37,7 +37,7 @@ def eager_decode_step(
     model = engine.model
     tokens_T = resolve_placeholders(torch.tensor(tokens, device=device), sampled_S)
     h = model.hidden_states(tokens_T, attn, capture=capture)
-    return model.logits(h), capture
+    return model.logits(h, dtype=None), capture
 
 
 def decode_segments(engine: Engine, batch: int, context: int) -> list[Segment]:

@@ -243,7 +243,7 @@ def step_bytes(engine: Engine, distinct: list[int], batch: int, context: int) ->
     total += sum(d * expert_bytes(e) for d, e in zip(distinct, moe, strict=True))
     total += nbytes(itertools.chain(model.norm.parameters(), model.lm_head.parameters()))
     total += batch * context * engine.layout.kv.bytes_per_token()
-    total += batch * engine.layout.vocab_size * 4  # FP32 logits written
+    total += batch * engine.layout.vocab_size * model.lm_head.weight.element_size()  # logits
     return total
 
 

@@ -9,9 +9,11 @@ differs.
 
 V = 151936 tokens, B in (1, 8, 64, 256) rows, six settings (temperature 1; the same in token
 order, by the fused kernel on a GPU and by torch's float64 scan, its baseline; top_k 50; top_p
-0.95; greedy) over two kinds of logits: randn (flat) and randn * 4 (peaked, closer to a trained
-LM's). "today" is the reference kept in tests/rollout/test_sampler.py (every row sorted), "new"
-is `fp4rl.rollout.sampler.sample`. A call is timed together with what the engine does right
+0.95; greedy) over three kinds of logits: randn (flat) and randn * 4 (peaked, closer to a trained
+LM's) in FP32, and randn * 4 in BF16, as the engine passes its lm_head's logits (both samplers
+get the same BF16 tensor; temperature-1 rows of the new one sort it as given). "today" is the
+reference kept in tests/rollout/test_sampler.py (every row sorted, in FP32), "new" is
+`fp4rl.rollout.sampler.sample`. A call is timed together with what the engine does right
 after it, ``.tolist()`` of the three outputs (the step's readback), so host launch time counts:
 CUDA events, median over repeats, logits rotated over enough buffers to exceed the L2. The same
 run draws once more with fresh generators of the same seeds and compares tokens, logprobs and
@@ -43,7 +45,11 @@ SETTINGS = {
     "top_p 0.95": SamplingParams(top_p=0.95),
     "greedy": SamplingParams(temperature=0),
 }
-LOGITS = {"randn": 1.0, "randn * 4": 4.0}
+LOGITS = {  # name: (scale, dtype)
+    "randn": (1.0, torch.float32),
+    "randn * 4": (4.0, torch.float32),
+    "randn * 4, bf16": (4.0, torch.bfloat16),
+}
 
 
 def today_sampler():
@@ -74,14 +80,16 @@ def main() -> int:
         "|---|---:|---|---:|---:|---:|---|",
     ]
     all_equal = True
-    for kind, scale in LOGITS.items():
+    for kind, (scale, dtype) in LOGITS.items():
         for B in [int(b) for b in args.batch.split(",")]:
             # Enough distinct buffers that no call finds its logits in L2 (2x 64 MB).
             count = (
                 min(256, max(2, math.ceil(2 * 64e6 / (B * V * 4)))) if device.type == "cuda" else 2
             )
             g = torch.Generator(device="cpu").manual_seed(B)
-            inputs = [(torch.randn(B, V, generator=g) * scale).to(device) for _ in range(count)]
+            inputs = [
+                (torch.randn(B, V, generator=g) * scale).to(device, dtype) for _ in range(count)
+            ]
             for name, params in SETTINGS.items():
                 # The token-order draw's fused kernel, or (the baseline) torch's float64 scan.
                 sampler_module.TOKEN_DRAW_KERNEL = not name.endswith("torch scan")
@@ -116,7 +124,9 @@ def compare(samplers, logits_BV, params) -> str:
     ]
     today, new = ([t.cpu() for t in (o.token_ids_B, o.logprobs_B, o.raw_logprobs_B)] for o in outs)
     if params.cdf_order == "token":  # other tokens by design: their logprobs are checked
-        want = torch.log_softmax(logits_BV, -1).gather(1, outs[1].token_ids_B[:, None])[:, 0]
+        want = torch.log_softmax(logits_BV.float(), -1).gather(1, outs[1].token_ids_B[:, None])[
+            :, 0
+        ]
         exact = torch.equal(new[1], want.cpu()) and torch.equal(new[2], want.cpu())
         return "logprobs exact" if exact else "DIFFER: logprobs not those of the logits"
     if all(torch.equal(a, b) for a, b in zip(today, new, strict=True)):

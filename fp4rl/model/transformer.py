@@ -153,9 +153,11 @@ class MoETransformer(nn.Module):
             return self.norm(x_TH)
         return self.norm.sum_and_norm(x_TH, pending_TH)[1]
 
-    def logits(self, h_NH: torch.Tensor) -> torch.Tensor:
-        """FP32 logits ``[N, V]`` of the given rows."""
-        return self.lm_head(h_NH).float()
+    def logits(self, h_NH: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        """Logits ``[N, V]`` of the given rows in ``dtype``; None keeps the lm_head's own (BF16
+        in a BF16 model: what the rollout engine samples from, `fp4rl.rollout.sampler`)."""
+        logits_NV = self.lm_head(h_NH)
+        return logits_NV if dtype is None else logits_NV.to(dtype)
 
     def forward(self, tokens_T, attn, **kwargs) -> torch.Tensor:
         return self.logits(self.hidden_states(tokens_T, attn, **kwargs))

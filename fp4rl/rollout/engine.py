@@ -261,7 +261,7 @@ class Engine:
             h_TH = self.model.hidden_states(tokens_T, attn, capture=capture)
             last_rows = [end - 1 for (_, end), entry in zip(ranges, fed, strict=True) if entry[3]]
             last_rows = torch.tensor(last_rows, dtype=torch.long, device=device)  # maybe none
-            logits_SV = self.model.logits(h_TH[last_rows])
+            logits_SV = self.model.logits(h_TH[last_rows], dtype=None)  # the sampler's input
             if capture is not None and torch.device(device).type == "cuda":
                 capture = capture.to_host(into=self.host_rows)  # off the GPU now, as graphed ones
         self.cache.copy_blocks(step.block_copies)

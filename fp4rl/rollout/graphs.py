@@ -223,7 +223,8 @@ class DecodeGraphs:
         )
         attn = PagedAttention(self.cache, meta)
         tokens = resolve_placeholders(x[:, TOKEN], self.sampled)
-        logits = self.model.logits(self.model.hidden_states(tokens, attn, capture=capture))
+        h = self.model.hidden_states(tokens, attn, capture=capture)
+        logits = self.model.logits(h, dtype=None)  # the lm_head's dtype, as the eager step's
         return logits, None if capture is None else capture.pack()
 
     def _graph(self, b: int, capture: StepCapture | None) -> _Graph:

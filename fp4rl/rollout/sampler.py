@@ -35,6 +35,11 @@ token order instead of sorted order changes about one draw in twenty of randn * 
 the sorted float32 sum is off by ~3e-5 there). Equal results rule that out. Nothing is read
 back from the device: which rows take which path follows from their SamplingParams.
 
+The sort itself takes the logits as given where that changes no bit: BF16 or FP16 logits (the
+engine passes the lm_head's BF16) are exactly their FP32 copies, so rows of temperature 1 sort
+the 16-bit values, in the same order and with the same ties, from keys of half the width (on a
+GPU, half a radix sort's passes: `benchmarks/sampler.py`'s "bf16" rows).
+
 A request may give up that equality for speed: ``SamplingParams(cdf_order="token")`` walks
 the CDF of the whole vocabulary in token-id order (`_draw_in_token_order`), with no sort at
 all. The distribution, the one draw per token and the meaning of both logprobs stay; the token
@@ -127,14 +132,14 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | Draws],
 ) -> SampleOutput:
-    """Draw one token per row of FP32 ``logits_BV``, row ``b`` with ``params[b]`` and its
-    generator ``generators[b]`` (advanced by exactly one draw), or its `Draws` (one number
-    taken)."""
+    """Draw one token per row of ``logits_BV`` (FP32, BF16 or FP16; computed on in FP32), row
+    ``b`` with ``params[b]`` and its generator ``generators[b]`` (advanced by exactly one draw),
+    or its `Draws` (one number taken)."""
     B, V = logits_BV.shape
     if len(params) != B or len(generators) != B:
         raise ValueError(f"{B} logit rows, {len(params)} params, {len(generators)} generators")
     device = logits_BV.device
-    logits_BV = logits_BV.float()
+    given_BV, logits_BV = logits_BV, logits_BV.float()
     top_k = [min(p.top_k or V, V) for p in params]
     by_top_k = [b for b, p in enumerate(params) if not p.greedy and top_k[b] < V]
     by_token = [b for b, p in enumerate(params) if not p.greedy and p.cdf_order == "token"]
@@ -180,8 +185,11 @@ def sample(
         # Rows without top-k whose top_p keeps every token (the plain temperature draw) mask
         # nothing: their walk skips computing masks that would keep all.
         masked = any(params[b].top_p < 1.0 for b in by_sort)
+        # At temperature 1 the scaled rows are the logits: 16-bit ones sort as given.
+        narrow = given_BV.dtype != torch.float32 and all(temperature[b] == 1.0 for b in by_sort)
+        rows_BV = (given_BV if narrow else scaled_BV)[pick]
         drawn.append(
-            (pick, *_draw_sorted(scaled_BV[pick], top_k_B[pick], top_p_B[pick], u_B[pick], masked))
+            (pick, *_draw_sorted(rows_BV, top_k_B[pick], top_p_B[pick], u_B[pick], masked))
         )
     if by_token:
         pick = _pick(token_rows, B)
@@ -223,9 +231,10 @@ def _pick(rows_b: torch.Tensor, B: int):
 
 
 def _draw_sorted(scaled_BV, top_k_B, top_p_B, u_B, masked=True):
-    """The definition: ``(token, logprob)`` per row of temperature-scaled logits."""
+    """The definition: ``(token, logprob)`` per row of temperature-scaled logits, FP32 or a
+    16-bit dtype holding them exactly (sorted as given, walked in FP32)."""
     sorted_BV, order_BV = torch.sort(scaled_BV, dim=-1, descending=True, stable=True)
-    rank_B, logprob_B = _walk(sorted_BV, top_k_B, top_p_B, u_B, masked)
+    rank_B, logprob_B = _walk(sorted_BV.float(), top_k_B, top_p_B, u_B, masked)
     return order_BV.gather(1, rank_B[:, None])[:, 0], logprob_B
 
 

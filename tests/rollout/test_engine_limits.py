@@ -90,8 +90,8 @@ def test_non_finite_logits_stop_generation(models, fill, sampling):
             self.long = bool((attn.positions >= 3).any())
             return self.model.hidden_states(tokens_T, attn, **kwargs)
 
-        def logits(self, h_NH):
-            out = self.model.logits(h_NH)
+        def logits(self, h_NH, dtype=torch.float32):
+            out = self.model.logits(h_NH, dtype)
             return out.fill_(fill) if self.long else out
 
     engine = Engine(Poisoned(packed), config())

@@ -264,6 +264,40 @@ def test_results_equal_the_full_sort_bitwise_without_a_top_p_cut(kind):
             _assert_same(out, reference_sample(logits, params, _gens(B, seed)))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("kind", ["flat", "peaked", "ties", "-inf"])
+def test_16_bit_logits_sample_as_their_fp32_copies_bitwise(kind, dtype):
+    """The engine passes the lm_head's BF16 logits: temperature-1 rows sort those 16-bit values
+    (many ties at this width), every other row the FP32 copies, and nothing differs from the
+    definition on the FP32 copies."""
+    B, V = 48, 4096
+    for seed in range(4):
+        logits = _logits(kind, B, V, seed).to(dtype)
+        for params in (
+            [SamplingParams()] * B,  # every sorted row at temperature 1: the 16-bit sort
+            [_SETTINGS[(b + seed) % len(_SETTINGS)] for b in range(B)],
+        ):
+            out = sample(logits, params, _gens(B, seed))
+            _assert_same(out, reference_sample(logits.float(), params, _gens(B, seed)))
+
+
+def test_16_bit_logits_sort_as_given_only_at_temperature_1(monkeypatch):
+    """Which rows sort the 16-bit values: temperature-1 ones, not rows whose scaled logits are
+    FP32 values of their own (a temperature of 0.7 makes new ties and new orders)."""
+    sorted_dtypes, real_sort = [], torch.sort
+
+    def recording_sort(x, *args, **kwargs):
+        sorted_dtypes.append(x.dtype)
+        return real_sort(x, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "sort", recording_sort)
+    logits = _logits("peaked", 4, 512, 0).bfloat16()
+    sample(logits, [SamplingParams()] * 4, _gens(4))
+    sample(logits, [SamplingParams(), SamplingParams(temperature=0.7)] * 2, _gens(4))
+    sample(logits.float(), [SamplingParams()] * 4, _gens(4))
+    assert sorted_dtypes == [torch.bfloat16, torch.float32, torch.float32]
+
+
 def test_results_equal_the_full_sort_at_qwen3s_vocabulary():
     B, V = 12, 151936
     logits = _logits("peaked", B, V, 7)
@@ -344,7 +378,7 @@ def test_the_benchmark_smoke_run_finds_equal_outputs():
     run = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
     rows = [line for line in run.stdout.splitlines() if line.startswith("| rand")]
-    assert len(rows) == 2 * 2 * 6  # logits kinds x batches x settings
+    assert len(rows) == 3 * 2 * 6  # logits kinds x batches x settings
     for row in rows:  # the token-order draw picks other tokens: its logprobs are checked
         verdict = "logprobs exact" if "token order" in row else "bitwise equal"
         assert row.endswith(f"| {verdict} |"), run.stdout
