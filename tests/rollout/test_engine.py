@@ -209,6 +209,42 @@ def test_overlapped_steps_leave_outputs_and_records_unchanged(models, tight):
         assert (c.routing >= 0).all()
 
 
+def test_a_bf16_model_samples_alike_from_its_bf16_logits_and_their_fp32_copies():
+    """The engine hands the sampler the lm_head's BF16 logits, which temperature-1 rows sort as
+    they are: the completions (tokens, logprobs, raw logprobs) are bitwise those of the same
+    engine handed FP32 copies of them, at temperature 1 and beside rows of other settings."""
+    packed, _ = rollout_model("nvfp4", "nvfp4", dtype=torch.bfloat16)
+
+    class FP32Logits:
+        """The model, its logits cast to FP32 whatever the engine asks for."""
+
+        def __init__(self, model):
+            self.model = model
+            self.config, self.plan, self.moe_layers = model.config, model.plan, model.moe_layers
+            self.embed_tokens = model.embed_tokens
+
+        def hidden_states(self, tokens_T, attn, **kwargs):
+            return self.model.hidden_states(tokens_T, attn, **kwargs)
+
+        def logits(self, h_NH, dtype=torch.float32):
+            return self.model.logits(h_NH, torch.float32)
+
+    grpo = SamplingParams(n=3, max_tokens=12, seed=5)  # every row sorts the BF16 logits
+    mixed = [
+        grpo,
+        SamplingParams(n=2, max_tokens=12, seed=6, temperature=0.8, top_p=0.9),
+        SamplingParams(n=1, max_tokens=12, seed=7, top_k=5),
+        SamplingParams(n=2, max_tokens=12, seed=8),
+    ]
+    for sampling in (grpo, mixed):
+        got = Engine(packed, config()).generate(PROMPTS, sampling)
+        want = Engine(FP32Logits(packed), config()).generate(PROMPTS, sampling)
+        for a, b in zip(got, want, strict=True):
+            assert a.completion_ids == b.completion_ids
+            assert torch.equal(a.logprobs, b.logprobs)
+            assert torch.equal(a.raw_logprobs, b.raw_logprobs)
+
+
 def test_sampling_params_per_prompt(models):
     """A list gives each prompt its own n, temperature, limits, seed and CDF order: each
     prompt's samples are those of a call giving every prompt that prompt's params."""
