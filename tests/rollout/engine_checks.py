@@ -1,6 +1,7 @@
 """What the engine tests (`test_engine.py`, `test_engine_limits.py`) share: their prompts, the
-FP32 logprob tolerance, and `assert_same_outputs`, which holds two runs of the same requests to
-the same completions and records up to the reordered-sum flips bounded below."""
+FP32 logprob tolerance, `assert_same_outputs`, which holds two runs of the same requests to
+the same completions and records up to the reordered-sum flips bounded below, and
+`ForwardedModel`, a model the tests can alter one method of."""
 
 import torch
 from assertions import assert_records_close
@@ -31,3 +32,19 @@ def assert_same_outputs(a, b, *, capture=False):
     diff = torch.cat(diffs)
     assert diff.max() <= FLIP_ATOL
     assert (diff > LOGPROB_ATOL).float().mean() <= FLIP_SHARE
+
+
+class ForwardedModel:
+    """``model`` as the engine uses it (config, plan, MoE layers, embeddings, hidden states,
+    logits), forwarded as it is: a test overrides one method to change what the engine gets."""
+
+    def __init__(self, model):
+        self.model = model
+        self.config, self.plan, self.moe_layers = model.config, model.plan, model.moe_layers
+        self.embed_tokens = model.embed_tokens
+
+    def hidden_states(self, tokens_T, attn, **kwargs):
+        return self.model.hidden_states(tokens_T, attn, **kwargs)
+
+    def logits(self, h_NH, dtype=torch.float32):
+        return self.model.logits(h_NH, dtype)

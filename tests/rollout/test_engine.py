@@ -20,7 +20,7 @@ To extend to the QAT-parity check: take a `Completion` from any test here and co
 import pytest
 import torch
 from assertions import assert_matches_rollout
-from engine_checks import LOGPROB_ATOL, PROMPTS, assert_same_outputs
+from engine_checks import LOGPROB_ATOL, PROMPTS, ForwardedModel, assert_same_outputs
 from tiny_models import engine_config, rollout_model, trainer_distribution, trainer_logprobs
 
 from fp4rl.fp4 import CompactCodes, NVFP4Tensor, compact
@@ -215,19 +215,11 @@ def test_a_bf16_model_samples_alike_from_its_bf16_logits_and_their_fp32_copies()
     engine handed FP32 copies of them, at temperature 1 and beside rows of other settings."""
     packed, _ = rollout_model("nvfp4", "nvfp4", dtype=torch.bfloat16)
 
-    class FP32Logits:
+    class FP32Logits(ForwardedModel):
         """The model, its logits cast to FP32 whatever the engine asks for."""
 
-        def __init__(self, model):
-            self.model = model
-            self.config, self.plan, self.moe_layers = model.config, model.plan, model.moe_layers
-            self.embed_tokens = model.embed_tokens
-
-        def hidden_states(self, tokens_T, attn, **kwargs):
-            return self.model.hidden_states(tokens_T, attn, **kwargs)
-
         def logits(self, h_NH, dtype=torch.float32):
-            return self.model.logits(h_NH, torch.float32)
+            return super().logits(h_NH, torch.float32)
 
     grpo = SamplingParams(n=3, max_tokens=12, seed=5)  # every row sorts the BF16 logits
     mixed = [

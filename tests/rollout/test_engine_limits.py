@@ -8,7 +8,7 @@ the KV pages. The outputs themselves, and their parity under any scheduling, are
 
 import pytest
 import torch
-from engine_checks import PROMPTS, assert_same_outputs
+from engine_checks import PROMPTS, ForwardedModel, assert_same_outputs
 from tiny_models import DEVICES, engine_config
 
 from fp4rl.rollout import Engine, SamplingParams
@@ -78,20 +78,15 @@ def test_engine_settings_must_fit_the_model(models):
 def test_non_finite_logits_stop_generation(models, fill, sampling):
     packed, _ = models[("bf16", "bf16")]
 
-    class Poisoned:
+    class Poisoned(ForwardedModel):
         """The model, with non-finite logits once a sequence is longer than 3 tokens."""
-
-        def __init__(self, model):
-            self.model = model
-            self.config, self.plan, self.moe_layers = model.config, model.plan, model.moe_layers
-            self.embed_tokens = model.embed_tokens
 
         def hidden_states(self, tokens_T, attn, **kwargs):
             self.long = bool((attn.positions >= 3).any())
-            return self.model.hidden_states(tokens_T, attn, **kwargs)
+            return super().hidden_states(tokens_T, attn, **kwargs)
 
         def logits(self, h_NH, dtype=torch.float32):
-            out = self.model.logits(h_NH, dtype)
+            out = super().logits(h_NH, dtype)
             return out.fill_(fill) if self.long else out
 
     engine = Engine(Poisoned(packed), config())
