@@ -24,7 +24,9 @@ the decode step with torch.compile, CUDA graphs included); the engine's ratio is
 the faster one. A setup that raises is reported as failed with its error; the others still run.
 The engine returns no logprobs here, as greedy ``generate`` computes none, and keeps its
 default step budget (8192 tokens: 64 prompts of 512 are prefilled in four steps);
-transformers prefills the whole batch in one forward.
+transformers prefills the whole batch in one forward. Below the table, each batch's engine call
+is split: its prompt and first token (a call of one new token, timed the same way) and the
+decode steps after it (the rest of the call over the ``--max-tokens`` - 1 steps).
 
 Correctness, beside the speed: the share of generated tokens equal to the engine's at the same
 row and position, whether each row's first generated token agrees, and the mean length of the
@@ -212,8 +214,9 @@ def main() -> None:
     rows, summary = [], []
     for batch in args.batches:
         prompts_BP = torch.randint(0, config.vocab_size, (batch, args.prompt_len), generator=g)
-        batch_rows, best = compare(model, hf, prompts_BP, args, sync)
+        batch_rows, best, split = compare(model, hf, prompts_BP, args, sync)
         rows += batch_rows
+        summary.append(f"batch {batch}: {split}")
         if best is not None:
             summary.append(
                 f"batch {batch}: engine {best[1]:.2f}x transformers ({best[0]} cache, the faster)"
@@ -240,12 +243,21 @@ def main() -> None:
     )
 
 
-def compare(model, hf, prompts_BP: torch.Tensor, args, sync) -> tuple[list[str], tuple | None]:
-    """One batch's table rows: the engine, then each transformers cache setup against it; and
-    ``(cache, engine speed-up)`` of the fastest transformers setup (None if every one failed)."""
+def compare(model, hf, prompts_BP: torch.Tensor, args, sync) -> tuple[list[str], tuple | None, str]:
+    """One batch's table rows: the engine, then each transformers cache setup against it;
+    ``(cache, engine speed-up)`` of the fastest transformers setup (None if every one failed);
+    and the engine's call split into its prompt with the first token (a call of one new token,
+    timed alike) and the decode steps after it."""
     batch, new = prompts_BP.shape[0], args.max_tokens
     engine = make_engine(model, batch, prompts_BP.shape[1] + new)
     times, engine_BN = time_calls(engine_generate(engine, prompts_BP, new), args.repeats, sync)
+    first, _ = time_calls(engine_generate(engine, prompts_BP, 1), args.repeats, sync)
+    whole, prompt = statistics.median(times), statistics.median(first)
+    split = (
+        f"the engine's call, {1e3 * whole:.1f} ms: the prompt and first token {1e3 * prompt:.1f} ms"
+    )
+    if new > 1:
+        split += f", then {1e3 * (whole - prompt) / (new - 1):.2f} ms per decode step"
     graphs = "CUDA graphs" if engine.graphs_off is None else f"eager: {engine.graphs_off}"
     del engine
     check_shape("engine", engine_BN, batch, new)
@@ -280,7 +292,7 @@ def compare(model, hf, prompts_BP: torch.Tensor, args, sync) -> tuple[list[str],
         progress(rows[-1])
         if best is None or speedup < best[1]:
             best = (cache, speedup)
-    return rows, best
+    return rows, best, split
 
 
 def timing(times: list[float], tok_s: float) -> tuple[str, str]:

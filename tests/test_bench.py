@@ -66,6 +66,8 @@ def test_the_transformers_comparison_smoke_run_has_its_table(capfd):
         first_equal += agreed
     assert first_equal >= 4  # of 8 rows
     assert re.search(r"^batch 3: engine [\d.]+x transformers \((dynamic|static) cache", out, re.M)
+    split = r"^batch 3: the engine's call, [\d.]+ ms: the prompt and first token [\d.]+ ms, then "
+    assert re.search(split + r"-?[\d.]+ ms per decode step$", out, re.M)
 
 
 def test_the_benchmarks_exit_status_is_the_commands(capfd):
