@@ -7,7 +7,9 @@ row. One launch covers every prefill segment of a step: each program takes one K
 *tile* of BLOCK_Q consecutive query tokens of one segment, i.e. ``BLOCK_Q * G`` rows (token,
 query head), and walks the tile's context BLOCK_N tokens at a time with an online softmax, as
 flash attention does. Nothing is gathered to memory. The tiles are listed on the host
-(`plan`), once per step, so a launch reads no sizes back.
+(`plan`), once per step, so a launch reads no sizes back. A CUDA graph's plan is a fixed
+number of tiles over tensors its caller rewrites each step (`plan_over`): the tiles it does not
+need name a segment of no tokens, whose program reads no context and stores nothing.
 
 Numerics: those of the decode kernel (`paged_attention`), whose steps this kernel reuses: K
 and V enter the dots as exactly the values ``KVCache.read`` returns; scores ``(q . k) * (1 /
@@ -206,6 +208,39 @@ def plan(
         group=group,
         block_q=block_q,
     )
+
+
+def plan_over(
+    segments_S3: torch.Tensor,
+    table_SN: torch.Tensor,
+    tiles_P2: torch.Tensor,
+    group: int,
+    *,
+    tile: PrefillTile | None = None,
+) -> PrefillPlan:
+    """A plan over int32 tensors its caller fills step after step (a CUDA graph's inputs,
+    read by every replay): rows as `plan` makes them, except that a segment may have no tokens
+    (``num`` 0), and a tile of such a segment reads no context and stores nothing, so a tile
+    list of a fixed length is padded with them. The caller lists the tiles of ``block_q`` tokens
+    (`PrefillTile.block_q`)."""
+    tile = tile or TILE
+    if group < 1:
+        raise ValueError(f"group must be a positive number of query heads per KV head; got {group}")
+    for name, t, cols in (
+        ("segments_S3", segments_S3, 3),
+        ("table_SN", table_SN, None),
+        ("tiles_P2", tiles_P2, 2),
+    ):
+        if t.dtype != torch.int32 or t.dim() != 2 or t.shape[1] != (cols or t.shape[1]):
+            raise ValueError(f"{name} must be an int32 [rows, {cols or 'N'}] tensor; got "
+                             f"{t.dtype} {tuple(t.shape)}")  # fmt: skip
+        check_contiguous(name, t)
+        check_device(name, t, segments_S3.device)
+    if table_SN.shape[0] != segments_S3.shape[0]:
+        raise ValueError(f"one table row per segment: {segments_S3.shape[0]} segments, "
+                         f"{table_SN.shape[0]} table rows")  # fmt: skip
+    block_q = tile.block_q(group)
+    return PrefillPlan(segments_S3, table_SN, tiles_P2, tile, group, block_q)
 
 
 def launch(

@@ -244,6 +244,26 @@ def paged_prefill_plan(q_THD: torch.Tensor, segments, block_tables, group: int):
     return kernels.paged_prefill.plan(segments, block_tables, group, q_THD.device)
 
 
+def paged_prefill_plan_over(
+    segments_S3: torch.Tensor, table_SN: torch.Tensor, tiles_P2: torch.Tensor, group: int
+):
+    """`paged_prefill_plan`'s plan over int32 device tensors the caller fills step after step
+    (a CUDA graph's inputs; `fp4rl.kernels.paged_prefill.plan_over`: a tile of a segment of no
+    tokens does nothing); None off the GPU."""
+    kernels = _kernels(segments_S3)
+    if kernels is None:
+        return None
+    return kernels.paged_prefill.plan_over(segments_S3, table_SN, tiles_P2, group)
+
+
+def paged_prefill_block_q(group: int) -> int:
+    """Query tokens per tile of the prefill kernel's plans, for ``group`` query heads per KV
+    head (the tiles `paged_prefill_plan_over`'s caller lists)."""
+    from fp4rl.kernels import paged_prefill
+
+    return paged_prefill.TILE.block_q(group)
+
+
 def paged_prefill_attention(
     q_THD: torch.Tensor,
     k: torch.Tensor | NVFP4Rows,
@@ -343,7 +363,9 @@ __all__ = [
     "paged_decode_attention",
     "paged_decode_kernel_runs",
     "paged_prefill_attention",
+    "paged_prefill_block_q",
     "paged_prefill_plan",
+    "paged_prefill_plan_over",
     "project",
     "quantize",
     "quantize_guided",

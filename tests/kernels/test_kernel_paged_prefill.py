@@ -215,6 +215,47 @@ def test_plan_and_launch_name_the_values(device):
         launch(q, k, v, plan(scene.segments, scene.tables, 4, device, tile=short), out)
 
 
+@pytest.mark.parametrize("fmt", ["bf16 pages", "nvfp4"])
+def test_a_plan_padded_with_tiles_of_an_empty_segment_gives_the_same_rows(device, fmt):
+    """`plan_over` (a graph's plan): the segments behind an empty row 0, the tiles of `plan`
+    pointing one row further, and spare tiles naming row 0, which read and store nothing."""
+    heads, dim, page, chunks = SHAPES["G=4 D=32 P=16"]
+    scene = Scene(fmt, chunks, heads=heads, dim=dim, page=page, seed=3, device=device,
+                  q_dtype=torch.float32)  # fmt: skip
+    tile = PrefillTile(rows=16, block_n=32, num_warps=4, num_stages=2)
+    want = scene.launch(tile)
+    flat = paged_prefill.plan(scene.segments, scene.tables, scene.group, device, tile=tile)
+    int32 = dict(dtype=torch.int32, device=device)
+    segments = torch.cat([torch.zeros(1, 3, **int32), flat.segments_S3])
+    table = torch.cat([torch.full((1, flat.table_SN.shape[1]), 7, **int32), flat.table_SN])
+    tiles = flat.tiles_P2 + torch.tensor([1, 0], **int32)
+    spare = torch.zeros(5, 2, **int32)
+    tiles = torch.cat([tiles[:2], spare[:3], tiles[2:], spare[3:]])
+    padded = paged_prefill.plan_over(segments, table, tiles, scene.group, tile=tile)
+    assert padded.block_q == flat.block_q
+    out = torch.full_like(scene.q_THD, math.nan)
+    paged_prefill.launch(scene.q_THD, *scene.pages(), padded, out)
+    assert out[: scene.rows[0]].isnan().all(), "a tile of the empty segment stored a row"
+    assert_bitwise(out[scene.rows[0] :], want.cpu(), "padded plan against plan")
+
+
+def test_plan_over_names_what_it_refuses(device):
+    int32 = dict(dtype=torch.int32, device=device)
+    segments, table, tiles = (torch.zeros(2, 3, **int32), torch.zeros(2, 4, **int32),
+                              torch.zeros(5, 2, **int32))  # fmt: skip
+    with pytest.raises(ValueError, match=r"segments_S3 must be an int32 \[rows, 3\] tensor; got "
+                       r"torch.int64 \(2, 3\)"):  # fmt: skip
+        paged_prefill.plan_over(segments.long(), table, tiles, 4)
+    with pytest.raises(ValueError, match=r"tiles_P2 must be an int32 \[rows, 2\] tensor"):
+        paged_prefill.plan_over(segments, table, tiles[:, :1], 4)
+    with pytest.raises(ValueError, match="one table row per segment: 2 segments, 1 table rows"):
+        paged_prefill.plan_over(segments, table[:1], tiles, 4)
+    with pytest.raises(ValueError, match="table_SN must be contiguous"):
+        paged_prefill.plan_over(segments, torch.zeros(4, 2, **int32).t(), tiles, 4)
+    with pytest.raises(ValueError, match="group must be a positive number"):
+        paged_prefill.plan_over(segments, table, tiles, 0)
+
+
 def test_tiles_cover_each_segment_in_order():
     tile = PrefillTile(rows=64, block_n=64, num_warps=4, num_stages=2)
     p = paged_prefill.plan([(3, 0, 20), (23, 8, 5)], [[1, 2], [4]], 8, "cpu", tile=tile)
