@@ -55,8 +55,8 @@ from fp4rl.rollout import Engine, EngineConfig, SamplingParams
 from fp4rl.rollout.attention import Segment
 from fp4rl.rollout.block_manager import BlockTable
 from fp4rl.rollout.capture import StepCapture
-from fp4rl.rollout.engine import _bad_rows, _queue_read_back
 from fp4rl.rollout.model_layout import ModelLayout
+from fp4rl.rollout.read_back import bad_rows, queue_read_back
 from fp4rl.rollout.sampler import Draws, make_generator, sample
 from fp4rl.rollout.sequence import placeholder
 
@@ -159,7 +159,7 @@ def engine_steps(engine: Engine, segments, tokens, params, overlap: bool) -> Non
             step_tokens, sampled = ahead, pending[0].token_ids_B
         logits, _ = decode_step(engine, segments(s), step_tokens, sampled_S=sampled)
         out = sample(logits, params, generators)
-        queued = _queue_read_back(_bad_rows(logits), out)
+        queued = queue_read_back(bad_rows(logits), out)
         if pending is not None:
             read(pending[1])
         pending = (out, queued)

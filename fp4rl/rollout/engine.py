@@ -40,6 +40,7 @@ from fp4rl.rollout.generation_config import eos_token_ids
 from fp4rl.rollout.graphs import DecodeGraphs, graphs_unsupported
 from fp4rl.rollout.kv_cache import KVCache, num_blocks_for_budget
 from fp4rl.rollout.model_layout import ModelLayout
+from fp4rl.rollout.read_back import bad_rows, check_logits, queue_read_back, read_back
 from fp4rl.rollout.rows import HostRows
 from fp4rl.rollout.sampler import Draws, SampleOutput, make_generator, sample, to_device
 from fp4rl.rollout.scheduler import Group, Scheduler, Step
@@ -276,13 +277,13 @@ class Engine:
             return launched  # a step of prefill chunks only
         # Nothing here waits for the device: the sampler's kernels queue behind the forward
         # while the host is still launching them.
-        launched.bad_S = _bad_rows(logits_SV)
+        launched.bad_S = bad_rows(logits_SV)
         rows = to_device(
             torch.tensor([i for i, group in enumerate(launched.groups) for _ in group]),
             torch.device(device),
         )
         launched.out = sample(logits_SV[rows], [s.params for s in seqs], [s.draws for s in seqs])
-        launched.read_back = _queue_read_back(launched.bad_S, launched.out)
+        launched.read_back = queue_read_back(launched.bad_S, launched.out)
         for i, seq in enumerate(seqs):
             if seq.reserve(placeholder(i), self.config.max_model_len):
                 scheduler.finish(seq)  # its last token, whatever it is: no step feeds it
@@ -307,8 +308,10 @@ class Engine:
             log.add(launched.capture, launched.num_rows, spans)
         if not launched.seqs:
             return []
-        bad, tokens, logprobs, raws = _read_back(launched)
-        _check_logits(bad, launched.groups)
+        bad, tokens, logprobs, raws = read_back(
+            launched.read_back, launched.bad_S.shape[0], len(launched.seqs)
+        )
+        check_logits(bad, launched.groups)
         finished = []
         for seq, token, logprob, raw in zip(launched.seqs, tokens, logprobs, raws, strict=True):
             if seq.finish_reason is not None:
@@ -376,7 +379,7 @@ class _Launched:
     seqs: list[Sequence] = field(default_factory=list)  # the sampler's rows, in order
     bad_S: torch.Tensor | None = None
     out: SampleOutput | None = None
-    read_back: tuple | None = None  # `_queue_read_back`'s host tensor and event
+    read_back: tuple | None = None  # `queue_read_back`'s host tensor and event
 
 
 def _per_prompt(sampling, num_prompts: int) -> list[tuple[SamplingParams, int]]:
@@ -400,51 +403,3 @@ def _per_prompt(sampling, num_prompts: int) -> list[tuple[SamplingParams, int]]:
         if not isinstance(p, SamplingParams):
             raise TypeError(f"sampling[{i}] must be a SamplingParams, got {type(p).__name__}")
     return [(p, seed_of(p)) for p in params]
-
-
-def _bad_rows(logits_SV: torch.Tensor) -> torch.Tensor:
-    """Rows with a NaN or +inf logit, or no finite one (bool ``[S]``, on the device), in one
-    reduction: a row's maximum is NaN if any logit is (torch's max propagates NaN), +inf if one
-    is and none is NaN, -inf if all are, and finite exactly when the row is fit to sample."""
-    return ~torch.isfinite(logits_SV.amax(-1))
-
-
-def _queue_read_back(bad_S: torch.Tensor, out: SampleOutput) -> tuple[torch.Tensor, object]:
-    """The bad-row flags and the sampled tokens, logprobs and raw logprobs in one float64 tensor
-    (which holds token ids and FP32 values exactly), its copy to the host queued right behind
-    the sampling: a later step launched before this one is read does not delay it. Returns the
-    host tensor and the event (None off the GPU) that says it has landed."""
-    parts = (bad_S, out.token_ids_B, out.logprobs_B, out.raw_logprobs_B)
-    values = torch.cat([p.to(torch.float64) for p in parts])
-    if values.device.type != "cuda":
-        return values, None
-    host = torch.empty(values.shape, dtype=torch.float64, pin_memory=True)
-    host.copy_(values, non_blocking=True)
-    landed = torch.cuda.Event()
-    landed.record(torch.cuda.current_stream(values.device))
-    return host, landed
-
-
-def _read_back(launched: _Launched) -> tuple[list[bool], list[int], list[float], list[float]]:
-    """What `_queue_read_back` queued, on the host (the one wait for the device)."""
-    host, landed = launched.read_back
-    if landed is not None:
-        landed.synchronize()
-    values = host.tolist()
-    S, B = launched.bad_S.shape[0], len(launched.seqs)
-    bad, rest = values[:S], values[S:]
-    return [v != 0 for v in bad], [int(v) for v in rest[:B]], rest[B : 2 * B], rest[2 * B :]
-
-
-def _check_logits(bad_S: list[bool], groups: list[list[Sequence]]) -> None:
-    """Refuse to sample from NaN, +inf or all -inf logits (`_bad_rows`): any token drawn from
-    them would be a plausible-looking lie in the training data. Tokens drawn from such rows in
-    the same step are discarded with the step."""
-    if any(bad_S):
-        names = [
-            f"prompt {s.prompt_index} sample {s.sample_index}"
-            for i, bad in enumerate(bad_S)
-            if bad
-            for s in groups[i]
-        ]
-        raise RuntimeError(f"non-finite logits for {', '.join(names)}; generation stopped")

@@ -99,7 +99,7 @@ def test_bad_rows_are_those_with_a_nan_a_positive_inf_or_nothing_finite(device):
     """The engine refuses a row holding a NaN or +inf logit anywhere, or only -inf ones; a row
     whose finite logits sit beside -inf ones (masked tokens) samples. On the GPU as on the CPU
     (the one reduction rests on the row maximum propagating NaN on both)."""
-    from fp4rl.rollout.engine import _bad_rows
+    from fp4rl.rollout.read_back import bad_rows
 
     nan, inf = float("nan"), float("inf")
     rows = {
@@ -115,12 +115,12 @@ def test_bad_rows_are_those_with_a_nan_a_positive_inf_or_nothing_finite(device):
         (inf, inf, inf, inf): True,
     }
     logits = torch.tensor(list(rows), dtype=torch.float32, device=device)
-    assert _bad_rows(logits).tolist() == list(rows.values())
+    assert bad_rows(logits).tolist() == list(rows.values())
     # Wide rows: the one bad logit anywhere in them.
     wide = torch.randn(3, 151936, device=device)
     wide[0, 151935], wide[1, 17], wide[2, :] = nan, inf, -inf
-    assert _bad_rows(wide).tolist() == [True, True, True]
-    assert _bad_rows(torch.randn(2, 151936, device=device)).tolist() == [False, False]
+    assert bad_rows(wide).tolist() == [True, True, True]
+    assert bad_rows(torch.randn(2, 151936, device=device)).tolist() == [False, False]
 
 
 def test_kv_pages_can_be_given_back_and_taken_again(models):
