@@ -127,12 +127,18 @@ class PagedAttention:
     Stores what the layer's KV sites produce (`NewKV.store`: the tensors of a BF16 layer; an
     NVFP4 one's rows quantized straight into the pages, each site's `NVFP4Tensor` recorded
     beside them when the forward's capture keeps it), then attends over the cache.
+
+    ``prefill_plan``: the prefill kernel's plan over a prefill graph's inputs
+    (`fp4rl.rollout.prefill_graphs`), given instead of ``meta``'s segments; the rows no segment
+    covers are the graph's padding, and their attention output is 0.
     """
 
-    def __init__(self, cache: KVCache, meta: AttentionMetadata) -> None:
+    def __init__(self, cache: KVCache, meta: AttentionMetadata, prefill_plan=None) -> None:
         self.cache, self.meta = cache, meta
         self.positions = meta.positions_T
-        self._prefill_plan = None  # built by the first layer that prefills on the GPU
+        self.padded = prefill_plan is not None
+        # Built by the first layer that prefills on the GPU, unless given.
+        self._prefill_plan = prefill_plan
 
     def attend(self, layer: int, q_THD: torch.Tensor, kv: NewKV) -> torch.Tensor:
         m = self.meta
@@ -147,10 +153,10 @@ class PagedAttention:
             # queries and outputs need no gather and no scatter.
             return self._decode(layer, q_THD)
         q_THD = q_THD.contiguous()  # the prefill kernel reads it, and writes o_THD, in place
-        o_THD = torch.empty_like(q_THD)
+        o_THD = torch.zeros_like(q_THD) if self.padded else torch.empty_like(q_THD)
         if m.decode_rows_B.numel():
             o_THD[m.decode_rows_B] = self._decode(layer, q_THD[m.decode_rows_B])
-        if m.prefills:
+        if m.prefills or self.padded:
             self._prefill(layer, q_THD, o_THD)
         return o_THD
 
@@ -167,6 +173,8 @@ class PagedAttention:
         k, v = self.cache.pages(layer)
         if ops.paged_prefill_attention(q_THD, k, v, self._prefill_plan, o_THD) is not None:
             return
+        if self.padded:  # a graph's segments are on the device only
+            raise RuntimeError(f"layers.{layer}: the prefill kernel does not run for these pages")
         for row, num, slots_C in m.prefills:
             k_CKD, v_CKD = self.cache.read(layer, slots_C, q_THD.dtype)
             o = attend_fp32(

@@ -3,9 +3,10 @@
 One `generate` call builds a fresh scheduler and block pool over the engine's KV storage, so
 nothing from an earlier call (blocks, queues, generators) leaks into the next. Each step:
 schedule, flatten the scheduled segments into one token stream, run the model with a
-`PagedAttention` backend (and a `StepCapture` when routing or guidance is recorded), take the
-logits of each segment's last token, copy forked samples' partial blocks, sample, and retire
-finished sequences.
+`PagedAttention` backend (and a `StepCapture` when routing or guidance is recorded), or on a
+GPU replay a CUDA graph of the step (`fp4rl.rollout.graphs`: decode-only steps;
+`fp4rl.rollout.prefill_graphs`: prefill-only steps), take the logits of each segment's last
+token, copy forked samples' partial blocks, sample, and retire finished sequences.
 
 Steps overlap (`EngineConfig.overlap_steps`): a step is launched (`_launch`: forward, sampling
 and the copy of its results to the host, all queued) and, when the next step is a decode of
@@ -40,6 +41,7 @@ from fp4rl.rollout.generation_config import eos_token_ids
 from fp4rl.rollout.graphs import DecodeGraphs, graphs_unsupported
 from fp4rl.rollout.kv_cache import KVCache, num_blocks_for_budget
 from fp4rl.rollout.model_layout import ModelLayout
+from fp4rl.rollout.prefill_graphs import PrefillGraphs, graphable_prefill
 from fp4rl.rollout.read_back import bad_rows, check_logits, queue_read_back, read_back
 from fp4rl.rollout.rows import HostRows
 from fp4rl.rollout.sampler import Draws, SampleOutput, make_generator, sample, to_device
@@ -60,9 +62,10 @@ class Engine:
         self.num_blocks = num_blocks_for_budget(config, self.layout.kv)
         self.cache: KVCache | None = None
         self.host_rows = HostRows()  # where each call's captured rows land, call after call
-        # Why decode steps run eagerly, or None when they replay CUDA graphs.
+        # Why every step runs eagerly, or None when decode and prefill steps replay CUDA graphs.
         self.graphs_off = graphs_unsupported(self.layout, config)
         self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
         self.acquire_kv()
         if config.guidance is not None and not self.layout.guided_keys:
             raise ValueError(
@@ -98,12 +101,13 @@ class Engine:
         """Give the KV pages back (a colocated trainer needs the memory while it runs);
         `generate` refuses to run until `acquire_kv`. Nothing else holds them between calls.
         The host memory kept for captured rows (`HostRows`) goes back too."""
-        self.cache = self.graphs = None  # the graphs hold the pages' addresses
+        # The graphs hold the pages' addresses.
+        self.cache = self.graphs = self.prefill_graphs = None
         self.host_rows.release()
 
     def acquire_kv(self) -> None:
         """Allocate the KV pages (again): zeroed, the size ``engine.kv_memory_bytes`` bought,
-        plus one scratch block that the padding rows of graphed decode steps write to."""
+        plus one scratch block that the padding rows of graphed steps write to."""
         if self.cache is None:
             c = self.config
             self.cache = KVCache(
@@ -116,6 +120,14 @@ class Engine:
                     device=self.layout.device,
                     max_batch=c.max_num_seqs,
                     max_model_len=c.max_model_len,
+                )
+                self.prefill_graphs = PrefillGraphs(
+                    self.model,
+                    self.cache,
+                    device=self.layout.device,
+                    max_segments=c.max_num_seqs,
+                    max_model_len=c.max_model_len,
+                    pool=self.graphs.pool,
                 )
 
     def generate(
@@ -237,7 +249,7 @@ class Engine:
             segments.append(Segment(seq.block_table, seq.num_cached, len(new)))
             ranges.append((len(tokens), len(tokens) + len(new)))
             tokens += new
-        device = self.layout.device
+        device = torch.device(self.layout.device)
         sampled_before = (
             None if previous is None or previous.out is None else previous.out.token_ids_B
         )
@@ -254,16 +266,24 @@ class Engine:
                 segments, tokens, capture, sampled_before, into=self.host_rows
             )
         else:
-            meta = AttentionMetadata.build(segments, self.config.block_size, device)
-            tokens_T = resolve_placeholders(
-                torch.tensor(tokens, dtype=torch.long, device=device), sampled_before
+            prefill_graphed = (
+                self.prefill_graphs is not None
+                and sampled_before is None
+                and graphable_prefill(segments)
             )
-            attn = PagedAttention(self.cache, meta)
-            h_TH = self.model.hidden_states(tokens_T, attn, capture=capture)
+            if prefill_graphed:
+                h_TH, capture = self.prefill_graphs.run(segments, tokens, capture, self.host_rows)
+            else:
+                meta = AttentionMetadata.build(segments, self.config.block_size, device)
+                tokens_T = resolve_placeholders(
+                    to_device(torch.tensor(tokens, dtype=torch.long), device), sampled_before
+                )
+                attn = PagedAttention(self.cache, meta)
+                h_TH = self.model.hidden_states(tokens_T, attn, capture=capture)
             last_rows = [end - 1 for (_, end), entry in zip(ranges, fed, strict=True) if entry[3]]
-            last_rows = torch.tensor(last_rows, dtype=torch.long, device=device)  # maybe none
+            last_rows = to_device(torch.tensor(last_rows, dtype=torch.long), device)  # maybe none
             logits_SV = self.model.logits(h_TH[last_rows], dtype=None)  # the sampler's input
-            if capture is not None and torch.device(device).type == "cuda":
+            if capture is not None and not prefill_graphed and device.type == "cuda":
                 capture = capture.to_host(into=self.host_rows)  # off the GPU now, as graphed ones
         self.cache.copy_blocks(step.block_copies)
         scheduler.commit(step)
@@ -279,8 +299,7 @@ class Engine:
         # while the host is still launching them.
         launched.bad_S = bad_rows(logits_SV)
         rows = to_device(
-            torch.tensor([i for i, group in enumerate(launched.groups) for _ in group]),
-            torch.device(device),
+            torch.tensor([i for i, group in enumerate(launched.groups) for _ in group]), device
         )
         launched.out = sample(logits_SV[rows], [s.params for s in seqs], [s.draws for s in seqs])
         launched.read_back = queue_read_back(launched.bad_S, launched.out)

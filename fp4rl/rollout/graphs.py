@@ -30,9 +30,11 @@ overwrite them first: the host's whole share of the capture is that copy.
 
 Graphs hold the addresses of the weights and the KV pages they were captured with: a refit
 copies weights in place (`fp4rl.refit`), and the engine drops its graphs with its KV pages
-(`Engine.release_kv`). Only decode-only steps are graphed; prefills run eagerly, as do steps
-where a layer's attention would gather its context (`fp4rl.ops.paged_decode_kernel_runs`) or
-the engine records sparse guidance (its record's size depends on the values).
+(`Engine.release_kv`). Here, decode-only steps; prefill-only steps have graphs of their own
+(`fp4rl.rollout.prefill_graphs`, in the same memory pool); the other steps run eagerly, and so
+does every step where a layer's attention would gather its context
+(`fp4rl.ops.paged_decode_kernel_runs`) or the engine records sparse guidance (its record's size
+depends on the values).
 
 Graphs are captured with early dependents (`EARLY_DEPENDENTS_MAX_BATCH`,
 `fp4rl.ops.early_dependents`), but for the K/V store before the decode attention of 8 or more
@@ -155,7 +157,7 @@ class DecodeGraphs:
         self.scratch_block = cache.num_blocks - 1
         self.device = torch.device(device)
         self.graphs: dict[tuple[int, bool], _Graph] = {}
-        self.pool = None
+        self.pool = torch.cuda.graph_pool_handle()  # every graph's memory (one replays at a time)
         self.inputs = self.staging = None  # created inside the first generate (inference mode)
 
     def handles(self, num_decodes: int) -> bool:
@@ -239,24 +241,37 @@ class DecodeGraphs:
             self.rows = torch.arange(self.max_batch, device=self.device)
             self.sampled = torch.zeros(self.max_sampled, dtype=torch.int64, device=self.device)
             self._padding = self._padding_rows()
-            self.pool = torch.cuda.graph_pool_handle()
         # Captured over padding rows: only the scratch block is written.
         self.inputs.copy_(torch.from_numpy(np.tile(self._padding, (self.max_batch, 1))))
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with ops.early_dependents(self.device, b <= EARLY_DEPENDENTS_MAX_BATCH):
-            with torch.cuda.stream(side):  # compiles kernels, sizes workspaces, outside the graph
-                for _ in range(2):
-                    self._forward(b, _like(capture))
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                logits, records = self._forward(b, _like(capture))
+        graph, (logits, records) = capture_graph(
+            lambda: self._forward(b, capture_like(capture)),
+            self.device,
+            self.pool,
+            early=b <= EARLY_DEPENDENTS_MAX_BATCH,
+        )
         self.graphs[key] = _Graph(graph, logits, records)
         return self.graphs[key]
 
 
-def _like(capture: StepCapture | None) -> StepCapture | None:
+def capture_graph(forward, device: torch.device, pool, *, early: bool):
+    """A CUDA graph of ``forward()`` in ``pool``, and what the captured call returned: two calls
+    on a side stream first (kernels compile and workspaces are sized outside the graph), its
+    kernels launched with early dependents if ``early`` (`fp4rl.ops.early_dependents`)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with ops.early_dependents(device, early):
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                forward()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = forward()
+    return graph, out
+
+
+def capture_like(capture: StepCapture | None) -> StepCapture | None:
+    """A fresh `StepCapture` that keeps what ``capture`` keeps (a graph's own)."""
     if capture is None:
         return None
     return StepCapture(routing=capture.keep_routing, guidance=capture.guidance, keep=capture.keep)

@@ -1,13 +1,23 @@
 """The input rows a graphed decode step stages (`graphs.fill_rows`, `graphs.pad_rows`): the same
 rows from a `BlockTable`'s int64 copy as from its Python ints, the columns each row holds, and
-padding rows as copies of the shortest real row that write only the scratch slot."""
+padding rows as copies of the shortest real row that write only the scratch slot. And the
+inputs a graphed prefill step stages (`prefill_graphs.PrefillInputs`): the positions and slots
+the eager step's metadata computes, the prefill kernel's tiles, padding that writes only the
+scratch block."""
 
 import numpy as np
 import pytest
 
-from fp4rl.rollout.attention import Segment
+from fp4rl.rollout.attention import AttentionMetadata, Segment
 from fp4rl.rollout.block_manager import BlockManager
 from fp4rl.rollout.graphs import CONTEXT, POSITION, SLOT, TABLE, TOKEN, fill_rows, pad_rows
+from fp4rl.rollout.prefill_graphs import (
+    MAX_PREFILL_GRAPH_TOKENS,
+    PREFILL_BUCKETS,
+    PrefillInputs,
+    graphable_prefill,
+    prefill_bucket,
+)
 
 
 def test_rows_from_block_tables_equal_rows_from_lists():
@@ -59,3 +69,67 @@ def test_padding_rows_copy_the_shortest_real_row_but_write_the_scratch_slot():
     assert np.array_equal(full, rows)
     with pytest.raises(ValueError, match="num_real=0"):
         pad_rows(rows, 0, 0)
+
+
+def prefill_step(lengths, starts, bm):
+    """Segments feeding ``lengths`` tokens after ``starts`` cached, in fresh block tables."""
+    tables = [bm.allocate(bm.blocks_for(s + n)) for s, n in zip(starts, lengths, strict=True)]
+    return [Segment(t, s, n) for t, s, n in zip(tables, starts, lengths, strict=True)]
+
+
+def test_prefill_inputs_hold_the_eager_steps_positions_slots_and_tiles():
+    bm = BlockManager(num_blocks=128, block_size=16)
+    segments = prefill_step((20, 2, 37), (0, 30, 16), bm)
+    tokens = list(range(100, 159))
+    inputs = PrefillInputs.of(prefill_bucket(59), max_segments=8, block_q=8, width=6)
+    assert (inputs.tokens, inputs.segments) == (64, 9)  # 8 segments at most, row 0 empty
+    assert inputs.tiles == 8 + 8  # 64 tokens of 8 a tile, one partial tile per segment
+    buffer = np.full(inputs.size + 5, -7, dtype=np.int64)
+    used = inputs.fill(buffer, segments, tokens, 16, 8, scratch_block=127)
+    assert used == inputs.table_at + 4 * 6 and (buffer[inputs.size :] == -7).all()
+    columns, segs, tiles, table = inputs.views(buffer)
+    meta = AttentionMetadata.build(segments, 16, "cpu")
+    assert columns[0, :59].tolist() == tokens
+    assert columns[1, :59].tolist() == meta.positions_T.tolist()
+    assert columns[2, :59].tolist() == meta.slots_T.tolist()
+    # Padding: the first token at position 0, K and V to the scratch block.
+    assert (columns[:, 59:] == np.array([[100], [0], [127 * 16]])).all()
+    assert segs[:4].tolist() == [[0, 0, 0], [0, 0, 20], [20, 30, 2], [22, 16, 37]]
+    for i, seg in enumerate(segments):
+        table_row = table[1 + i].tolist()
+        assert table_row[: len(seg.block_table)] == list(seg.block_table)
+        assert set(table_row[len(seg.block_table) :]) <= {127}
+    want = [(1 + i, q0) for i, s in enumerate(segments) for q0 in range(0, s.num_new, 8)]
+    assert [tuple(t) for t in tiles[: len(want)].tolist()] == want
+    assert (tiles[len(want) :] == 0).all(), "spare tiles name the empty segment"
+
+
+def test_prefill_inputs_from_lists_equal_inputs_from_block_tables():
+    bm = BlockManager(num_blocks=64, block_size=16)
+    segments = prefill_step((5, 40), (3, 0), bm)
+    lists = [Segment(list(s.block_table), s.start, s.num_new) for s in segments]
+    inputs = PrefillInputs.of(64, max_segments=4, block_q=4, width=8)
+    a, b = (np.zeros(inputs.size, dtype=np.int64) for _ in range(2))
+    inputs.fill(a, segments, list(range(45)), 16, 4, scratch_block=63)
+    inputs.fill(b, lists, list(range(45)), 16, 4, scratch_block=63)
+    assert np.array_equal(a, b)
+
+
+def test_which_steps_a_prefill_graph_takes():
+    bm = BlockManager(num_blocks=512, block_size=16)
+    assert graphable_prefill(prefill_step((2, 300), (0, 0), bm))
+    assert not graphable_prefill(prefill_step((1, 300), (0, 0), bm)), "a decode among them"
+    assert not graphable_prefill([])
+    assert not graphable_prefill(prefill_step((MAX_PREFILL_GRAPH_TOKENS, 2), (0, 0), bm))
+    assert graphable_prefill(prefill_step((MAX_PREFILL_GRAPH_TOKENS,), (0,), bm))
+    assert prefill_bucket(2) == 16 and prefill_bucket(257) == 512
+    assert prefill_bucket(MAX_PREFILL_GRAPH_TOKENS) == PREFILL_BUCKETS[-1]
+    assert prefill_bucket(MAX_PREFILL_GRAPH_TOKENS + 1) is None
+    inputs = PrefillInputs.of(16, max_segments=4, block_q=8, width=4)
+    buffer = np.zeros(inputs.size, dtype=np.int64)
+    with pytest.raises(ValueError, match="cannot take 1 segments of \\[20\\] tokens"):
+        inputs.fill(buffer, prefill_step((20,), (0,), bm), list(range(20)), 16, 8, 511)
+    with pytest.raises(ValueError, match="cannot take 5 segments"):
+        inputs.fill(buffer, prefill_step((2,) * 5, (0,) * 5, bm), list(range(10)), 16, 8, 511)
+    with pytest.raises(ValueError, match="does not fit its block table of block size 16"):
+        inputs.fill(buffer, [Segment([3], 10, 8)], list(range(8)), 16, 8, 511)

@@ -19,6 +19,7 @@ from fp4rl.kernels import dependent_launch
 from fp4rl.refit import RefitReceiver, refit_records
 from fp4rl.rollout import Engine, SamplingParams, graphs
 from fp4rl.rollout.graphs import MAX_GRAPH_BATCH, bucket_for
+from fp4rl.rollout.prefill_graphs import prefill_bucket
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -204,3 +205,71 @@ def test_a_float32_engine_decodes_eagerly():
     assert engine.graphs is None and "torch.float32" in engine.graphs_off
     out = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert all(len(c.completion_ids) == 4 for c in out)
+
+
+# ---- prefill steps (`fp4rl.rollout.prefill_graphs`) -----------------------------------------
+
+# Prompts of two tokens or more (one token is a decode), 64 tokens in all: a bucket's size.
+PREFILL_PROMPTS = [[3 + i] * n for i, n in enumerate((2, 5, 9, 16, 32))]
+
+
+@pytest.mark.parametrize(
+    "experts, kv_cache, guidance",
+    [("nvfp4", "nvfp4", "full"), ("nvfp4", "bf16", "compact"), ("bf16", "bf16", None)],
+)
+@torch.no_grad()
+def test_graphed_prefill_equals_eager_prefill_bitwise(experts, kv_cache, guidance):
+    """At a bucket's size a graphed prefill step runs the eager step's kernels on its shapes."""
+    _, packed = models(experts, kv_cache)
+    capture = dict(capture_routing=guidance is not None, guidance=guidance)
+    graphed, eager = engines(packed, **capture)
+    assert prefill_bucket(sum(map(len, PREFILL_PROMPTS))) == 64
+    for params in (
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+        SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=3, ignore_eos=True),
+    ):
+        assert_same_completions(
+            graphed.generate(PREFILL_PROMPTS, params), eager.generate(PREFILL_PROMPTS, params)
+        )
+    assert (64, guidance is not None) in graphed.prefill_graphs.graphs
+
+
+@pytest.mark.parametrize("experts", ["nvfp4", "bf16"])
+@torch.no_grad()
+def test_padded_prefill_writes_the_eager_pages_and_only_the_scratch_block(experts):
+    """50 tokens in the 64-token graph: 14 padding rows. The pages of every block the
+    sequences hold are those of the eager step, bit for bit; the padding wrote only the
+    scratch block."""
+    _, packed = models(experts, experts)
+    graphed, eager = engines(packed, capture_routing=True)
+    prompts = [[7] * 3, [8, 9] * 20, list(range(1, 8))]  # 3 + 40 + 7 = 50 tokens
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    got, want = graphed.generate(prompts, params), eager.generate(prompts, params)
+    assert (64, True) in graphed.prefill_graphs.graphs
+    assert_same_completions(got, want)
+    used = sum(-(-len(p) // 16) for p in prompts)  # blocks the sequences held
+    scratch = graphed.num_blocks
+    layers = zip(graphed.cache.layers, eager.cache.layers, strict=True)
+    for layer, (mine, theirs) in enumerate(layers):
+        for a, b in zip(mine.tensors(), theirs.tensors(), strict=True):
+            a, b = a.flatten(1).view(torch.uint8), b.flatten(1).view(torch.uint8)
+            assert torch.equal(a[:used], b[:used]), f"layer {layer}: pages differ"
+            assert not a[used:scratch].ne(0).any(), "a page no sequence held was written"
+            assert a[scratch].ne(0).any(), "the padding rows wrote nowhere"
+
+
+@torch.no_grad()
+def test_a_prompt_of_a_few_hundred_tokens_then_its_decodes():
+    """One prompt of 200 tokens (the 256 bucket), decoded after: the eager engine's
+    completion, and the prefill graph replayed, not captured again, by the next call."""
+    _, packed = models("nvfp4", "nvfp4")
+    long = dict(max_model_len=240, max_num_batched_tokens=512, kv_memory_bytes=4 << 20)
+    graphed, eager = engines(packed, **long)
+    prompt = [[(7 * i) % 97 + 1 for i in range(200)]]
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=12, seed=1, ignore_eos=True)
+    assert_same_completions(graphed.generate(prompt, params), eager.generate(prompt, params))
+    graph = graphed.prefill_graphs.graphs[(256, False)]
+    assert_same_completions(graphed.generate(prompt, params), eager.generate(prompt, params))
+    assert graphed.prefill_graphs.graphs[(256, False)] is graph
+    graphed.release_kv()
+    assert graphed.prefill_graphs is None

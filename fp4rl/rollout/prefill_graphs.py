@@ -1,0 +1,243 @@
+"""CUDA graphs of the engine's prefill steps, one per token bucket.
+
+A prompt of a few hundred tokens costs the GPU a few milliseconds, but its eager step costs the
+host more: each layer launches a dozen kernels and their torch glue one at a time. On one H200
+the 12-layer Qwen3-30B-A3B shape's 512-token prompt kept the GPU busy 5.5 ms of a 25 ms step
+(BENCHMARKS.md, "Prefill steps from CUDA graphs"). A graph replays the same kernels from one
+launch.
+
+A step whose segments all prefill (two tokens or more each; no decode) and that feeds at most
+`MAX_PREFILL_GRAPH_TOKENS` tokens replays the graph of the smallest bucket of ``t >= T``
+tokens. What the graph reads lies in one int64 device buffer, staged from pinned host memory by
+one copy a step (`PrefillInputs`): each token's id, position and cache slot, then the prefill
+attention's plan (`fp4rl.ops.paged_prefill_plan_over`): the segments, the kernel's tiles and
+the segments' block tables. Segment row 0 has no tokens; the tiles a step does not need name it
+and do nothing. Rows ``T..t`` are padding: the step's first token at position 0, its K and V
+written to the cache's scratch block (which no sequence reads), its attention output 0 (no
+segment covers it). They compute like any token and are dropped.
+
+The graph returns the final-normed hidden states of its rows (in its own memory, overwritten by
+the next replay); the engine takes the rows it samples from and runs the lm_head on them
+eagerly, one GEMM, where a graph would pay for a fixed number of rows. Records (routing,
+guidance) are packed by the graph's last kernel and their rows ``0..T`` copied to pinned host
+memory behind the replay, as a decode graph's are (`fp4rl.rollout.graphs`).
+
+Numerics: a graphed prefill computes what an eager step of its ``t`` rows computes, bit for
+bit. Against an eager step of the ``T`` real rows, every kernel of fp4rl's treats rows alike;
+only the projections before and after the attention run on cuBLAS, whose choice of algorithm
+may change with the row count and with it the order of a sum
+(tests/rollout/test_prefill_graphs_gpu.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fp4rl import ops
+from fp4rl.rollout.attention import AttentionMetadata, PagedAttention, Segment
+from fp4rl.rollout.block_manager import BlockTable
+from fp4rl.rollout.capture import PackedRows, StepCapture
+from fp4rl.rollout.graphs import capture_graph, capture_like
+from fp4rl.rollout.kv_cache import KVCache
+from fp4rl.rollout.rows import HostRows
+
+# Prefill steps of up to this many tokens are graphed. Larger ones run eagerly: their GPU time
+# grows with the tokens while the host's does not, and a graph's memory (its activations, which
+# stay reserved in the graphs' pool) grows with its bucket.
+MAX_PREFILL_GRAPH_TOKENS = 2048
+# Token buckets: powers of two up to 256, then multiples of 256 (a step pads at most a third).
+PREFILL_BUCKETS = (16, 32, 64, 128, *range(256, MAX_PREFILL_GRAPH_TOKENS + 1, 256))
+
+
+def prefill_bucket(tokens: int) -> int | None:
+    """The smallest prefill bucket that holds ``tokens``, or None past the largest."""
+    return next((t for t in PREFILL_BUCKETS if t >= tokens), None)
+
+
+def graphable_prefill(segments: list[Segment]) -> bool:
+    """Whether a step of ``segments`` fits a prefill graph: every segment feeds two tokens or
+    more (one token is a decode), at most `MAX_PREFILL_GRAPH_TOKENS` in all."""
+    fits = sum(s.num_new for s in segments) <= MAX_PREFILL_GRAPH_TOKENS
+    return fits and bool(segments) and all(s.num_new > 1 for s in segments)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillInputs:
+    """Where a bucket's inputs lie in the flat int64 buffer: ``tokens`` rows of id, position and
+    slot (three columns of ``tokens`` values each), ``segments`` rows of (first row, start,
+    num) (row 0 empty), ``tiles`` rows of (segment, first query token), then one block-table row
+    of ``width`` columns per segment row."""
+
+    tokens: int
+    segments: int
+    tiles: int
+    width: int
+
+    @staticmethod
+    def of(tokens: int, max_segments: int, block_q: int, width: int) -> PrefillInputs:
+        """The layout of a bucket of ``tokens``: a segment feeds two tokens or more, and cuts
+        into at most one partial tile of ``block_q`` tokens."""
+        segments = 1 + min(max_segments, tokens // 2)
+        return PrefillInputs(tokens, segments, math.ceil(tokens / block_q) + segments - 1, width)
+
+    @property
+    def table_at(self) -> int:
+        return 3 * self.tokens + 3 * self.segments + 2 * self.tiles
+
+    @property
+    def size(self) -> int:
+        return self.table_at + self.segments * self.width
+
+    def views(self, buffer: torch.Tensor | np.ndarray):
+        """``(columns [3, tokens], segments [S, 3], tiles [P, 2], table [S, width])``."""
+        t, s, p = 3 * self.tokens, 3 * self.segments, 2 * self.tiles
+        return (
+            buffer[:t].reshape(3, self.tokens),
+            buffer[t : t + s].reshape(self.segments, 3),
+            buffer[t + s : t + s + p].reshape(self.tiles, 2),
+            buffer[self.table_at : self.size].reshape(self.segments, self.width),
+        )
+
+    def fill(
+        self,
+        buffer: np.ndarray,
+        segments: list[Segment],
+        tokens: list[int],
+        block_size: int,
+        block_q: int,
+        scratch_block: int,
+    ) -> int:
+        """Write one prefill step's inputs into ``buffer`` (padding included); the number of
+        its leading values the step needs (the table rows past its segments are not read)."""
+        columns, segs, tiles, table = self.views(buffer)
+        S, T = len(segments), len(tokens)
+        fits = self.segments > S and self.tokens >= T and graphable_prefill(segments)
+        if not fits or sum(s.num_new for s in segments) != T:
+            raise ValueError(f"a prefill graph of {self.tokens} tokens cannot take {S} segments "
+                             f"of {[s.num_new for s in segments]} tokens")  # fmt: skip
+        nums = np.array([s.num_new for s in segments], dtype=np.int64)
+        starts = np.array([s.start for s in segments], dtype=np.int64)
+        first = np.cumsum(nums) - nums
+        segs[0] = 0
+        segs[1 : S + 1] = np.stack([first, starts, nums], axis=1)
+        table[1 : S + 1] = scratch_block
+        positions, slots = [], []
+        for i, s in enumerate(segments):
+            blocks = s.block_table
+            blocks = blocks.array() if isinstance(blocks, BlockTable) else np.asarray(blocks)
+            if -(-(s.start + s.num_new) // block_size) > len(blocks):
+                raise ValueError(f"{s} does not fit its block table of block size {block_size}")
+            table[1 + i, : len(blocks)] = blocks
+            at = np.arange(s.start, s.start + s.num_new)
+            positions.append(at)
+            slots.append(blocks[at // block_size] * block_size + at % block_size)
+        columns[0, :T] = tokens
+        columns[1, :T] = np.concatenate(positions)
+        columns[2, :T] = np.concatenate(slots)
+        columns[:, T:] = np.array([[tokens[0]], [0], [scratch_block * block_size]])
+        per_segment = -(-nums // block_q)
+        P = int(per_segment.sum())
+        tiles[:P, 0] = np.repeat(np.arange(1, S + 1), per_segment)
+        tile_0 = np.repeat(np.cumsum(per_segment) - per_segment, per_segment)  # a segment's first
+        tiles[:P, 1] = (np.arange(P) - tile_0) * block_q
+        tiles[P:] = 0
+        return self.table_at + (S + 1) * self.width
+
+
+@dataclass(slots=True)
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    inputs: PrefillInputs
+    hidden_tH: torch.Tensor
+    records: PackedRows | None
+
+
+class PrefillGraphs:
+    """The prefill-step graphs of one engine over one `KVCache`, captured on first use; they
+    share ``pool`` with the engine's decode graphs (one replays at a time)."""
+
+    def __init__(self, model, cache: KVCache, *, device, max_segments: int, max_model_len: int,
+                 pool) -> None:  # fmt: skip
+        self.model, self.cache, self.pool = model, cache, pool
+        self.device = torch.device(device)
+        config = model.config
+        self.group = config.num_attention_heads // config.num_key_value_heads
+        self.block_q = ops.paged_prefill_block_q(self.group)
+        width = math.ceil(max_model_len / cache.block_size)
+        self.layouts = {t: PrefillInputs.of(t, max_segments, self.block_q, width)
+                        for t in PREFILL_BUCKETS}  # fmt: skip
+        self.scratch_block = cache.num_blocks - 1
+        self.graphs: dict[tuple[int, bool], _Graph] = {}
+        self.inputs = self.staging = None  # created inside the first generate (inference mode)
+
+    def run(
+        self,
+        segments: list[Segment],
+        tokens: list[int],
+        capture: StepCapture | None,
+        into: HostRows | None = None,
+    ) -> tuple[torch.Tensor, StepCapture | None]:
+        """The final-normed hidden states ``[T, H]`` of a prefill step's tokens (a step
+        `graphable_prefill` takes), valid until the next replay, and its records as
+        `DecodeGraphs.run` gives them."""
+        T = len(tokens)
+        graph = self._graph(prefill_bucket(T), capture)
+        self.staged.synchronize()  # the previous step's copy has read the pinned values
+        staging = self.staging.numpy()
+        used = graph.inputs.fill(staging, segments, tokens, self.cache.block_size, self.block_q,
+                                 self.scratch_block)  # fmt: skip
+        self.inputs[:used].copy_(self.staging[:used], non_blocking=True)
+        self.staged.record(torch.cuda.current_stream(self.device))
+        graph.graph.replay()
+        if capture is None or graph.records is None:
+            return graph.hidden_tH[:T], capture
+        return graph.hidden_tH[:T], capture.holding(graph.records.to_host(T, into))
+
+    def _forward(self, inputs: PrefillInputs, capture: StepCapture | None):
+        columns, segments, tiles, table = inputs.views(self.inputs)
+        as_int32 = [t.to(torch.int32) for t in (segments, table, tiles)]
+        plan = ops.paged_prefill_plan_over(*as_int32, self.group)
+        none = columns[0, :0]
+        meta = AttentionMetadata(
+            positions_T=columns[1],
+            slots_T=columns[2],
+            decode_rows_B=none,
+            decode_slots_BC=none[:, None],
+            decode_context_B=none.to(torch.int32),
+            decode_table_BN=none[:, None].to(torch.int32),
+            prefills=(),
+        )
+        attn = PagedAttention(self.cache, meta, prefill_plan=plan)
+        hidden = self.model.hidden_states(columns[0], attn, capture=capture)
+        return hidden, None if capture is None else capture.pack()
+
+    def _graph(self, tokens: int, capture: StepCapture | None) -> _Graph:
+        key = (tokens, capture is not None)
+        if key in self.graphs:
+            return self.graphs[key]
+        if self.inputs is None:
+            size = max(layout.size for layout in self.layouts.values())
+            self.inputs = torch.zeros(size, dtype=torch.int64, device=self.device)
+            self.staging = torch.zeros(size, dtype=torch.int64, pin_memory=True)
+            self.staged = torch.cuda.Event()  # the last copy of the staging values
+        inputs = self.layouts[tokens]
+        # Captured over padding alone: no segment (every tile names the empty one), every row's
+        # K and V in the scratch block.
+        self.staged.synchronize()
+        empty = self.staging.numpy()
+        empty[: inputs.size] = 0
+        columns = inputs.views(empty)[0]
+        columns[2] = self.scratch_block * self.cache.block_size
+        self.inputs[: inputs.size].copy_(self.staging[: inputs.size])
+        graph, (hidden, records) = capture_graph(
+            lambda: self._forward(inputs, capture_like(capture)),
+            self.device,
+            self.pool,
+            early=False,
+        )
+        self.graphs[key] = _Graph(graph, inputs, hidden, records)
+        return self.graphs[key]
