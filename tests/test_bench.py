@@ -70,6 +70,19 @@ def test_the_transformers_comparison_smoke_run_has_its_table(capfd):
     assert re.search(split + r"-?[\d.]+ ms per decode step$", out, re.M)
 
 
+def test_the_host_share_smoke_run_times_each_part_of_the_engine(capfd):
+    """engine_host at tiny shapes on the CPU: the two calls timed, and each engine part's host
+    time per call, with as many steps as the call has tokens."""
+    pytest.importorskip("transformers", minversion="5.0")  # it builds hf_generate's engine
+    argv = ["bench", "engine_host", "--device", "cpu", "--layers", "2", "--hidden", "64"]
+    assert main([*argv, "--prompt-len", "16", "--max-tokens", "3", "--repeats", "1"]) == 0
+    out = capfd.readouterr().out
+    assert re.search(r"^- a call of 3 new tokens, ms: median [\d.]+, min", out, re.M)
+    steps = re.findall(r"^\| _launch \| (\d+) \| [\d.]+ \|", out, re.M)
+    assert steps == ["1", "3"]  # the prompt's step, then one per decode
+    assert re.findall(r"^\| generate \| (\d+) \|", out, re.M) == ["1", "1"]
+
+
 def test_the_benchmarks_exit_status_is_the_commands(capfd):
     assert main(["bench", "attention", "--no-such-option"]) == 2  # the script's argparse
     assert "attention.py: error: unrecognized arguments: --no-such-option" in capfd.readouterr().err
