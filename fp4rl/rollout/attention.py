@@ -130,7 +130,9 @@ class PagedAttention:
 
     ``prefill_plan``: the prefill kernel's plan over a prefill graph's inputs
     (`fp4rl.rollout.prefill_graphs`), given instead of ``meta``'s segments; the rows no segment
-    covers are the graph's padding, and their attention output is 0.
+    covers are the graph's padding, and their attention output is 0. Such a step's decode rows
+    (``meta.decode_rows_B``, the decode kernel's) may name a row more than once, as copies of one
+    decode that compute its bits.
     """
 
     def __init__(self, cache: KVCache, meta: AttentionMetadata, prefill_plan=None) -> None:
@@ -148,7 +150,7 @@ class PagedAttention:
         at_exit = m.decode_rows_B.shape[0] >= STORE_AT_EXIT_MIN_DECODES
         with ops.early_dependents(q_THD.device, False) if at_exit else contextlib.nullcontext():
             kv.store(self.cache, layer, m.slots_T)
-        if m.decode_rows_B.shape[0] == q_THD.shape[0]:
+        if m.decode_rows_B.shape[0] == q_THD.shape[0] and not self.padded:
             # Decodes alone (a graphed step): their rows are all rows, in order, so the
             # queries and outputs need no gather and no scatter.
             return self._decode(layer, q_THD)

@@ -38,7 +38,7 @@ class EngineConfig:
     # "sparse" records the values within this many E2M1 grid units of a rounding boundary
     # (`fp4rl.fp4.sparse_guidance.boundary_distance`; a value on a codeword is 0.5 from both).
     sparse_delta: float = 0.03
-    # Replay decode-only steps and prefill-only steps of up to 2,048 tokens from CUDA graphs
+    # Replay decode-only steps, and steps that prefill of up to 2,048 tokens, from CUDA graphs
     # (`fp4rl.rollout.graphs`, `fp4rl.rollout.prefill_graphs`) where the engine runs on a GPU
     # and every layer's attention reads its pages with the paged kernels.
     cuda_graphs: bool = True

@@ -5,7 +5,7 @@ nothing from an earlier call (blocks, queues, generators) leaks into the next. E
 schedule, flatten the scheduled segments into one token stream, run the model with a
 `PagedAttention` backend (and a `StepCapture` when routing or guidance is recorded), or on a
 GPU replay a CUDA graph of the step (`fp4rl.rollout.graphs`: decode-only steps;
-`fp4rl.rollout.prefill_graphs`: prefill-only steps), take the logits of each segment's last
+`fp4rl.rollout.prefill_graphs`: steps that prefill), take the logits of each segment's last
 token, copy forked samples' partial blocks, sample, and retire finished sequences.
 
 Steps overlap (`EngineConfig.overlap_steps`): a step is launched (`_launch`: forward, sampling
@@ -148,9 +148,11 @@ class Engine:
         seed, one per call for a single `SamplingParams`, one per prompt for a list.
 
         ``stats`` (optional dict) receives counters: ``steps``, ``preemptions``,
-        ``prefill_tokens``, ``decode_tokens`` and ``overlapped_steps`` (steps launched before
+        ``prefill_tokens``, ``decode_tokens``, ``overlapped_steps`` (steps launched before
         the previous step's tokens were read, `EngineConfig.overlap_steps`; their decode tokens
-        include the rows of sequences that had just sampled a stop token). ``on_finish``
+        include the rows of sequences that had just sampled a stop token) and ``eager_steps``
+        (steps run eagerly rather than replayed from a CUDA graph: every step where graphs are
+        off, else steps of more tokens than a prefill graph takes). ``on_finish``
         (optional) is called with the number of samples that finished, after each step that
         finished any (progress bars).
         ``first_prompt_index``: this call's prompts are those of a larger request from that
@@ -190,8 +192,9 @@ class Engine:
             seq_id += params.n
             scheduler.add(Group(seqs))
         counters = dict.fromkeys(
-            ("steps", "preemptions", "prefill_tokens", "decode_tokens", "overlapped_steps"), 0
-        )
+            ("steps", "preemptions", "prefill_tokens", "decode_tokens", "overlapped_steps",
+             "eager_steps"), 0
+        )  # fmt: skip
         log = CaptureLog(self.host_rows) if capturing else None
         done: list[Sequence] = []
         with torch.inference_mode():
@@ -221,6 +224,7 @@ class Engine:
                 counters["preemptions"] += launched.step.num_preempted
                 counters["decode_tokens"] += len(launched.step.decodes)
                 counters["prefill_tokens"] += launched.step.num_prefill_tokens
+                counters["eager_steps"] += not launched.graphed
             records = [(None, None)] * len(done)
             if log is not None:
                 layout = self.layout
@@ -261,6 +265,7 @@ class Engine:
                 keep=self.kept_keys,
                 sparse_delta=self.config.sparse_delta,
             )
+        graphed = True
         if self.graphs is not None and not step.prefills and self.graphs.handles(len(fed)):
             logits_SV, capture = self.graphs.run(
                 segments, tokens, capture, sampled_before, into=self.host_rows
@@ -271,6 +276,7 @@ class Engine:
                 and sampled_before is None
                 and graphable_prefill(segments)
             )
+            graphed = prefill_graphed
             if prefill_graphed:
                 h_TH, capture = self.prefill_graphs.run(segments, tokens, capture, self.host_rows)
             else:
@@ -287,7 +293,7 @@ class Engine:
                 capture = capture.to_host(into=self.host_rows)  # off the GPU now, as graphed ones
         self.cache.copy_blocks(step.block_copies)
         scheduler.commit(step)
-        launched = _Launched(step, fed, ranges, len(tokens), capture)
+        launched = _Launched(step, fed, ranges, len(tokens), capture, graphed)
 
         # Every sequence of a group samples from its leader's row with its own draws.
         launched.groups = [group for _, group, _, last in fed if last]
@@ -394,6 +400,7 @@ class _Launched:
     ranges: list[tuple[int, int]]  # each fed sequence's rows
     num_rows: int
     capture: StepCapture | None
+    graphed: bool  # replayed from a CUDA graph
     groups: list[list[Sequence]] = field(default_factory=list)  # the groups that sample
     seqs: list[Sequence] = field(default_factory=list)  # the sampler's rows, in order
     bad_S: torch.Tensor | None = None

@@ -30,9 +30,9 @@ overwrite them first: the host's whole share of the capture is that copy.
 
 Graphs hold the addresses of the weights and the KV pages they were captured with: a refit
 copies weights in place (`fp4rl.refit`), and the engine drops its graphs with its KV pages
-(`Engine.release_kv`). Here, decode-only steps; prefill-only steps have graphs of their own
-(`fp4rl.rollout.prefill_graphs`, in the same memory pool); the other steps run eagerly, and so
-does every step where a layer's attention would gather its context
+(`Engine.release_kv`). Here, decode-only steps; steps that prefill have graphs of their own
+(`fp4rl.rollout.prefill_graphs`, in the same memory pool) up to a number of tokens, and the
+longer ones run eagerly, as does every step where a layer's attention would gather its context
 (`fp4rl.ops.paged_decode_kernel_runs`) or the engine records sparse guidance (its record's size
 depends on the values).
 

@@ -1,4 +1,4 @@
-"""CUDA graphs of the engine's prefill steps, one per token bucket.
+"""CUDA graphs of the engine's steps that prefill, one per token bucket and decode bucket.
 
 A prompt of a few hundred tokens costs the GPU a few milliseconds, but its eager step costs the
 host more: each layer launches a dozen kernels and their torch glue one at a time. On one H200
@@ -6,15 +6,22 @@ the 12-layer Qwen3-30B-A3B shape's 512-token prompt kept the GPU busy 5.5 ms of 
 (BENCHMARKS.md, "Prefill steps from CUDA graphs"). A graph replays the same kernels from one
 launch.
 
-A step whose segments all prefill (two tokens or more each; no decode) and that feeds at most
-`MAX_PREFILL_GRAPH_TOKENS` tokens replays the graph of the smallest bucket of ``t >= T``
-tokens. What the graph reads lies in one int64 device buffer, staged from pinned host memory by
-one copy a step (`PrefillInputs`): each token's id, position and cache slot, then the prefill
+A step that prefills (a prompt or a chunk of one, alone or beside the running sequences'
+decodes) and feeds at most `MAX_PREFILL_GRAPH_TOKENS` tokens replays the graph of the smallest
+bucket of ``t >= T`` tokens and, when ``B`` of its segments decode (one token each), of the
+decode graphs' bucket ``d >= B`` (`fp4rl.rollout.graphs.bucket_for`): the prefill kernel
+attends the prompts, the decode kernel the decodes, as in an eager step. Steps of decodes alone
+replay the decode graphs.
+
+What the graph reads lies in one int64 device buffer, staged from pinned host memory by one copy
+a step (`PrefillInputs`): each token's id, position and cache slot, then the prefill
 attention's plan (`fp4rl.ops.paged_prefill_plan_over`): the segments, the kernel's tiles and
-the segments' block tables. Segment row 0 has no tokens; the tiles a step does not need name it
-and do nothing. Rows ``T..t`` are padding: the step's first token at position 0, its K and V
-written to the cache's scratch block (which no sequence reads), its attention output 0 (no
-segment covers it). They compute like any token and are dropped.
+the segments' block tables, and the decodes' rows, context lengths and block tables. Segment
+row 0 has no tokens; the tiles a step does not need name it and do nothing. Decode slots
+``B..d`` copy the decode of the shortest context, whose bits they compute and write again.
+Rows ``T..t`` are padding: the step's first token at position 0, its K and V written to the
+cache's scratch block (which no sequence reads), its attention output 0 (no segment covers
+it). They compute like any token and are dropped.
 
 The graph returns the final-normed hidden states of its rows (in its own memory, overwritten by
 the next replay); the engine takes the rows it samples from and runs the lm_head on them
@@ -25,8 +32,9 @@ memory behind the replay, as a decode graph's are (`fp4rl.rollout.graphs`).
 Numerics: a graphed prefill computes what an eager step of its ``t`` rows computes, bit for
 bit. Against an eager step of the ``T`` real rows, every kernel of fp4rl's treats rows alike;
 only the projections before and after the attention run on cuBLAS, whose choice of algorithm
-may change with the row count and with it the order of a sum
-(tests/rollout/test_prefill_graphs_gpu.py).
+may change with the row count and with it the order of a sum, and the decode kernel may cut its
+contexts into other stretches for ``d`` slots over tables of ``max_model_len`` than for ``B``
+over the step's own tables, as a decode graph's may (tests/rollout/test_graphs_gpu.py).
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ from fp4rl import ops
 from fp4rl.rollout.attention import AttentionMetadata, PagedAttention, Segment
 from fp4rl.rollout.block_manager import BlockTable
 from fp4rl.rollout.capture import PackedRows, StepCapture
-from fp4rl.rollout.graphs import capture_graph, capture_like
+from fp4rl.rollout.graphs import MAX_GRAPH_BATCH, bucket_for, capture_graph, capture_like
 from fp4rl.rollout.kv_cache import KVCache
 from fp4rl.rollout.rows import HostRows
 
@@ -59,47 +67,56 @@ def prefill_bucket(tokens: int) -> int | None:
 
 
 def graphable_prefill(segments: list[Segment]) -> bool:
-    """Whether a step of ``segments`` fits a prefill graph: every segment feeds two tokens or
-    more (one token is a decode), at most `MAX_PREFILL_GRAPH_TOKENS` in all."""
+    """Whether a step of ``segments`` (prompts or chunks of two tokens or more, decodes of one)
+    fits a prefill graph: at most `MAX_PREFILL_GRAPH_TOKENS` tokens, at most `MAX_GRAPH_BATCH`
+    decodes."""
     fits = sum(s.num_new for s in segments) <= MAX_PREFILL_GRAPH_TOKENS
-    return fits and bool(segments) and all(s.num_new > 1 for s in segments)
+    return fits and bool(segments) and sum(s.num_new == 1 for s in segments) <= MAX_GRAPH_BATCH
 
 
 @dataclass(frozen=True, slots=True)
 class PrefillInputs:
-    """Where a bucket's inputs lie in the flat int64 buffer: ``tokens`` rows of id, position and
+    """Where a graph's inputs lie in the flat int64 buffer: ``tokens`` rows of id, position and
     slot (three columns of ``tokens`` values each), ``segments`` rows of (first row, start,
-    num) (row 0 empty), ``tiles`` rows of (segment, first query token), then one block-table row
-    of ``width`` columns per segment row."""
+    num) of the prefills (row 0 empty), ``tiles`` rows of (segment, first query token),
+    ``decodes`` rows of (row, context length), then one block-table row of ``width`` columns per
+    decode, then one per segment row."""
 
     tokens: int
     segments: int
     tiles: int
+    decodes: int
     width: int
 
     @staticmethod
-    def of(tokens: int, max_segments: int, block_q: int, width: int) -> PrefillInputs:
-        """The layout of a bucket of ``tokens``: a segment feeds two tokens or more, and cuts
-        into at most one partial tile of ``block_q`` tokens."""
+    def of(tokens: int, decodes: int, max_segments: int, block_q: int, width: int) -> PrefillInputs:
+        """The layout of a graph of ``tokens`` rows and ``decodes`` decode slots: a prefill feeds
+        two tokens or more, and cuts into at most one partial tile of ``block_q`` tokens."""
         segments = 1 + min(max_segments, tokens // 2)
-        return PrefillInputs(tokens, segments, math.ceil(tokens / block_q) + segments - 1, width)
+        tiles = math.ceil(tokens / block_q) + segments - 1
+        return PrefillInputs(tokens, segments, tiles, decodes, width)
 
     @property
     def table_at(self) -> int:
-        return 3 * self.tokens + 3 * self.segments + 2 * self.tiles
+        """Where the segments' block tables start (the decodes' come before)."""
+        decodes_at = 3 * self.tokens + 3 * self.segments + 2 * self.tiles
+        return decodes_at + self.decodes * (2 + self.width)
 
     @property
     def size(self) -> int:
         return self.table_at + self.segments * self.width
 
     def views(self, buffer: torch.Tensor | np.ndarray):
-        """``(columns [3, tokens], segments [S, 3], tiles [P, 2], table [S, width])``."""
-        t, s, p = 3 * self.tokens, 3 * self.segments, 2 * self.tiles
-        return (
-            buffer[:t].reshape(3, self.tokens),
-            buffer[t : t + s].reshape(self.segments, 3),
-            buffer[t + s : t + s + p].reshape(self.tiles, 2),
-            buffer[self.table_at : self.size].reshape(self.segments, self.width),
+        """``(columns [3, tokens], segments [S, 3], tiles [P, 2], decodes [d, 2], decode tables
+        [d, width], tables [S, width])``."""
+        sizes = (3 * self.tokens, 3 * self.segments, 2 * self.tiles, 2 * self.decodes,
+                 self.decodes * self.width, self.segments * self.width)  # fmt: skip
+        shapes = ((3, self.tokens), (self.segments, 3), (self.tiles, 2), (self.decodes, 2),
+                  (self.decodes, self.width), (self.segments, self.width))  # fmt: skip
+        ends = np.cumsum(sizes).tolist()
+        return tuple(
+            buffer[end - size : end].reshape(shape)
+            for size, end, shape in zip(sizes, ends, shapes, strict=True)
         )
 
     def fill(
@@ -111,40 +128,53 @@ class PrefillInputs:
         block_q: int,
         scratch_block: int,
     ) -> int:
-        """Write one prefill step's inputs into ``buffer`` (padding included); the number of
-        its leading values the step needs (the table rows past its segments are not read)."""
-        columns, segs, tiles, table = self.views(buffer)
-        S, T = len(segments), len(tokens)
-        fits = self.segments > S and self.tokens >= T and graphable_prefill(segments)
-        if not fits or sum(s.num_new for s in segments) != T:
-            raise ValueError(f"a prefill graph of {self.tokens} tokens cannot take {S} segments "
-                             f"of {[s.num_new for s in segments]} tokens")  # fmt: skip
+        """Write one step's inputs into ``buffer`` (padding included); the number of its leading
+        values the step needs (the table rows past its segments are not read)."""
+        columns, segs, tiles, decodes, decode_table, table = self.views(buffer)
         nums = np.array([s.num_new for s in segments], dtype=np.int64)
-        starts = np.array([s.start for s in segments], dtype=np.int64)
+        prefills, decoding = np.flatnonzero(nums > 1), np.flatnonzero(nums == 1)
+        S, B, T = len(prefills), len(decoding), len(tokens)
+        fits = self.segments > S and self.tokens >= T and self.decodes >= B
+        fits = fits and (B > 0 or self.decodes == 0) and graphable_prefill(segments)
+        if not fits or nums.sum() != T:
+            raise ValueError(f"a prefill graph of {self.tokens} tokens and {self.decodes} decodes "
+                             f"cannot take segments of {nums.tolist()} tokens")  # fmt: skip
         first = np.cumsum(nums) - nums
-        segs[0] = 0
-        segs[1 : S + 1] = np.stack([first, starts, nums], axis=1)
-        table[1 : S + 1] = scratch_block
-        positions, slots = [], []
-        for i, s in enumerate(segments):
+        positions, slots, tables = [], [], []
+        for s in segments:
             blocks = s.block_table
             blocks = blocks.array() if isinstance(blocks, BlockTable) else np.asarray(blocks)
             if -(-(s.start + s.num_new) // block_size) > len(blocks):
                 raise ValueError(f"{s} does not fit its block table of block size {block_size}")
-            table[1 + i, : len(blocks)] = blocks
             at = np.arange(s.start, s.start + s.num_new)
             positions.append(at)
             slots.append(blocks[at // block_size] * block_size + at % block_size)
+            tables.append(blocks)
         columns[0, :T] = tokens
         columns[1, :T] = np.concatenate(positions)
         columns[2, :T] = np.concatenate(slots)
         columns[:, T:] = np.array([[tokens[0]], [0], [scratch_block * block_size]])
-        per_segment = -(-nums // block_q)
+
+        starts = np.array([s.start for s in segments], dtype=np.int64)
+        segs[0] = 0
+        segs[1 : S + 1] = np.stack([first, starts, nums], axis=1)[prefills]
+        table[1 : S + 1] = scratch_block
+        for row, i in zip(table[1 : S + 1], prefills, strict=True):
+            row[: len(tables[i])] = tables[i]
+        per_segment = -(-nums[prefills] // block_q)
         P = int(per_segment.sum())
         tiles[:P, 0] = np.repeat(np.arange(1, S + 1), per_segment)
         tile_0 = np.repeat(np.cumsum(per_segment) - per_segment, per_segment)  # a segment's first
         tiles[:P, 1] = (np.arange(P) - tile_0) * block_q
         tiles[P:] = 0
+
+        if B:
+            decodes[:B] = np.stack([first[decoding], starts[decoding] + 1], axis=1)
+            decode_table[:B] = scratch_block
+            for row, i in zip(decode_table[:B], decoding, strict=True):
+                row[: len(tables[i])] = tables[i]
+            shortest = int(np.argmin(decodes[:B, 1]))
+            decodes[B:], decode_table[B:] = decodes[shortest], decode_table[shortest]
         return self.table_at + (S + 1) * self.width
 
 
@@ -157,8 +187,9 @@ class _Graph:
 
 
 class PrefillGraphs:
-    """The prefill-step graphs of one engine over one `KVCache`, captured on first use; they
-    share ``pool`` with the engine's decode graphs (one replays at a time)."""
+    """The graphs of one engine's steps that prefill, over one `KVCache`, one per (token bucket,
+    decode bucket) captured on first use; they share ``pool`` with the engine's decode graphs
+    (one replays at a time)."""
 
     def __init__(self, model, cache: KVCache, *, device, max_segments: int, max_model_len: int,
                  pool) -> None:  # fmt: skip
@@ -167,12 +198,14 @@ class PrefillGraphs:
         config = model.config
         self.group = config.num_attention_heads // config.num_key_value_heads
         self.block_q = ops.paged_prefill_block_q(self.group)
-        width = math.ceil(max_model_len / cache.block_size)
-        self.layouts = {t: PrefillInputs.of(t, max_segments, self.block_q, width)
-                        for t in PREFILL_BUCKETS}  # fmt: skip
+        self.max_segments = max_segments
+        self.width = math.ceil(max_model_len / cache.block_size)
         self.scratch_block = cache.num_blocks - 1
-        self.graphs: dict[tuple[int, bool], _Graph] = {}
+        self.graphs: dict[tuple[int, int, bool], _Graph] = {}
         self.inputs = self.staging = None  # created inside the first generate (inference mode)
+
+    def layout(self, tokens: int, decodes: int) -> PrefillInputs:
+        return PrefillInputs.of(tokens, decodes, self.max_segments, self.block_q, self.width)
 
     def run(
         self,
@@ -181,11 +214,11 @@ class PrefillGraphs:
         capture: StepCapture | None,
         into: HostRows | None = None,
     ) -> tuple[torch.Tensor, StepCapture | None]:
-        """The final-normed hidden states ``[T, H]`` of a prefill step's tokens (a step
+        """The final-normed hidden states ``[T, H]`` of a step's tokens (a step
         `graphable_prefill` takes), valid until the next replay, and its records as
         `DecodeGraphs.run` gives them."""
-        T = len(tokens)
-        graph = self._graph(prefill_bucket(T), capture)
+        T, B = len(tokens), sum(s.num_new == 1 for s in segments)
+        graph = self._graph(prefill_bucket(T), bucket_for(B) if B else 0, capture)
         self.staged.synchronize()  # the previous step's copy has read the pinned values
         staging = self.staging.numpy()
         used = graph.inputs.fill(staging, segments, tokens, self.cache.block_size, self.block_q,
@@ -198,40 +231,43 @@ class PrefillGraphs:
         return graph.hidden_tH[:T], capture.holding(graph.records.to_host(T, into))
 
     def _forward(self, inputs: PrefillInputs, capture: StepCapture | None):
-        columns, segments, tiles, table = inputs.views(self.inputs)
+        columns, segments, tiles, decodes, decode_table, table = inputs.views(self.inputs)
         as_int32 = [t.to(torch.int32) for t in (segments, table, tiles)]
         plan = ops.paged_prefill_plan_over(*as_int32, self.group)
-        none = columns[0, :0]
         meta = AttentionMetadata(
             positions_T=columns[1],
             slots_T=columns[2],
-            decode_rows_B=none,
-            decode_slots_BC=none[:, None],
-            decode_context_B=none.to(torch.int32),
-            decode_table_BN=none[:, None].to(torch.int32),
+            decode_rows_B=decodes[:, 0],
+            decode_slots_BC=decodes[:, :0],  # the gather path's; never read here
+            decode_context_B=decodes[:, 1].to(torch.int32),
+            decode_table_BN=decode_table.to(torch.int32),
             prefills=(),
         )
         attn = PagedAttention(self.cache, meta, prefill_plan=plan)
         hidden = self.model.hidden_states(columns[0], attn, capture=capture)
         return hidden, None if capture is None else capture.pack()
 
-    def _graph(self, tokens: int, capture: StepCapture | None) -> _Graph:
-        key = (tokens, capture is not None)
+    def _graph(self, tokens: int, decodes: int, capture: StepCapture | None) -> _Graph:
+        key = (tokens, decodes, capture is not None)
         if key in self.graphs:
             return self.graphs[key]
         if self.inputs is None:
-            size = max(layout.size for layout in self.layouts.values())
+            largest = bucket_for(min(self.max_segments, MAX_GRAPH_BATCH))
+            size = self.layout(MAX_PREFILL_GRAPH_TOKENS, largest).size
             self.inputs = torch.zeros(size, dtype=torch.int64, device=self.device)
             self.staging = torch.zeros(size, dtype=torch.int64, pin_memory=True)
             self.staged = torch.cuda.Event()  # the last copy of the staging values
-        inputs = self.layouts[tokens]
+        inputs = self.layout(tokens, decodes)
         # Captured over padding alone: no segment (every tile names the empty one), every row's
-        # K and V in the scratch block.
+        # K and V in the scratch block, each decode slot row 0 over the scratch block's first
+        # token.
         self.staged.synchronize()
         empty = self.staging.numpy()
         empty[: inputs.size] = 0
-        columns = inputs.views(empty)[0]
+        columns, _, _, decode_rows, decode_table, _ = inputs.views(empty)
         columns[2] = self.scratch_block * self.cache.block_size
+        decode_rows[:, 1] = 1
+        decode_table[:] = self.scratch_block
         self.inputs[: inputs.size].copy_(self.staging[: inputs.size])
         graph, (hidden, records) = capture_graph(
             lambda: self._forward(inputs, capture_like(capture)),

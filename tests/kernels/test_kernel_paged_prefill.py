@@ -276,7 +276,7 @@ def test_tiles_cover_each_segment_in_order():
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("tile", ["default", "128:64:8:2"])
 def test_qwen3_shapes_on_gpu(fmt, q_dtype, tile):
-    chunks = [(0, 512), (0, 2048), (1000, 300), (0, 2), (64, 1)]
+    chunks = [(0, 512), (0, 2048), (1000, 300), (0, 2), (64, 1), (3000, 1)]  # decodes last
     scene = Scene(fmt, chunks, heads=(32, 4), dim=128, page=16, seed=1, device="cuda",
                   q_dtype=q_dtype, lead=3, scale=2.0)  # fmt: skip
     config = None if tile == "default" else PrefillTile(*(int(v) for v in tile.split(":")))

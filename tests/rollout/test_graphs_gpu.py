@@ -231,7 +231,36 @@ def test_graphed_prefill_equals_eager_prefill_bitwise(experts, kv_cache, guidanc
         assert_same_completions(
             graphed.generate(PREFILL_PROMPTS, params), eager.generate(PREFILL_PROMPTS, params)
         )
-    assert (64, guidance is not None) in graphed.prefill_graphs.graphs
+    assert (64, 0, guidance is not None) in graphed.prefill_graphs.graphs
+
+
+@pytest.mark.parametrize(
+    "experts, kv_cache, guidance",
+    [("nvfp4", "nvfp4", "full"), ("nvfp4", "bf16", "compact"), ("bf16", "bf16", None)],
+)
+@torch.no_grad()
+def test_steps_that_admit_a_prompt_beside_decodes_are_graphed_and_equal_eager_ones(
+    experts, kv_cache, guidance
+):
+    """Eight requests of different lengths through four seats: each one that finishes lets a
+    waiting prompt of 13 tokens in, prefilled in a step beside the three others' decodes (16
+    tokens, a bucket's size; the decode kernel over 4 slots, one a copy). Every step replays a
+    graph, those mixed steps included, and the completions and records are the eager engine's
+    bit for bit."""
+    _, packed = models(experts, kv_cache)
+    capture = dict(capture_routing=guidance is not None, guidance=guidance)
+    graphed, eager = engines(packed, max_num_seqs=4, **capture)
+    prompts = [[5 + i, 6 + i] * 6 + [9] for i in range(8)]
+    sampling = [
+        SamplingParams(temperature=i % 2, max_tokens=3 + 2 * i, seed=i, ignore_eos=True)
+        for i in range(8)
+    ]
+    stats, eager_stats = {}, {}
+    got = graphed.generate(prompts, sampling, stats=stats)
+    assert_same_completions(got, eager.generate(prompts, sampling, stats=eager_stats))
+    assert stats["eager_steps"] == 0 and eager_stats["eager_steps"] == eager_stats["steps"]
+    mixed = (16, 4, guidance is not None)  # 16 tokens, 3 decodes in the bucket of 4
+    assert mixed in graphed.prefill_graphs.graphs, list(graphed.prefill_graphs.graphs)
 
 
 @pytest.mark.parametrize("experts", ["nvfp4", "bf16"])
@@ -245,7 +274,7 @@ def test_padded_prefill_writes_the_eager_pages_and_only_the_scratch_block(expert
     prompts = [[7] * 3, [8, 9] * 20, list(range(1, 8))]  # 3 + 40 + 7 = 50 tokens
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     got, want = graphed.generate(prompts, params), eager.generate(prompts, params)
-    assert (64, True) in graphed.prefill_graphs.graphs
+    assert (64, 0, True) in graphed.prefill_graphs.graphs
     assert_same_completions(got, want)
     used = sum(-(-len(p) // 16) for p in prompts)  # blocks the sequences held
     scratch = graphed.num_blocks
@@ -268,8 +297,8 @@ def test_a_prompt_of_a_few_hundred_tokens_then_its_decodes():
     prompt = [[(7 * i) % 97 + 1 for i in range(200)]]
     params = SamplingParams(n=2, temperature=1.0, max_tokens=12, seed=1, ignore_eos=True)
     assert_same_completions(graphed.generate(prompt, params), eager.generate(prompt, params))
-    graph = graphed.prefill_graphs.graphs[(256, False)]
+    graph = graphed.prefill_graphs.graphs[(256, 0, False)]
     assert_same_completions(graphed.generate(prompt, params), eager.generate(prompt, params))
-    assert graphed.prefill_graphs.graphs[(256, False)] is graph
+    assert graphed.prefill_graphs.graphs[(256, 0, False)] is graph
     graphed.release_kv()
     assert graphed.prefill_graphs is None
