@@ -14,14 +14,17 @@ sequences each at a context of 1k, 2k or 4k tokens, block tables drawn from a sh
       over the same pages with the tile it would take (``plan_for("nvfp4", ...)``);
   (c) today's decode path of ``PagedAttention.attend``: ``KVCache.read`` of every sequence's
       padded context (NVFP4 rows dequantized), ``attend_fp32``, the cast back to BF16 -- over
-      BF16 pages and over NVFP4 pages.
-(c)'s output is the specification; (a), (b) and (b') are checked against it at every shape before
-they are timed (outputs within one BF16 rounding). Times are CUDA-graph replays (the GPU's time)
-after warm-up, median over repeats, each repeat rotating over enough sets of pages, tables and
-queries that no call finds its KV in L2; inputs are random, never zeros. The roofline beside
-each time is the KV bytes that must be read (B x C x 4 KV heads x K and V x 256 bytes per
-token-head in BF16, 64 + 8 + 2 = 74 in NVFP4: codes, block scales, the row's BF16 amax) over a
-device-to-device copy measured in the same run. A second table sweeps the number of context
+      BF16 pages and over NVFP4 pages;
+  (d) the same decodes through the prefill kernel (``paged_prefill.launch``, segments of one
+      token) -- over BF16 and over NVFP4 pages: what a step that also prefills would pay were
+      its decodes attended with its prompts in one launch (the engine runs both kernels).
+(c)'s output is the specification; (a), (b), (b') and (d) are checked against it at every shape
+before they are timed (outputs within one BF16 rounding). Times are CUDA-graph replays (the
+GPU's time) after warm-up, median over repeats, each repeat rotating over enough sets of pages,
+tables and queries that no call finds its KV in L2; inputs are random, never zeros. The roofline
+beside each time is the KV bytes that must be read (B x C x 4 KV heads x K and V x 256 bytes
+per token-head in BF16, 64 + 8 + 2 = 74 in NVFP4: codes, block scales, the row's BF16 amax)
+over a device-to-device copy measured in the same run. A second table sweeps the number of context
 splits and the kernel's tiles.
 """
 
@@ -64,7 +67,7 @@ if ARGS.device == "cpu":  # kernels must be decorated interpreted: before fp4rl.
 
 from _timing import copy_bandwidth, median_ms, report, run_header  # noqa: E402
 
-from fp4rl.kernels import attention_tiles, paged_attention  # noqa: E402
+from fp4rl.kernels import attention_tiles, paged_attention, paged_prefill  # noqa: E402
 from fp4rl.kernels.attention_tiles import DecodeTile, stretches_for  # noqa: E402
 from fp4rl.rollout.attention import AttentionMetadata, Segment, attend_fp32  # noqa: E402
 from fp4rl.rollout.kv_cache import KVCache, KVCacheSpec  # noqa: E402
@@ -103,8 +106,11 @@ def main() -> None:
         "",
         "| batch | context | (a) BF16 pages us | roofline us | % | (b) NVFP4 pages us | roofline "
         "us | % | (a) / (b) | (b') Triton program us | (b') / (b) | (c) gather BF16 us | (c) "
-        "gather NVFP4 us | (c) BF16 / (a) | (c) NVFP4 / (b) | splits | check (a), (b), (b') |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "gather NVFP4 us | (c) BF16 / (a) | (c) NVFP4 / (b) | (d) prefill kernel BF16 us | "
+        "(d) / (a) | (d) prefill kernel NVFP4 us | (d) / (b) | splits | check (a), (b), (b'), "
+        "(d) BF16, (d) NVFP4 |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:"
+        "|---:|---:|---|",
     ]
     sweep = [
         "",
@@ -167,8 +173,10 @@ class Bench:
                 [Segment(row, context - 1, 1) for row in table.tolist()], page, device
             )
             q = torch.randn(batch, Hq, dim, device=device).to(torch.bfloat16)
+            decodes = [(i, context - 1, 1) for i in range(batch)]  # (row, start, num)
+            plan = paged_prefill.plan(decodes, table.tolist(), Hq // K, device)
             self.inputs.append((q, table.to(torch.int32).to(device),
-                                meta.decode_context_B.to(torch.int32), meta))  # fmt: skip
+                                meta.decode_context_B.to(torch.int32), meta, plan))  # fmt: skip
         layers = self.cache.layers
         self.pages = {
             "bf16": (layers[0].k_NBKD, layers[0].v_NBKD),
@@ -182,6 +190,10 @@ class Bench:
     def kernel(self, fmt, **kw):
         k, v = self.pages[fmt]
         return lambda s: paged_attention.launch(s[0], k, v, s[1], s[2], **kw)
+
+    def prefill_kernel(self, fmt):
+        k, v = self.pages[fmt]
+        return lambda s: paged_prefill.launch(s[0], k, v, s[4], torch.empty_like(s[0]))
 
     def triton_program(self):
         """The launcher's Triton program over NVFP4 pages, with the tile and split it would
@@ -231,6 +243,12 @@ class Bench:
             bad.append(f"Triton program over NVFP4 pages, batch {self.batch}, context "
                        f"{self.context}: {t['program', 'check']}")  # fmt: skip
         t["program", "kernel"] = self.us(program, warmup, repeats)
+        for fmt in ("bf16", "nvfp4"):
+            t[fmt, "prefill check"] = check(self.prefill_kernel(fmt)(self.inputs[0]), want[fmt])
+            if t[fmt, "prefill check"] != "ok":
+                bad.append(f"prefill kernel over {fmt} pages, batch {self.batch}, context "
+                           f"{self.context}: {t[fmt, 'prefill check']}")  # fmt: skip
+            t[fmt, "prefill"] = self.us(self.prefill_kernel(fmt), warmup, repeats)
         roof = {fmt: 1e-3 * b / copy_gbs for fmt, b in self.kv_bytes.items()}  # us
         a, b = t["bf16", "kernel"], t["nvfp4", "kernel"]
         row = (
@@ -239,8 +257,11 @@ class Bench:
             f"{100 * roof['nvfp4'] / b:.0f} | {a / b:.2f}x | {t['program', 'kernel']:.1f} | "
             f"{t['program', 'kernel'] / b:.2f}x | {t['bf16', 'today']:.1f} | "
             f"{t['nvfp4', 'today']:.1f} | {t['bf16', 'today'] / a:.1f}x | "
-            f"{t['nvfp4', 'today'] / b:.1f}x | {self.splits('bf16')} | "
-            f"{t['bf16', 'check']}, {t['nvfp4', 'check']}, {t['program', 'check']} |"
+            f"{t['nvfp4', 'today'] / b:.1f}x | {t['bf16', 'prefill']:.1f} | "
+            f"{t['bf16', 'prefill'] / a:.2f}x | {t['nvfp4', 'prefill']:.1f} | "
+            f"{t['nvfp4', 'prefill'] / b:.2f}x | {self.splits('bf16')} | "
+            f"{t['bf16', 'check']}, {t['nvfp4', 'check']}, {t['program', 'check']}, "
+            f"{t['bf16', 'prefill check']}, {t['nvfp4', 'prefill check']} |"
         )
         return row, bad
 

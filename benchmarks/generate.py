@@ -10,15 +10,17 @@ and the uncaptured NVFP4 engine measured in the same run: the median wall time o
 runs after a warm-up run of the same call (± half the spread), the rows' runs interleaved (so
 every row's engine, its model and its ``--kv-gib`` of KV, is held at once). Every layer is MoE
 with NVFP4 experts (no BF16 boundary layers). On the GPU packed experts go through the fused
-NVFP4 grouped GEMM and decode attention through the paged kernel; decode-only steps replay CUDA
-graphs (`fp4rl.rollout.graphs`), except in the rows marked eager, and the engine launches the
-next decode step before reading a step's tokens (`EngineConfig.overlap_steps`), except in the
-rows taken one step at a time; prefill attention and everything else is still plain PyTorch.
+NVFP4 grouped GEMM and attention through the paged kernels; steps replay CUDA graphs
+(`fp4rl.rollout.graphs`, `fp4rl.rollout.prefill_graphs`: all but those of more than 2,048
+tokens), except in the rows marked eager, and the engine launches the next decode step before
+reading a step's tokens (`EngineConfig.overlap_steps`), except in the rows taken one step at a
+time.
 The ratios are against the graphed, overlapped engines. ``--cdf-orders probability,token`` runs
 every row with each `SamplingParams.cdf_order` (the default draw sorts the vocabulary each step;
 "token" does not), each order's ratios against the baselines of that order. The column
 "paired" is the ratio to the uncaptured NVFP4 row taken repeat by repeat (its median): a small
-cost such as a capture's shows there through the machine's drift.
+cost such as a capture's shows there through the machine's drift. "steps" and "eager steps"
+count the last timed call's steps and those of them that ran eagerly, not from a CUDA graph.
 """
 
 from __future__ import annotations
@@ -162,12 +164,15 @@ def main() -> None:
     # Each repeat times every row once, in an order rotated by one per repeat, so that the
     # machine's drift over the run falls on all rows alike.
     runs = [(name, order) for name in chosen for order in orders]
-    times, outs = {run: [] for run in runs}, {}
+    times, outs, stats = {run: [] for run in runs}, {}, {}
     for r in range(args.repeats):
         for name, order in runs[r % len(runs) :] + runs[: r % len(runs)]:
             sync()
             start = time.perf_counter()
-            outs[name, order] = engines[name].generate(prompts, _in_order(sampling, order))
+            stats[name, order] = {}  # the last run's
+            outs[name, order] = engines[name].generate(
+                prompts, _in_order(sampling, order), stats=stats[name, order]
+            )
             sync()
             times[name, order].append(time.perf_counter() - start)
     for name, order in sorted(runs, key=lambda run: orders.index(run[1])):
@@ -190,7 +195,8 @@ def main() -> None:
             f"{_ratio(tok_s, base.get((order, 'bf16')))} | "
             f"{_ratio(tok_s, base.get((order, 'fp4')))} | "
             f"{_paired(times[name, order], generated, base_runs.get(order))} | "
-            f"{capture['routing']:,.0f} | {capture['guidance']:,.0f} |"
+            f"{capture['routing']:,.0f} | {capture['guidance']:,.0f} | "
+            f"{stats[name, order]['steps']:,} | {stats[name, order]['eager_steps']:,} |"
         )
         if args.profile and order == orders[0]:
             profile_call(engines[name], prompts, _in_order(warmup, order), args.profile, name, cuda)
@@ -203,8 +209,8 @@ def main() -> None:
             f"n={args.n}, {lengths}",
             "",
             "| engine | seconds | generated tok/s | vs bf16 | vs nvfp4 uncaptured "
-            "| paired | routing B/tok | guidance B/tok |",
-            "|---|---|---|---|---|---|---|---|",
+            "| paired | routing B/tok | guidance B/tok | steps | eager steps |",
+            "|---|---|---|---|---|---|---|---|---|---|",
             *rows,
         ],
     )
