@@ -25,6 +25,12 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+# The engines the bitwise comparisons run: experts, KV pages and the guidance they record.
+RECORDED_ENGINES = pytest.mark.parametrize(
+    "experts, kv_cache, guidance",
+    [("nvfp4", "nvfp4", "full"), ("nvfp4", "bf16", "compact"), ("bf16", "bf16", None)],
+)
+
 # Eight prompts of different lengths, prefilled in one step, then decoded together: 8 rows.
 PROMPTS = [[1 + i, 2, 3 + i, 4][: 1 + i % 4] + [5] * i for i in range(8)]
 
@@ -71,10 +77,7 @@ def assert_same_completions(got, want):
                 assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), key
 
 
-@pytest.mark.parametrize(
-    "experts, kv_cache, guidance",
-    [("nvfp4", "nvfp4", "full"), ("nvfp4", "bf16", "compact"), ("bf16", "bf16", None)],
-)
+@RECORDED_ENGINES
 @torch.no_grad()
 def test_graphed_steps_equal_eager_steps_bitwise(experts, kv_cache, guidance):
     _, packed = models(experts, kv_cache)
@@ -213,10 +216,7 @@ def test_a_float32_engine_decodes_eagerly():
 PREFILL_PROMPTS = [[3 + i] * n for i, n in enumerate((2, 5, 9, 16, 32))]
 
 
-@pytest.mark.parametrize(
-    "experts, kv_cache, guidance",
-    [("nvfp4", "nvfp4", "full"), ("nvfp4", "bf16", "compact"), ("bf16", "bf16", None)],
-)
+@RECORDED_ENGINES
 @torch.no_grad()
 def test_graphed_prefill_equals_eager_prefill_bitwise(experts, kv_cache, guidance):
     """At a bucket's size a graphed prefill step runs the eager step's kernels on its shapes."""
@@ -234,10 +234,7 @@ def test_graphed_prefill_equals_eager_prefill_bitwise(experts, kv_cache, guidanc
     assert (64, 0, guidance is not None) in graphed.prefill_graphs.graphs
 
 
-@pytest.mark.parametrize(
-    "experts, kv_cache, guidance",
-    [("nvfp4", "nvfp4", "full"), ("nvfp4", "bf16", "compact"), ("bf16", "bf16", None)],
-)
+@RECORDED_ENGINES
 @torch.no_grad()
 def test_steps_that_admit_a_prompt_beside_decodes_are_graphed_and_equal_eager_ones(
     experts, kv_cache, guidance
