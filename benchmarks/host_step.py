@@ -5,7 +5,10 @@ against the same rows from Python lists (a copy of each table converted int by i
 step did before `BlockTable`), and the sampler's uniform numbers with the per-row values that
 cross to the device with them: taken from each sequence's `Draws` (a block of 64 drawn at a
 time) against one ``torch.rand`` per sequence and step, stacked (what every step did before
-`Draws`; the two give the same numbers, checked).
+`Draws`; the two give the same numbers, checked). And the staging of a step that admits a
+request while the others decode (a prompt of 128 tokens beside ``batch - 1`` decodes), the
+prefill graph's inputs (`PrefillInputs.fill`), which the host writes before launching such a
+step.
 
 No GPU needed (host work only): ``python benchmarks/host_step.py``. Prints a markdown table
 and writes it to ``$OUT/host_step.md`` when OUT is set; exits 1 if the two ways' rows differ.
@@ -27,7 +30,8 @@ from _timing import report, run_header
 from fp4rl.rollout.attention import Segment
 from fp4rl.rollout.block_manager import BlockManager
 from fp4rl.rollout.config import EngineConfig, SamplingParams
-from fp4rl.rollout.graphs import TABLE, fill_rows
+from fp4rl.rollout.graphs import TABLE, bucket_for, fill_rows
+from fp4rl.rollout.prefill_graphs import PrefillInputs, prefill_bucket
 from fp4rl.rollout.sampler import Draws, make_generator
 from fp4rl.rollout.scheduler import Group, Scheduler
 from fp4rl.rollout.sequence import Sequence
@@ -89,14 +93,28 @@ def draws_ms(batch: int) -> tuple[float, float, bool]:
     return host_ms(lambda: single(generators)), host_ms(lambda: blocks(draws)), same
 
 
+def admission_ms(tables, context: int) -> float:
+    """Staging a prefill graph's inputs for a prompt of 128 tokens beside one decode per table
+    but the last, each at ``context`` tokens."""
+    prompt, batch = 128, len(tables)
+    segments = [Segment(tables[-1], 0, prompt)]
+    segments += [Segment(t, context - 1, 1) for t in tables[:-1]]
+    decodes = batch - 1
+    slots = bucket_for(decodes) if decodes else 0
+    inputs = PrefillInputs.of(prefill_bucket(prompt + decodes), slots, batch, 8, context // PAGE)
+    buffer = np.zeros(inputs.size, dtype=np.int64)
+    tokens = list(range(prompt + decodes))
+    return host_ms(lambda: inputs.fill(buffer, segments, tokens, PAGE, 8, 0))
+
+
 def main() -> None:
     lines = [
         run_header(" ".join(["python", *sys.argv])),
         "",
         "| batch × context | schedule ms | blocks a row | staging from lists (copy + ints) ms "
         "| from BlockTable arrays ms | lists / arrays | draws one by one ms | from Draws ms "
-        "| one by one / Draws |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| one by one / Draws | admission staging ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     failed = False
     for batch, context in CASES:
@@ -120,7 +138,8 @@ def main() -> None:
             f"| {batch} × {context} | {schedule_ms(batch, context):.3f} | {blocks} | {lists:.3f} | "
             f"{arrays:.3f} | "
             f"{lists / arrays:.1f}x{'' if same else ' (rows differ)'} | {single:.3f} | "
-            f"{drawn:.3f} | {single / drawn:.1f}x{'' if same_draws else ' (values differ)'} |"
+            f"{drawn:.3f} | {single / drawn:.1f}x{'' if same_draws else ' (values differ)'} | "
+            f"{admission_ms(tables, context):.3f} |"
         )
         print(lines[-1], flush=True)
     report("host_step.md", lines)

@@ -74,6 +74,20 @@ def graphable_prefill(segments: list[Segment]) -> bool:
     return fits and bool(segments) and sum(s.num_new == 1 for s in segments) <= MAX_GRAPH_BATCH
 
 
+def _tables(segments: list[Segment], width: int, fill: int, block_size: int) -> np.ndarray:
+    """The segments' block tables as rows of ``width`` int64 columns (a `BlockTable`'s int64
+    copy where it has one), ``fill`` past each table; a segment whose table does not hold its
+    tokens is refused."""
+    tables = np.full((len(segments), width), fill, dtype=np.int64)
+    for row, seg in zip(tables, segments, strict=True):
+        blocks = seg.block_table
+        blocks = blocks.array() if isinstance(blocks, BlockTable) else blocks
+        if -(-(seg.start + seg.num_new) // block_size) > len(blocks):
+            raise ValueError(f"{seg} does not fit its block table of block size {block_size}")
+        row[: len(blocks)] = blocks
+    return tables
+
+
 @dataclass(frozen=True, slots=True)
 class PrefillInputs:
     """Where a graph's inputs lie in the flat int64 buffer: ``tokens`` rows of id, position and
@@ -131,7 +145,7 @@ class PrefillInputs:
         """Write one step's inputs into ``buffer`` (padding included); the number of its leading
         values the step needs (the table rows past its segments are not read)."""
         columns, segs, tiles, decodes, decode_table, table = self.views(buffer)
-        nums = np.array([s.num_new for s in segments], dtype=np.int64)
+        nums = np.fromiter((s.num_new for s in segments), np.int64, len(segments))
         prefills, decoding = np.flatnonzero(nums > 1), np.flatnonzero(nums == 1)
         S, B, T = len(prefills), len(decoding), len(tokens)
         fits = self.segments > S and self.tokens >= T and self.decodes >= B
@@ -139,28 +153,19 @@ class PrefillInputs:
         if not fits or nums.sum() != T:
             raise ValueError(f"a prefill graph of {self.tokens} tokens and {self.decodes} decodes "
                              f"cannot take segments of {nums.tolist()} tokens")  # fmt: skip
+        tables = _tables(segments, self.width, scratch_block, block_size)
+        starts = np.fromiter((s.start for s in segments), np.int64, len(segments))
         first = np.cumsum(nums) - nums
-        positions, slots, tables = [], [], []
-        for s in segments:
-            blocks = s.block_table
-            blocks = blocks.array() if isinstance(blocks, BlockTable) else np.asarray(blocks)
-            if -(-(s.start + s.num_new) // block_size) > len(blocks):
-                raise ValueError(f"{s} does not fit its block table of block size {block_size}")
-            at = np.arange(s.start, s.start + s.num_new)
-            positions.append(at)
-            slots.append(blocks[at // block_size] * block_size + at % block_size)
-            tables.append(blocks)
+        positions = np.arange(T) + np.repeat(starts - first, nums)
+        table_of = tables[np.repeat(np.arange(len(segments)), nums), positions // block_size]
         columns[0, :T] = tokens
-        columns[1, :T] = np.concatenate(positions)
-        columns[2, :T] = np.concatenate(slots)
+        columns[1, :T] = positions
+        columns[2, :T] = table_of * block_size + positions % block_size
         columns[:, T:] = np.array([[tokens[0]], [0], [scratch_block * block_size]])
 
-        starts = np.array([s.start for s in segments], dtype=np.int64)
         segs[0] = 0
         segs[1 : S + 1] = np.stack([first, starts, nums], axis=1)[prefills]
-        table[1 : S + 1] = scratch_block
-        for row, i in zip(table[1 : S + 1], prefills, strict=True):
-            row[: len(tables[i])] = tables[i]
+        table[1 : S + 1] = tables[prefills]
         per_segment = -(-nums[prefills] // block_q)
         P = int(per_segment.sum())
         tiles[:P, 0] = np.repeat(np.arange(1, S + 1), per_segment)
@@ -170,9 +175,7 @@ class PrefillInputs:
 
         if B:
             decodes[:B] = np.stack([first[decoding], starts[decoding] + 1], axis=1)
-            decode_table[:B] = scratch_block
-            for row, i in zip(decode_table[:B], decoding, strict=True):
-                row[: len(tables[i])] = tables[i]
+            decode_table[:B] = tables[decoding]
             shortest = int(np.argmin(decodes[:B, 1]))
             decodes[B:], decode_table[B:] = decodes[shortest], decode_table[shortest]
         return self.table_at + (S + 1) * self.width
