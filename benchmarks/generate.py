@@ -20,7 +20,12 @@ every row with each `SamplingParams.cdf_order` (the default draw sorts the vocab
 "token" does not), each order's ratios against the baselines of that order. The column
 "paired" is the ratio to the uncaptured NVFP4 row taken repeat by repeat (its median): a small
 cost such as a capture's shows there through the machine's drift. "steps" and "eager steps"
-count the last timed call's steps and those of them that ran eagerly, not from a CUDA graph.
+count the last timed call's steps and those of them that ran eagerly, not from a CUDA graph;
+"graphs" and "capture s" the CUDA graphs it captured (on first use of a step's shape) and the
+wall seconds that took. ``--release-kv`` gives every engine's KV pages back and takes them again
+before each timed call, as the colocated GRPO loop does between rollouts (`fp4rl.loop`), so that
+every timed call captures the graphs it uses again; ``--capture-warmups`` sets the eager calls
+before each capture (`fp4rl.rollout.graphs.CAPTURE_WARMUPS`).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from fp4rl.model.presets import qwen3_30b_a3b
 from fp4rl.model.transformer import build_model
 from fp4rl.model.weights import load_weights
 from fp4rl.records import capture_bytes_per_generated_token
-from fp4rl.rollout import Engine, EngineConfig, SamplingParams
+from fp4rl.rollout import Engine, EngineConfig, SamplingParams, graphs
 
 VARIANTS = {  # name: (experts, kv, capture_routing, guidance, cuda_graphs, overlap_steps)
     "bf16 experts, bf16 kv, eager": ("bf16", "bf16", False, None, False, True),
@@ -83,6 +88,14 @@ def main() -> None:
         "sizes between the graphs' buckets"
     )  # fmt: skip
     parser.add_argument(
+        "--release-kv", action="store_true", help="release and acquire each engine's KV pages "
+        "before each timed call (the colocated loop's rollouts: graphs captured every call)"
+    )  # fmt: skip
+    parser.add_argument(
+        "--capture-warmups", type=int, default=None,
+        help="override fp4rl.rollout.graphs.CAPTURE_WARMUPS (eager calls before a capture)",
+    )  # fmt: skip
+    parser.add_argument(
         "--profile", type=int, default=0, help="also print, per row, the N ops that take most "
         "device time in one more call of --warmup-tokens new tokens (torch.profiler)"
     )  # fmt: skip
@@ -91,6 +104,8 @@ def main() -> None:
     unknown = [v for v in chosen if v not in VARIANTS]
     if unknown:
         raise SystemExit(f"--variants: unknown rows {unknown}; choose from {list(VARIANTS)}")
+    if args.capture_warmups is not None:
+        graphs.CAPTURE_WARMUPS = args.capture_warmups
     cuda = args.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     shrink = (
@@ -145,7 +160,7 @@ def main() -> None:
     if cuda:
         torch.cuda.empty_cache()
     for name in chosen:
-        experts, kv, routing, guidance, graphs, overlap = VARIANTS[name]
+        experts, kv, routing, guidance, graphed, overlap = VARIANTS[name]
         engines[name] = Engine(
             models.pop(name),
             EngineConfig(
@@ -154,7 +169,7 @@ def main() -> None:
                 max_num_seqs=256,
                 capture_routing=routing,
                 guidance=guidance,
-                cuda_graphs=graphs,
+                cuda_graphs=graphed,
                 overlap_steps=overlap,
             ),
         )
@@ -167,6 +182,9 @@ def main() -> None:
     times, outs, stats = {run: [] for run in runs}, {}, {}
     for r in range(args.repeats):
         for name, order in runs[r % len(runs) :] + runs[: r % len(runs)]:
+            if args.release_kv:
+                engines[name].release_kv()
+                engines[name].acquire_kv()
             sync()
             start = time.perf_counter()
             stats[name, order] = {}  # the last run's
@@ -176,19 +194,20 @@ def main() -> None:
             sync()
             times[name, order].append(time.perf_counter() - start)
     for name, order in sorted(runs, key=lambda run: orders.index(run[1])):
-        experts, kv, routing, guidance, graphs, overlap = VARIANTS[name]
+        experts, kv, routing, guidance, graphed, overlap = VARIANTS[name]
         seconds = statistics.median(times[name, order])
         spread = (max(times[name, order]) - min(times[name, order])) / seconds
         out = outs[name, order]
         generated = sum(len(c.completion_ids) for c in out)
         tok_s = generated / seconds
-        if (graphs or not cuda) and overlap:  # the baselines: graphed engines, uncaptured
+        if (graphed or not cuda) and overlap:  # the baselines: graphed engines, uncaptured
             if experts == "bf16":
                 base.setdefault((order, "bf16"), tok_s)
             elif not routing and guidance is None:
                 base[order, "fp4"] = tok_s
                 base_runs[order] = (times[name, order], generated)
         capture = capture_bytes_per_generated_token(out)
+        last = stats[name, order]
         label = name if order == "probability" else f"{name}, {order}-order CDF"
         rows.append(
             f"| {label} | {seconds:.2f} ±{100 * spread / 2:.0f}% | {tok_s:,.0f} | "
@@ -196,7 +215,8 @@ def main() -> None:
             f"{_ratio(tok_s, base.get((order, 'fp4')))} | "
             f"{_paired(times[name, order], generated, base_runs.get(order))} | "
             f"{capture['routing']:,.0f} | {capture['guidance']:,.0f} | "
-            f"{stats[name, order]['steps']:,} | {stats[name, order]['eager_steps']:,} |"
+            f"{last['steps']:,} | {last['eager_steps']:,} | {last['graphs_captured']} | "
+            f"{last['capture_seconds']:.2f} |"
         )
         if args.profile and order == orders[0]:
             profile_call(engines[name], prompts, _in_order(warmup, order), args.profile, name, cuda)
@@ -209,8 +229,9 @@ def main() -> None:
             f"n={args.n}, {lengths}",
             "",
             "| engine | seconds | generated tok/s | vs bf16 | vs nvfp4 uncaptured "
-            "| paired | routing B/tok | guidance B/tok | steps | eager steps |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| paired | routing B/tok | guidance B/tok | steps | eager steps | graphs "
+            "| capture s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
             *rows,
         ],
     )

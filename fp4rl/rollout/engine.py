@@ -38,7 +38,7 @@ from fp4rl.rollout.block_manager import BlockManager
 from fp4rl.rollout.capture import CaptureLog, SequenceCapture, StepCapture, kept_layers
 from fp4rl.rollout.config import EngineConfig, SamplingParams
 from fp4rl.rollout.generation_config import eos_token_ids
-from fp4rl.rollout.graphs import DecodeGraphs, graphs_unsupported
+from fp4rl.rollout.graphs import CaptureTally, DecodeGraphs, graphs_unsupported
 from fp4rl.rollout.kv_cache import KVCache, num_blocks_for_budget
 from fp4rl.rollout.model_layout import ModelLayout
 from fp4rl.rollout.prefill_graphs import PrefillGraphs, graphable_prefill
@@ -66,6 +66,7 @@ class Engine:
         self.graphs_off = graphs_unsupported(self.layout, config)
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
+        self.captures = CaptureTally()  # every graph this engine captured, across releases
         self.acquire_kv()
         if config.guidance is not None and not self.layout.guided_keys:
             raise ValueError(
@@ -120,6 +121,7 @@ class Engine:
                     device=self.layout.device,
                     max_batch=c.max_num_seqs,
                     max_model_len=c.max_model_len,
+                    tally=self.captures,
                 )
                 self.prefill_graphs = PrefillGraphs(
                     self.model,
@@ -128,6 +130,7 @@ class Engine:
                     max_segments=c.max_num_seqs,
                     max_model_len=c.max_model_len,
                     pool=self.graphs.pool,
+                    tally=self.captures,
                 )
 
     def generate(
@@ -152,7 +155,9 @@ class Engine:
         the previous step's tokens were read, `EngineConfig.overlap_steps`; their decode tokens
         include the rows of sequences that had just sampled a stop token) and ``eager_steps``
         (steps run eagerly rather than replayed from a CUDA graph: every step where graphs are
-        off, else steps of more tokens than a prefill graph takes). ``on_finish``
+        off, else steps of more tokens than a prefill graph takes), ``graphs_captured`` and
+        ``capture_seconds`` (the CUDA graphs this call captured on first use of their shapes, and
+        the wall time that took; `Engine.release_kv` drops every graph). ``on_finish``
         (optional) is called with the number of samples that finished, after each step that
         finished any (progress bars).
         ``first_prompt_index``: this call's prompts are those of a larger request from that
@@ -196,6 +201,7 @@ class Engine:
              "eager_steps"), 0
         )  # fmt: skip
         log = CaptureLog(self.host_rows) if capturing else None
+        captured_before = (self.captures.graphs, self.captures.seconds)
         done: list[Sequence] = []
         with torch.inference_mode():
             launched = None  # a step on the device whose tokens the host has not read yet
@@ -232,6 +238,8 @@ class Engine:
             completions = [
                 self._completion(seq, *record) for seq, record in zip(done, records, strict=True)
             ]
+        counters["graphs_captured"] = self.captures.graphs - captured_before[0]
+        counters["capture_seconds"] = self.captures.seconds - captured_before[1]
         if stats is not None:
             for key, value in counters.items():
                 stats[key] = stats.get(key, 0) + value

@@ -49,6 +49,7 @@ batch and the table width), which reorders FP32 sums.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,6 +76,21 @@ TOKEN, POSITION, SLOT, CONTEXT, TABLE = 0, 1, 2, 3, 4  # columns of the input ro
 # decode attention is the exception (`fp4rl.rollout.attention.STORE_AT_EXIT_MIN_DECODES`, with
 # the measurements).
 EARLY_DEPENDENTS_MAX_BATCH = MAX_GRAPH_BATCH
+
+# Eager calls of a step's forward before its capture (kernels compile, workspaces are sized
+# outside the graph); a knob for `benchmarks/generate.py`'s A/B. One, not two: a 48-layer
+# rollout's 19 captures took 3.1 s instead of 7.2 (NVFP4) and 3.7 instead of 6.0 (BF16) on one
+# H200 (BENCHMARKS.md, "Graph captures"), every graph test passing at either count.
+CAPTURE_WARMUPS = 1
+
+
+@dataclass(slots=True)
+class CaptureTally:
+    """Graphs an engine captured over its life and the wall seconds their captures took,
+    warm-up calls included (`Engine.generate` reports each call's share)."""
+
+    graphs: int = 0
+    seconds: float = 0.0
 
 
 def bucket_for(batch: int) -> int | None:
@@ -148,9 +164,16 @@ class DecodeGraphs:
     """The decode-step graphs of one engine over one `KVCache`; captured on first use."""
 
     def __init__(
-        self, model, cache: KVCache, *, device: torch.device, max_batch: int, max_model_len: int
+        self,
+        model,
+        cache: KVCache,
+        *,
+        device: torch.device,
+        max_batch: int,
+        max_model_len: int,
+        tally: CaptureTally,
     ) -> None:
-        self.model, self.cache = model, cache
+        self.model, self.cache, self.tally = model, cache, tally
         self.max_sampled = max_batch  # a step samples at most one token per running sequence
         self.max_batch = bucket_for(min(max_batch, MAX_GRAPH_BATCH))
         self.width = math.ceil(max_model_len / cache.block_size)  # block-table columns
@@ -248,25 +271,33 @@ class DecodeGraphs:
             self.device,
             self.pool,
             early=b <= EARLY_DEPENDENTS_MAX_BATCH,
+            tally=self.tally,
         )
         self.graphs[key] = _Graph(graph, logits, records)
         return self.graphs[key]
 
 
-def capture_graph(forward, device: torch.device, pool, *, early: bool):
-    """A CUDA graph of ``forward()`` in ``pool``, and what the captured call returned: two calls
-    on a side stream first (kernels compile and workspaces are sized outside the graph), its
-    kernels launched with early dependents if ``early`` (`fp4rl.ops.early_dependents`)."""
+def capture_graph(forward, device: torch.device, pool, *, early: bool, tally: CaptureTally):
+    """A CUDA graph of ``forward()`` in ``pool``, and what the captured call returned:
+    `CAPTURE_WARMUPS` calls on a side stream first (kernels compile and workspaces are sized
+    outside the graph), its kernels launched with early dependents if ``early``
+    (`fp4rl.ops.early_dependents`). The capture's wall time, from the device's last queued work
+    to the graph's instantiation, goes into ``tally``."""
+    torch.cuda.synchronize(device)  # the steps queued before are not the capture's time
+    start = time.perf_counter()
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with ops.early_dependents(device, early):
         with torch.cuda.stream(side):
-            for _ in range(2):
+            for _ in range(CAPTURE_WARMUPS):
                 forward()
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             out = forward()
+    torch.cuda.synchronize(device)
+    tally.graphs += 1
+    tally.seconds += time.perf_counter() - start
     return graph, out
 
 

@@ -49,7 +49,13 @@ from fp4rl import ops
 from fp4rl.rollout.attention import AttentionMetadata, PagedAttention, Segment
 from fp4rl.rollout.block_manager import BlockTable
 from fp4rl.rollout.capture import PackedRows, StepCapture
-from fp4rl.rollout.graphs import MAX_GRAPH_BATCH, bucket_for, capture_graph, capture_like
+from fp4rl.rollout.graphs import (
+    MAX_GRAPH_BATCH,
+    CaptureTally,
+    bucket_for,
+    capture_graph,
+    capture_like,
+)
 from fp4rl.rollout.kv_cache import KVCache
 from fp4rl.rollout.rows import HostRows
 
@@ -195,8 +201,8 @@ class PrefillGraphs:
     (one replays at a time)."""
 
     def __init__(self, model, cache: KVCache, *, device, max_segments: int, max_model_len: int,
-                 pool) -> None:  # fmt: skip
-        self.model, self.cache, self.pool = model, cache, pool
+                 pool, tally: CaptureTally) -> None:  # fmt: skip
+        self.model, self.cache, self.pool, self.tally = model, cache, pool, tally
         self.device = torch.device(device)
         config = model.config
         self.group = config.num_attention_heads // config.num_key_value_heads
@@ -277,6 +283,7 @@ class PrefillGraphs:
             self.device,
             self.pool,
             early=False,
+            tally=self.tally,
         )
         self.graphs[key] = _Graph(graph, inputs, hidden, records)
         return self.graphs[key]

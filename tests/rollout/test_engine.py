@@ -176,6 +176,7 @@ def test_chunked_prefill_leaves_outputs_and_records_unchanged(models, kv, expert
     assert_same_outputs(got, whole.generate(PROMPTS, params), capture=True)
     assert stats["prefill_tokens"] == sum(len(p) for p in PROMPTS)
     assert stats["eager_steps"] == stats["steps"] > 0, "off the GPU every step runs eagerly"
+    assert stats["graphs_captured"] == stats["capture_seconds"] == 0
 
 
 @pytest.mark.parametrize("tight", [False, True], ids=["roomy", "preempting"])

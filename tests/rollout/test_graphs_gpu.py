@@ -185,11 +185,16 @@ def test_graphs_follow_a_refit_and_are_dropped_with_the_pages():
     new_qat, new_packed = models("nvfp4", "nvfp4", seed=1)
     graphed, _ = engines(packed)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    before = graphed.generate(PROMPTS, params)
+    first, again, recaptured = {}, {}, {}
+    before = graphed.generate(PROMPTS, params, stats=first)
     graphs = graphed.graphs.graphs[(8, False)]
+    # One graph per shape the call used: its prefill step's and the decode step's.
+    shapes = len(graphed.graphs.graphs) + len(graphed.prefill_graphs.graphs)
+    assert first["graphs_captured"] == shapes == 2 and first["capture_seconds"] > 0
     RefitReceiver(graphed).receive(refit_records(new_qat, policy_version=1))
     assert graphed.graphs.graphs[(8, False)] is graphs  # replayed, not captured again
-    after = graphed.generate(PROMPTS, params)
+    after = graphed.generate(PROMPTS, params, stats=again)
+    assert again["graphs_captured"] == again["capture_seconds"] == 0
     _, fresh = engines(new_packed)
     assert_same_completions(after, fresh.generate(PROMPTS, params))
     assert [c.completion_ids for c in after] != [c.completion_ids for c in before]
@@ -197,7 +202,9 @@ def test_graphs_follow_a_refit_and_are_dropped_with_the_pages():
     assert graphed.graphs is None
     graphed.acquire_kv()
     assert graphed.graphs is not None and not graphed.graphs.graphs
-    assert_same_completions(graphed.generate(PROMPTS, params), after)
+    assert_same_completions(graphed.generate(PROMPTS, params, stats=recaptured), after)
+    assert recaptured["graphs_captured"] == shapes
+    assert graphed.captures.graphs == 2 * shapes
 
 
 def test_a_float32_engine_decodes_eagerly():
