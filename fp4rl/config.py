@@ -131,6 +131,10 @@ class RunSection:
     # forward to its last backward (one all-gather per update instead of two per micro-batch;
     # 2 bytes per parameter of the whole model on every rank).
     keep_gathered: bool = False
+    # Keep the rollout engine's KV pages, and with them its CUDA graphs, while the trainer runs:
+    # no graph captured again for every rollout (about 3 s of a 48-layer rollout on one H200,
+    # BENCHMARKS.md), for the pages' memory held through the update (docs/scaling.md).
+    keep_kv: bool = False
     threads: int = 0  # CPU threads for torch; 0: leave torch's default
     tensorboard: bool = False  # also every numeric metric as scalars in <out_dir>/tensorboard
     checkpoint_every: int = 0  # a checkpoint every this many steps; 0: only after the last step
@@ -141,6 +145,7 @@ class RunSection:
         checks.choice("run.eval_precision", self.eval_precision, ("rollout", "bf16"))
         checks.choice("run.gradient_sync", self.gradient_sync, get_args(GradientSync))
         checks.boolean("run.keep_gathered", self.keep_gathered)
+        checks.boolean("run.keep_kv", self.keep_kv)
         for key, low in (
             ("steps", 1),
             ("seed", 0),

@@ -160,7 +160,7 @@ def train(
             problems = task.train_examples(seed=config.run.seed, step=step, num=num)
             mine = range(num) if ranks is None else ranks.share(num)  # this rank's prompts
             with phase(m, "rollout", device):
-                completions = rollout(engine, task, problems, config, step, mine, ranks)
+                completions = rollout(engine, task, problems, config, step, mine, ranks, m)
             keep, advantages = score(
                 task, problems[mine.start : mine.stop], completions, config, m, ranks
             )
@@ -168,7 +168,8 @@ def train(
             if every and step % every == 0:
                 first = mine.start * config.rollout.samples_per_prompt  # this rank's first
                 m.update(observed(policy, completions, config, replay, guided, first, ranks))
-            engine.release_kv()  # the trainer takes the memory of the pages while it runs
+            if not config.run.keep_kv:  # the trainer takes the pages' memory while it runs
+                engine.release_kv()  # and the engine's graphs go with them
             with phase(m, "train", device), progress(len(keep), f"step {step} train", ranks) as bar:
                 if m["trained_samples"]:  # of every rank: all of them update, or none
                     m.update(
@@ -224,14 +225,24 @@ def rollout(
     step: int,
     mine: range,
     ranks: Ranks | None = None,
+    m: dict | None = None,
 ):
     """The completions of ``problems[mine]`` (this rank's share; all of them in one process),
-    sampled as one engine given every problem would sample them."""
+    sampled as one engine given every problem would sample them. Into ``m``: the CUDA graphs
+    the engine captured for it and the seconds that took (``graphs_captured``,
+    ``graph_capture_s``; none once the engine holds its graphs, with ``run.keep_kv``)."""
     total = len(mine) * config.rollout.samples_per_prompt
+    stats: dict = {}
     with progress(total, f"step {step} rollout", ranks) as bar:
         prompts = [list(p.prompt_ids) for p in problems[mine.start : mine.stop]]
         params = sampling(config, step, task.stop_token_ids)
-        return engine.generate(prompts, params, on_finish=bar.update, first_prompt_index=mine.start)
+        completions = engine.generate(
+            prompts, params, stats=stats, on_finish=bar.update, first_prompt_index=mine.start
+        )
+    if m is not None:
+        m["graphs_captured"] = stats["graphs_captured"]
+        m["graph_capture_s"] = stats["capture_seconds"]
+    return completions
 
 
 def score(

@@ -77,7 +77,7 @@ FIGURES = {
     "time.png": (
         "Time per phase and rollout throughput",
         [
-            ("seconds", [r"rollout_s", r"train_s", r"refit_s"]),
+            ("seconds", [r"rollout_s", r"train_s", r"refit_s", r"graph_capture_s"]),
             ("rollout tokens/s", [r"rollout_tokens_per_s"]),
             ("peak memory, GiB", [r"peak_.+_gib"]),
         ],

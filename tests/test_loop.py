@@ -14,7 +14,7 @@ import torch
 
 from fp4rl import config as run_config
 from fp4rl import demo
-from fp4rl.loop import sampling, setup
+from fp4rl.loop import sampling, setup, train
 from fp4rl.model.weights import load_pretrained
 from fp4rl.rollout import Engine
 from fp4rl.tasks.arith import ArithTask, reward, train_problems
@@ -377,3 +377,39 @@ def test_the_observed_gap_is_taken_at_the_rollout_temperature(base, cdf_order):
     assert m["code_agreement"] == 1.0
     assert 1.0 <= m["observed_token_mult_prob_error"] < 1.0 + 1e-5
     assert m["observed_max_abs_dlogp"] < 1e-4
+
+
+def test_kept_kv_pages_change_no_step_and_are_never_given_back(tmp_path, base, monkeypatch):
+    """``run.keep_kv``: the engine holds its KV pages (on a GPU, its CUDA graphs with them)
+    through every update, and the run's steps are those of a run that gives them back, bit for
+    bit on the CPU: the pages a rollout reads were written in it."""
+    released = []
+    give_back = Engine.release_kv
+    monkeypatch.setattr(Engine, "release_kv", lambda e: (released.append(e), give_back(e)))
+    volatile = ("rollout_s", "train_s", "refit_s", "rollout_tokens_per_s", "graph_capture_s")
+    runs, captured = {}, {}
+    for keep in ("false", "true"):
+        released.clear()
+        config = run_config.load(
+            demo.CONFIG_FILE,
+            [
+                f"model.path={base}",
+                f"run.out_dir={tmp_path / keep}",
+                f"run.keep_kv={keep}",
+                "run.steps=2",
+                "run.eval_every=100",
+                "rollout.prompts_per_step=8",
+                "rollout.max_tokens=6",
+            ],
+        )
+        history = train(config, log=lambda _: None)
+        runs[keep] = [
+            {k: v for k, v in m.items() if k not in (*volatile, "graphs_captured")} for m in history
+        ]
+        captured[keep] = [m["graphs_captured"] for m in history[:2]]
+        assert len(released) == (2 if keep == "false" else 0), keep
+    assert runs["true"] == runs["false"]
+    if config.model.device == "cpu" or not torch.cuda.is_available():
+        assert captured == {"false": [0, 0], "true": [0, 0]}  # every step eager
+    else:  # every rollout captures its graphs again, but for a kept engine's second
+        assert min(captured["false"]) > 0 and captured["true"][1] < captured["false"][1]
