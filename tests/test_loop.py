@@ -379,37 +379,59 @@ def test_the_observed_gap_is_taken_at_the_rollout_temperature(base, cdf_order):
     assert m["observed_max_abs_dlogp"] < 1e-4
 
 
-def test_kept_kv_pages_change_no_step_and_are_never_given_back(tmp_path, base, monkeypatch):
-    """``run.keep_kv``: the engine holds its KV pages (on a GPU, its CUDA graphs with them)
-    through every update, and the run's steps are those of a run that gives them back, bit for
-    bit on the CPU: the pages a rollout reads were written in it."""
+RELEASE_KV = Engine.release_kv
+
+
+def loop_keeping_kv(base, out_dir, keep: bool, monkeypatch, *overrides):
+    """A two-step run with ``run.keep_kv=keep``: its metrics and how many times the engine gave
+    its pages back."""
     released = []
-    give_back = Engine.release_kv
-    monkeypatch.setattr(Engine, "release_kv", lambda e: (released.append(e), give_back(e)))
+    monkeypatch.setattr(Engine, "release_kv", lambda e: (released.append(e), RELEASE_KV(e)))
+    config = run_config.load(
+        demo.CONFIG_FILE,
+        [
+            f"model.path={base}",
+            f"run.out_dir={out_dir}",
+            f"run.keep_kv={str(keep).lower()}",
+            "run.steps=2",
+            "run.eval_every=100",
+            "rollout.prompts_per_step=8",
+            "rollout.max_tokens=6",
+            *overrides,
+        ],
+    )
+    return train(config, log=lambda _: None), len(released)
+
+
+def test_kept_kv_pages_change_no_step_and_are_never_given_back(tmp_path, base, monkeypatch):
+    """``run.keep_kv``: the engine holds its KV pages through every update, and the run's steps
+    are those of a run that gives them back, bit for bit on the CPU: the pages a rollout reads
+    were written in it."""
     volatile = ("rollout_s", "train_s", "refit_s", "rollout_tokens_per_s", "graph_capture_s")
-    runs, captured = {}, {}
-    for keep in ("false", "true"):
-        released.clear()
-        config = run_config.load(
-            demo.CONFIG_FILE,
-            [
-                f"model.path={base}",
-                f"run.out_dir={tmp_path / keep}",
-                f"run.keep_kv={keep}",
-                "run.steps=2",
-                "run.eval_every=100",
-                "rollout.prompts_per_step=8",
-                "rollout.max_tokens=6",
-            ],
+    runs = {}
+    for keep in (False, True):
+        history, released = loop_keeping_kv(
+            base, tmp_path / str(keep), keep, monkeypatch, "model.device=cpu"
         )
-        history = train(config, log=lambda _: None)
-        runs[keep] = [
-            {k: v for k, v in m.items() if k not in (*volatile, "graphs_captured")} for m in history
-        ]
+        assert released == (0 if keep else 2), keep
+        assert [m["graphs_captured"] for m in history[:2]] == [0, 0]  # every CPU step eager
+        runs[keep] = [{k: v for k, v in m.items() if k not in volatile} for m in history]
+    assert runs[True] == runs[False]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_kept_engine_replays_the_graphs_of_its_earlier_rollouts(tmp_path, base, monkeypatch):
+    """On a GPU (a BF16 engine, whose steps replay CUDA graphs) every rollout of a run that
+    gives its pages back captures its graphs again; a kept engine's second rollout captures
+    only the shapes its first did not meet."""
+    captured = {}
+    for keep in (False, True):
+        history, released = loop_keeping_kv(
+            base, tmp_path / str(keep), keep, monkeypatch, "model.device=cuda",
+            "model.dtype=bfloat16",
+        )  # fmt: skip
+        assert released == (0 if keep else 2), keep
         captured[keep] = [m["graphs_captured"] for m in history[:2]]
-        assert len(released) == (2 if keep == "false" else 0), keep
-    assert runs["true"] == runs["false"]
-    if config.model.device == "cpu" or not torch.cuda.is_available():
-        assert captured == {"false": [0, 0], "true": [0, 0]}  # every step eager
-    else:  # every rollout captures its graphs again, but for a kept engine's second
-        assert min(captured["false"]) > 0 and captured["true"][1] < captured["false"][1]
+        assert all(m["graph_capture_s"] > 0 for m in history[:2] if m["graphs_captured"])
+    assert 0 <= captured[True][1] < captured[False][1], captured
