@@ -83,6 +83,22 @@ def test_the_host_share_smoke_run_times_each_part_of_the_engine(capfd):
     assert re.findall(r"^\| generate \| (\d+) \|", out, re.M) == ["1", "1"]
 
 
+def test_the_rollout_smoke_run_counts_steps_and_captures(capfd):
+    """generate at tiny shapes on the CPU, samples of their own lengths, the pages given back
+    before the timed call: a row per engine with its steps, all eager, and no graph captured
+    (graphs are the GPU's)."""
+    argv = ["bench", "generate", "--device", "cpu", "--layers", "2", "--hidden", "64"]
+    argv += "--prompts 2 --n 2 --prompt-len 8 --max-tokens 8 --kv-gib 0.01".split()
+    argv += ["--repeats", "1", "--spread-lengths", "--release-kv", "--capture-warmups", "1"]
+    argv += ["--variants", "bf16 experts, bf16 kv;nvfp4 experts, nvfp4 kv"]
+    assert main(argv) == 0
+    rows = re.findall(r"^\| (\w+) experts, \w+ kv \|.* \| (\d+) \| (\d+) \| (\d+) \| ([\d.]+) \|$",
+                      capfd.readouterr().out, re.M)  # fmt: skip
+    assert [r[0] for r in rows] == ["bf16", "nvfp4"]
+    for _, steps, eager, graphs, seconds in rows:
+        assert int(steps) == int(eager) > 0 and graphs == "0" and float(seconds) == 0
+
+
 def test_the_benchmarks_exit_status_is_the_commands(capfd):
     assert main(["bench", "attention", "--no-such-option"]) == 2  # the script's argparse
     assert "attention.py: error: unrecognized arguments: --no-such-option" in capfd.readouterr().err
