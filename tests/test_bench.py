@@ -88,7 +88,8 @@ def test_the_rollout_smoke_run_counts_steps_and_captures(capfd):
     before the timed call: a row per engine with its steps, all eager, and no graph captured
     (graphs are the GPU's)."""
     argv = ["bench", "generate", "--device", "cpu", "--layers", "2", "--hidden", "64"]
-    argv += "--prompts 2 --n 2 --prompt-len 8 --max-tokens 8 --kv-gib 0.01".split()
+    argv += ["--prompts", "2", "--n", "2", "--prompt-len", "8", "--max-tokens", "8"]
+    argv += ["--kv-gib", "0.01"]  # a few pages: the default 8 GiB zeroes slowly on the CPU
     argv += ["--repeats", "1", "--spread-lengths", "--release-kv", "--capture-warmups", "1"]
     argv += ["--variants", "bf16 experts, bf16 kv;nvfp4 experts, nvfp4 kv"]
     assert main(argv) == 0
