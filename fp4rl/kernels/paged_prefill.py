@@ -31,6 +31,7 @@ heads, G = Hq / K, D head dim.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -199,11 +200,21 @@ def plan(
     width = max((len(t) for t in block_tables), default=0)
     table = [list(t) + [0] * (width - len(t)) for t in block_tables]
     tiles = [(i, q0) for i, (_, _, num) in enumerate(segments) for q0 in range(0, num, block_q)]
-    as_int32 = dict(dtype=torch.int32, device=device)
+    # One copy of the three, queued from pinned memory on a GPU (a copy from pageable memory
+    # would wait for every kernel queued before it).
+    host = torch.tensor(
+        [*itertools.chain(*segments), *itertools.chain(*table), *itertools.chain(*tiles)],
+        dtype=torch.int32,
+    )
+    device = torch.device(device)
+    on = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+    segments_S3, table_SN, tiles_P2 = on.to(device).split(
+        [3 * len(segments), width * len(segments), 2 * len(tiles)]
+    )
     return PrefillPlan(
-        segments_S3=torch.tensor([list(s) for s in segments], **as_int32).view(-1, 3),
-        table_SN=torch.tensor(table, **as_int32).view(len(segments), width),
-        tiles_P2=torch.tensor(tiles, **as_int32).view(-1, 2),
+        segments_S3=segments_S3.view(-1, 3),
+        table_SN=table_SN.view(len(segments), width),
+        tiles_P2=tiles_P2.view(-1, 2),
         tile=tile,
         group=group,
         block_q=block_q,

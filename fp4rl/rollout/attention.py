@@ -27,6 +27,7 @@ import torch
 from fp4rl import ops
 from fp4rl.model.attention import NewKV, attend_fp32
 from fp4rl.rollout.kv_cache import KVCache
+from fp4rl.rollout.sampler import to_device
 
 # Placed while the K/V store still ran (early dependents), the NVFP4 decode attention's
 # programs took 98 -> 139 us a call at 64 decodes (4k context). With the store at exit and every
@@ -49,6 +50,14 @@ def _slots(table_SN: torch.Tensor, positions_SC: torch.Tensor, block_size: int) 
     """Cache slot of each position, per row of block tables."""
     blocks = table_SN.gather(1, positions_SC // block_size)
     return blocks * block_size + positions_SC % block_size
+
+
+def _on_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Host int64 ``tensors`` on ``device`` in one copy (`to_device`: to a GPU through pinned
+    memory, queued; from pageable memory each copy would wait for every step queued before)."""
+    flat = to_device(torch.cat([t.reshape(-1) for t in tensors]), device)
+    parts = flat.split([t.numel() for t in tensors])
+    return [part.view(t.shape) for part, t in zip(parts, tensors, strict=True)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,14 +115,26 @@ class AttentionMetadata:
             for i, s in enumerate(segments)
             if s.num_new > 1
         )
+        positions_T, slots_T, rows_B, decode_slots, context_B, table_BN, *contexts = _on_device(
+            [
+                positions_T,
+                slots_T,
+                torch.tensor([first_row[i] for i in decodes], dtype=torch.long),
+                decode_slots,
+                context[decodes],
+                table_SN[decodes],
+                *(c for _, _, c in prefills),
+            ],
+            torch.device(device),
+        )
         return AttentionMetadata(
-            positions_T=positions_T.to(device),
-            slots_T=slots_T.to(device),
-            decode_rows_B=torch.tensor([first_row[i] for i in decodes], device=device),
-            decode_slots_BC=decode_slots.to(device),
-            decode_context_B=context[decodes].to(torch.int32).to(device),
-            decode_table_BN=table_SN[decodes].to(torch.int32).to(device),
-            prefills=tuple((r, n, c.to(device)) for r, n, c in prefills),
+            positions_T=positions_T,
+            slots_T=slots_T,
+            decode_rows_B=rows_B,
+            decode_slots_BC=decode_slots,
+            decode_context_B=context_B.to(torch.int32),
+            decode_table_BN=table_BN.to(torch.int32),
+            prefills=tuple((r, n, c) for (r, n, _), c in zip(prefills, contexts, strict=True)),
             prefill_segments=tuple(
                 (first_row[i], s.start, s.num_new) for i, s in enumerate(segments) if s.num_new > 1
             ),
