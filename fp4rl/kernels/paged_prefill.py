@@ -207,8 +207,9 @@ def plan(
         dtype=torch.int32,
     )
     device = torch.device(device)
-    on = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
-    segments_S3, table_SN, tiles_P2 = on.to(device).split(
+    if device.type == "cuda":
+        host = host.pin_memory()
+    segments_S3, table_SN, tiles_P2 = host.to(device, non_blocking=True).split(
         [3 * len(segments), width * len(segments), 2 * len(tiles)]
     )
     return PrefillPlan(
