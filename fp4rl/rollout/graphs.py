@@ -80,7 +80,7 @@ EARLY_DEPENDENTS_MAX_BATCH = MAX_GRAPH_BATCH
 # Eager calls of a step's forward before its capture (kernels compile, workspaces are sized
 # outside the graph); a knob for `benchmarks/generate.py`'s A/B. One, not two: a 48-layer
 # rollout's 19 captures took 3.1 s instead of 7.2 (NVFP4) and 3.7 instead of 6.0 (BF16) on one
-# H200 (BENCHMARKS.md, "Graph captures"), every graph test passing at either count.
+# H200 (BENCHMARKS.md, "Graph captures"), the graph tests passing at either count.
 CAPTURE_WARMUPS = 1
 
 
