@@ -202,13 +202,6 @@ class RunConfig:
                 f"task.max_prompt_tokens={self.task.max_prompt_tokens} leaves no room to generate "
                 f"within engine.max_model_len={self.engine.max_model_len}"
             )
-        if self.grpo.kl_coef > 0:
-            # Refused here, before any model loads, rather than at the first update.
-            raise ValueError(
-                f"grpo.kl_coef={self.grpo.kl_coef} needs a frozen reference policy's logprobs, "
-                "and the GRPO loop holds none: set grpo.kl_coef=0 (`fp4rl.train.grpo.grpo_loss` "
-                "takes logp_ref_N when called directly)"
-            )
         if guided and not replay:
             # The expert intermediate's records belong to the rollout's experts; the trainer's
             # own experts would follow codes of other rows.

@@ -2,12 +2,13 @@
 
 `train(config)` reads top to bottom. The trainer holds the QAT model (BF16-layout parameters,
 FP32 masters, fake-quantized W4A4 experts); the engine holds its packed twin, refit from the
-trainer after every update through `fp4rl.refit`. The engine records routing and guidance as
-its config says; ``[align]`` says whether the trainer replays and follows them, and how often
-the mismatch between the two is measured (`fp4rl.train.observe`). Metrics go to
-``metrics.jsonl`` in the run directory, one JSON object per step, and a summary line per step
-to ``log``. Every ``run.checkpoint_every`` steps and after the last, the state goes to a
-checkpoint; ``resume`` continues a run from its latest one.
+trainer after every update through `fp4rl.refit`. With ``grpo.kl_coef`` the trainer also
+holds the starting checkpoint, frozen, as the KL term's reference policy. The engine records
+routing and guidance as its config says; ``[align]`` says whether the trainer replays and
+follows them, and how often the mismatch between the two is measured (`fp4rl.train.observe`).
+Metrics go to ``metrics.jsonl`` in the run directory, one JSON object per step, and a summary
+line per step to ``log``. Every ``run.checkpoint_every`` steps and after the last, the state
+goes to a checkpoint; ``resume`` continues a run from its latest one.
 
 This module owns the order of a run and of its steps (`train`, `rollout`, `score`, the observed
 mismatch, the update, the refit) and the step's metrics. It does not own the run directory
@@ -113,6 +114,11 @@ def train(
         device = ranks.device
         log = log if writer else _silent
         ranks.share(config.rollout.prompts_per_step)  # too few prompts fail before any load
+        if config.grpo.kl_coef > 0:
+            raise ValueError(
+                f"grpo.kl_coef={config.grpo.kl_coef} runs in one process: the ranks of a "
+                "torchrun launch hold no sharded reference policy; set grpo.kl_coef=0"
+            )
     run_dir = Path(config.run.out_dir)
     resume_from = resume_point(run_dir, resume, log, writer)
 
@@ -123,6 +129,10 @@ def train(
     # Sharded, the policy is read on the CPU and each rank keeps only its shards on the device.
     on = device if ranks is None else "cpu"
     policy = load_pretrained(weights, precision, fp4_experts=experts, dtype=dtype, device=on)
+    reference = None
+    if config.grpo.kl_coef > 0:  # the KL term's anchor: the starting checkpoint, frozen
+        reference = load_pretrained(path, precision, fp4_experts=experts, dtype=dtype, device=on)
+        reference.requires_grad_(False)
     engine = Engine.from_pretrained(
         path, config.engine, precision=precision, dtype=dtype, device=device
     )
@@ -190,6 +200,7 @@ def train(
                             spare=completions[0],
                             gradient_sync=config.run.gradient_sync,
                             keep_gathered=config.run.keep_gathered,
+                            reference=reference,
                         )
                     )
             with phase(m, "refit", device):

@@ -48,7 +48,10 @@ def _recorded(entries: list[dict], *patterns: str) -> list[str]:
 FIGURES = {
     "reward.png": (
         "Reward and held-out accuracy",
-        [("share", [r"reward", r"held_out_accuracy", r"held_out_greedy"])],
+        [
+            ("share", [r"reward", r"held_out_accuracy", r"held_out_greedy"]),
+            ("KL to the reference policy (k3)", [r"kl"]),  # with grpo.kl_coef > 0
+        ],
     ),
     "gap.png": (
         "Trainer vs rollout: logprob gap on the sampled tokens",

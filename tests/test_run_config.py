@@ -40,7 +40,6 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
         (["engine.guidance=partial"], r"engine.guidance must be one of"),
         (["rollout.samples_per_prompt=1"], r"rollout.samples_per_prompt must be an int >= 2"),
         (["rollout.cdf_order=sorted"], r"rollout.cdf_order must be one of \('probability', "),
-        (["grpo.kl_coef=0.04"], r"grpo.kl_coef=0.04 needs a frozen reference policy's logprobs"),
         (["steps=3"], r"--set takes section.key=value"),
         (["align.replay=true"], r"align.replay=true needs the rollout's routing record"),
         (["align.rounding=guided"], r"align.rounding='guided' needs the rollout's codes"),

@@ -62,6 +62,7 @@ def grpo_update(
     spare: Completion | None = None,
     gradient_sync: GradientSync = "micro_batch",
     keep_gathered: bool = False,
+    reference=None,
 ) -> dict[str, float]:
     """Accumulate the GRPO gradient of ``completions`` and take one optimizer step. Returns
     the loss and the objective's metrics (token-weighted means over the update) and the
@@ -79,9 +80,15 @@ def grpo_update(
     micro-batch alone ("update"; the ones before sum theirs unsharded, in FP32) or in each
     ("micro_batch"); ``keep_gathered``: it gathers its parameters once per update, in the first
     forward, and reshards them after the last backward (`sharded_micro_batch`). Both are
-    ignored without ``across``."""
+    ignored without ``across``.
+
+    ``reference``: a frozen policy (the same model, its parameters not trained), scored on
+    every micro-batch exactly as ``policy`` is (the same replay, rounding, temperature and
+    attention) for the KL term of ``config.kl_coef``, which needs it."""
     checks.choice("gradient_sync", gradient_sync, get_args(GradientSync))
     checks.boolean("keep_gathered", keep_gathered)
+    if config.kl_coef > 0 and reference is None:
+        raise ValueError(f"grpo.kl_coef={config.kl_coef} needs a reference policy to score with")
     if len(completions) != len(advantages_Q) or not (completions or across):
         raise ValueError(
             f"{len(completions)} completions and {len(advantages_Q)} advantages; need as many, "
@@ -130,6 +137,17 @@ def grpo_update(
             stats=counted,
             forward=forward,
         )
+        logp_ref_N = None
+        if reference is not None:
+            with torch.no_grad():
+                logp_ref_N = policy_logprobs(
+                    reference,
+                    batch,
+                    replay=replay,
+                    guided=guided,
+                    temperature=temperature,
+                    forward=forward,
+                )
         adv_Q = torch.tensor(advantages, dtype=torch.float32)
         loss, metrics = grpo_loss(
             logp_N,
@@ -139,6 +157,7 @@ def grpo_update(
             num_seqs=batch.num_seqs,
             config=config,
             entropy_N=entropy_N,
+            logp_ref_N=logp_ref_N,
             # A padding pass normalizes by its own counts: its loss is scaled to 0 anyway.
             total_tokens=None if padding else total_tokens,
             total_seqs=None if padding else total_seqs,
