@@ -1,7 +1,6 @@
 """The GRPO loop end to end on the CPU: a short `fp4rl demo`, pinned first steps, and an update
 that does not depend on how it was split into micro-batches."""
 
-import copy
 import dataclasses
 import io
 import json
@@ -12,26 +11,25 @@ from pathlib import Path
 
 import pytest
 import torch
+from demo_policy import (
+    SHORT_WARMUP,
+    base_policy,
+    policy_and_engine,
+    rollout_and_advantages,
+    update,
+)
 
 from fp4rl import config as run_config
 from fp4rl import demo
-from fp4rl.loop import sampling, setup, train
-from fp4rl.model.weights import load_pretrained
-from fp4rl.rollout import Engine
-from fp4rl.tasks.arith import ArithTask, reward, train_problems
-from fp4rl.train.grpo import group_advantages
-from fp4rl.train.optim import MasterAdamW, OptimConfig
+from fp4rl.loop import sampling, train
+from fp4rl.tasks.arith import train_problems
+from fp4rl.train.optim import MasterAdamW
 from fp4rl.train.step import grpo_update
-
-# A warm-up this short leaves the policy weak but not useless; enough to exercise every part.
-SHORT_WARMUP = demo.Warmup(steps=40, check_every=20, optim=OptimConfig(lr=3e-3, warmup_steps=5))
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("cache")
-    config = run_config.load(demo.CONFIG_FILE)
-    return demo.base_policy(config, cache, seed=0, warmup=SHORT_WARMUP, log=lambda _: None)
+    return base_policy(tmp_path_factory.mktemp("cache"))
 
 
 def test_short_demo_runs_end_to_end_and_writes_its_run_directory(tmp_path, base):
@@ -72,44 +70,6 @@ def test_short_demo_runs_end_to_end_and_writes_its_run_directory(tmp_path, base)
     assert resolved.model.path == str(base) and resolved.run.steps == 3
     assert any(line.startswith("step    2 | reward") for line in lines)
     assert lines[-1].startswith("mean gain")
-
-
-def rollout_and_advantages(config, engine, step):
-    problems = train_problems(config.task, num=8, seed=step)
-    params = sampling(config, step, ArithTask.stop_token_ids)
-    completions = engine.generate([list(p.prompt_ids) for p in problems], params)
-    n = config.rollout.samples_per_prompt
-    rewards = torch.tensor(
-        [
-            [reward(p, c.completion_ids, config.task) for c in completions[g * n : (g + 1) * n]]
-            for g, p in enumerate(problems)
-        ]
-    )
-    adv, _ = group_advantages(rewards)
-    return completions, adv.flatten().tolist()
-
-
-def policy_and_engine(base, *overrides):
-    config = run_config.load(demo.CONFIG_FILE, [f"model.path={base}", *overrides])
-    _, dtype = setup(config)
-    policy = load_pretrained(base, config.precision, fp4_experts="qat", dtype=dtype)
-    engine = Engine.from_pretrained(base, config.engine, precision=config.precision, dtype=dtype)
-    return config, policy, engine
-
-
-def update(config, policy, completions, advantages, micro_batch_seqs):
-    optimizer = MasterAdamW(policy.parameters(), config.optim)
-    return grpo_update(
-        policy,
-        optimizer,
-        completions,
-        advantages,
-        config=config.grpo,
-        replay=True,
-        guided=True,
-        temperature=1.0,
-        micro_batch_seqs=micro_batch_seqs,
-    )
 
 
 def test_update_does_not_depend_on_the_micro_batch_split(base):
@@ -181,7 +141,6 @@ def cpu_vendor() -> str:
 def first_steps(out_dir: str) -> None:
     """The short warm-up's base policy, then the demo's run for 3 steps; prints their (reward,
     loss) pairs as JSON. `test_first_steps_are_pinned` runs this in a process of its own."""
-    from fp4rl.loop import train
 
     torch.set_num_threads(1)
     out = Path(out_dir)
@@ -379,113 +338,3 @@ def test_the_observed_gap_is_taken_at_the_rollout_temperature(base, cdf_order):
     assert m["code_agreement"] == 1.0
     assert 1.0 <= m["observed_token_mult_prob_error"] < 1.0 + 1e-5
     assert m["observed_max_abs_dlogp"] < 1e-4
-
-
-RELEASE_KV = Engine.release_kv
-
-
-def loop_keeping_kv(base, out_dir, keep: bool, monkeypatch, *overrides):
-    """A two-step run with ``run.keep_kv=keep``: its metrics and how many times the engine gave
-    its pages back."""
-    released = []
-    monkeypatch.setattr(Engine, "release_kv", lambda e: (released.append(e), RELEASE_KV(e)))
-    config = run_config.load(
-        demo.CONFIG_FILE,
-        [
-            f"model.path={base}",
-            f"run.out_dir={out_dir}",
-            f"run.keep_kv={str(keep).lower()}",
-            "run.steps=2",
-            "run.eval_every=100",
-            "rollout.prompts_per_step=8",
-            "rollout.max_tokens=6",
-            *overrides,
-        ],
-    )
-    return train(config, log=lambda _: None), len(released)
-
-
-def test_kept_kv_pages_change_no_step_and_are_never_given_back(tmp_path, base, monkeypatch):
-    """``run.keep_kv``: the engine holds its KV pages through every update, and the run's steps
-    are those of a run that gives them back, bit for bit on the CPU: the pages a rollout reads
-    were written in it."""
-    runs = {}
-    for keep in (False, True):
-        history, released = loop_keeping_kv(
-            base, tmp_path / str(keep), keep, monkeypatch, "model.device=cpu"
-        )
-        assert released == (0 if keep else 2), keep
-        assert [m["graphs_captured"] for m in history[:2]] == [0, 0]  # every CPU step eager
-        # All but the wall-clock times and rates.
-        runs[keep] = [{k: v for k, v in m.items() if not k.endswith("_s")} for m in history]
-    assert runs[True] == runs[False]
-
-
-def test_a_reference_equal_to_the_policy_adds_a_kl_of_zero_and_no_gradient(base):
-    """The KL term of ``grpo.kl_coef``: against a reference that is the policy itself, every
-    token's k3 is exactly 0 and so is its gradient, so the update is the plain one bit for bit;
-    against another reference the KL is positive and moves the update. Without a reference,
-    a clear error before any forward."""
-    config, policy, engine = policy_and_engine(base, "optim.lr=1e-3")
-    completions, advantages = rollout_and_advantages(config, engine, step=0)
-    start = {n: p.detach().clone() for n, p in policy.named_parameters()}
-    reference = copy.deepcopy(policy).requires_grad_(False)  # the policy before the update
-    plain = update(config, policy, completions, advantages, micro_batch_seqs=16)
-    after_plain = {n: p.detach().clone() for n, p in policy.named_parameters()}
-    kl = dataclasses.replace(config.grpo, kl_coef=0.1)
-
-    def kl_update(reference):
-        with torch.no_grad():
-            for n, p in policy.named_parameters():
-                p.copy_(start[n])
-        optimizer = MasterAdamW(policy.parameters(), config.optim)
-        return grpo_update(
-            policy, optimizer, completions, advantages, config=kl, replay=True, guided=True,
-            temperature=1.0, micro_batch_seqs=16, reference=reference,
-        )  # fmt: skip
-
-    same = kl_update(reference)
-    assert same["kl"] == 0.0 and same["loss"] == plain["loss"]
-    for n, p in policy.named_parameters():
-        assert torch.equal(p.detach(), after_plain[n]), n
-    with torch.no_grad():  # another reference: the policy nudged
-        for p in reference.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    other = kl_update(reference)
-    assert other["kl"] > 0 and other["loss"] != plain["loss"]
-    with pytest.raises(ValueError, match=r"grpo.kl_coef=0.1 needs a reference policy"):
-        kl_update(None)
-
-
-def kl_run_config(base, out_dir):
-    return run_config.load(
-        demo.CONFIG_FILE,
-        [
-            f"model.path={base}",
-            f"run.out_dir={out_dir}",
-            "model.device=cpu",
-            "grpo.kl_coef=0.05",
-            "run.steps=3",
-            "run.eval_every=100",
-            "rollout.prompts_per_step=16",
-            "rollout.max_tokens=6",
-        ],
-    )
-
-
-def test_a_run_with_a_kl_term_measures_it_against_its_starting_checkpoint(tmp_path, base):
-    """``grpo.kl_coef``: the loop scores every update against the checkpoint it started from,
-    frozen: at the first update the policy is that checkpoint (a KL of exactly 0), after it
-    the policy has moved."""
-    history = train(kl_run_config(base, tmp_path / "run"), log=lambda _: None)
-    kl = [m["kl"] for m in history if m.get("trained_samples")]  # the steps that updated
-    assert len(kl) >= 2 and kl[0] == 0.0 and min(kl[1:]) > 0, kl
-
-
-def test_several_ranks_refuse_a_kl_term_before_loading_anything(tmp_path, base):
-    from fp4rl.distributed import Ranks
-
-    ranks = Ranks(rank=0, world_size=2, device=torch.device("cpu"), mesh=None)
-    with pytest.raises(ValueError, match=r"grpo.kl_coef=0.05 runs in one process"):
-        train(kl_run_config(base, tmp_path / "run"), ranks=ranks, log=lambda _: None)
-    assert not (tmp_path / "run").exists()
