@@ -325,23 +325,7 @@ def main() -> None:
         help="override fp4rl.rollout.attention.STORE_AT_EXIT_MIN_DECODES (a large value: the "
         "K/V store early like every other kernel)",
     )
-    parser.add_argument(
-        "--expert-prefetch",
-        default=None,
-        help="comma-separated values of fp4rl.kernels.expert_prefetch.MAX_ASSIGNMENTS, each "
-        "timed in turn with an engine of its own (0: no prefetch; default: the module's)",
-    )
-    parser.add_argument(
-        "--expert-prefetch-chunk",
-        type=int,
-        default=None,
-        help="override fp4rl.kernels.expert_prefetch.CHUNK (bytes per prefetch instruction)",
-    )
     args = parser.parse_args()
-    if args.expert_prefetch_chunk is not None:
-        from fp4rl.kernels import expert_prefetch
-
-        expert_prefetch.CHUNK = args.expert_prefetch_chunk
     if args.plain_launches:
         from fp4rl.kernels import dependent_launch
 
@@ -355,11 +339,6 @@ def main() -> None:
 
         attention.STORE_AT_EXIT_MIN_DECODES = args.store_at_exit_min_decodes
     cases = [parse_case(c) for c in args.cases.split(",")]
-    prefetches = (
-        [None]
-        if args.expert_prefetch is None
-        else [int(v) for v in args.expert_prefetch.split(",")]
-    )
     orders = args.cdf_orders.split(",")
     for order in orders:
         SamplingParams(cdf_order=order)  # a misspelt order fails here, before the models load
@@ -372,11 +351,7 @@ def main() -> None:
     rows, results = [], {}
     for name in ("nvfp4", "bf16"):
         model = models[name]
-        for (batch, context), prefetch in itertools.product(cases, prefetches):
-            if prefetch is not None:
-                from fp4rl.kernels import expert_prefetch
-
-                expert_prefetch.MAX_ASSIGNMENTS = prefetch
+        for batch, context in cases:
             per_seq = math.ceil((context + args.steps) / BLOCK)
             table = max(per_seq * BLOCK, args.max_model_len or 0)
             engine = make_engine(model, max(batch * per_seq, table // BLOCK), table, batch)
@@ -388,21 +363,20 @@ def main() -> None:
             if args.count_ops:
                 count_ops(engine, batch, context, f"{name} {batch}x{context}")
             moved = step_bytes(engine, distinct, batch, context)
-            results[(name, batch, context, prefetch)] = (gpu, step, serial, moved, distinct)
+            results[(name, batch, context)] = (gpu, step, serial, moved, distinct)
             del engine
             _empty_cache(cuda)
         del models[name], model
         _empty_cache(cuda)
-    for (batch, context), prefetch, order in itertools.product(cases, prefetches, orders):
-        base = statistics.median(results[("bf16", batch, context, prefetch)][1][order])
+    for (batch, context), order in itertools.product(cases, orders):
+        base = statistics.median(results[("bf16", batch, context)][1][order])
         for name in ("bf16", "nvfp4"):
-            gpu, step, serial, moved, distinct = results[(name, batch, context, prefetch)]
+            gpu, step, serial, moved, distinct = results[(name, batch, context)]
             step, serial = step[order], serial[order]
             g, s = statistics.median(gpu), statistics.median(step)
             roof = moved / bandwidth * 1e3
             rows.append(
-                f"| {batch} x {context} | {name} |{'' if prefetch is None else f' {prefetch} |'} "
-                f"{order} | {g:.2f} ±{_spread(gpu):.0f}% | "
+                f"| {batch} x {context} | {name} | {order} | {g:.2f} ±{_spread(gpu):.0f}% | "
                 f"{s:.2f} ±{_spread(step):.0f}% | {statistics.median(serial):.2f} | "
                 f"{batch / s * 1e3:,.0f} | {base / s:.2f}x | "
                 f"{moved / 2**30:.2f} | {roof:.2f} | {100 * roof / g:.0f} % | "
@@ -417,14 +391,10 @@ def main() -> None:
             f"repeat, median of {args.repeats}; copy bandwidth {bandwidth / 1e9:,.0f} GB/s "
             "(read + write)" + ("; every kernel launched plainly" if args.plain_launches else ""),
             "",
-            "| batch x context | engine |"
-            + ("" if prefetches == [None] else " prefetch ≤ |")
-            + " CDF order | GPU ms/step | engine ms/step "
+            "| batch x context | engine | CDF order | GPU ms/step | engine ms/step "
             "| one at a time ms/step | tok/s | vs bf16 | GiB/step | roofline ms | GPU at roofline "
             "| host share | experts/layer |",
-            "|---|---|"
-            + ("" if prefetches == [None] else "---|")
-            + "---|---|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
             *rows,
         ],
     )

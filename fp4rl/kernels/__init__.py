@@ -15,7 +15,6 @@ from fp4rl.fp4.rounding import CompactCodes
 from fp4rl.fp4.tensor import NVFP4Rows, NVFP4Tensor
 from fp4rl.kernels import (
     dequant,
-    expert_prefetch,
     expert_sort,
     guided,
     mantissa_bits,
@@ -46,7 +45,6 @@ __all__ = [
     "norm_rope_rows",
     "paged_decode_attention",
     "paged_prefill_attention",
-    "prefetch_experts",
     "project_rows",
     "quantize",
     "quantize_into",
@@ -120,12 +118,6 @@ def fake_quantize(
     if guidance is None:
         return nearest.launch(x, scaling=scaling, global_scale=global_scale, fake=True)
     return guided.launch(x, guidance, fake=True)
-
-
-def prefetch_experts(ids: torch.Tensor, weights: list[torch.Tensor]) -> None:
-    """Start expert ``ids``' slices of ``weights`` towards L2 (`expert_prefetch`: a hint, no
-    value changes)."""
-    expert_prefetch.launch(ids, weights)
 
 
 def grouped_mm(

@@ -87,17 +87,15 @@ class RoutedExperts(nn.Module):
             x_TH = x_site_TH
             if x_site_record is not None:
                 self.keep_input(capture, x_site_record)
-        # At a token or so, the chosen experts' weights start towards L2 beside the sort.
-        with ops.prefetching_experts(topk_ids_Tk, (w13, w2)):
-            # Sort the T*k assignments by expert so each expert's rows are contiguous;
-            # row_order[t, j]: the sorted row that holds assignment (t, j).
-            order_A, row_order_Tk, counts_E = dispatch_order(topk_ids_Tk, self.num_experts)
-            # Row a of the product is token order_A[a] // k (gathered by the GEMM).
-            gate_up_A2I = grouped_mm(x_TH, w13, counts_E, order_A=order_A, top_k=k)
-            h_AI = self.intermediate_values(gate_up_A2I, row_order_Tk, guidance, capture)
-            y_AH = grouped_mm(h_AI, w2, counts_E)
-            # Weighted sum over each token's k experts, back in token order.
-            return combine(y_AH, row_order_Tk, topk_weights_Tk)
+        # Sort the T*k assignments by expert so each expert's rows are contiguous;
+        # row_order[t, j]: the sorted row that holds assignment (t, j).
+        order_A, row_order_Tk, counts_E = dispatch_order(topk_ids_Tk, self.num_experts)
+        # Row a of the product is token order_A[a] // k (gathered by the GEMM).
+        gate_up_A2I = grouped_mm(x_TH, w13, counts_E, order_A=order_A, top_k=k)
+        h_AI = self.intermediate_values(gate_up_A2I, row_order_Tk, guidance, capture)
+        y_AH = grouped_mm(h_AI, w2, counts_E)
+        # Weighted sum over each token's k experts, back in token order.
+        return combine(y_AH, row_order_Tk, topk_weights_Tk)
 
 
 def dispatch_order(

@@ -21,14 +21,10 @@ where the kernel does not run: the caller uses cuBLAS). The sampler's token-orde
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import sys
 from typing import TYPE_CHECKING
 
 import torch
-
-from fp4rl.fp4.tensor import NVFP4Tensor
 
 if TYPE_CHECKING:
     from fp4rl.ops import SiteRecord
@@ -151,41 +147,6 @@ def sort_by_expert(
     ):
         return None
     return kernels.sort_expert_ids(ids.contiguous(), num_experts)
-
-
-@contextlib.contextmanager
-def prefetching_experts(ids_Tk: torch.Tensor, weights):
-    """Inside this block the slices of ``weights`` (``[E, ...]`` tensors or packed NVFP4
-    experts: their codes and block scales) of the experts ``ids_Tk`` names are on their way to
-    the GPU's L2 (`fp4rl.kernels.expert_prefetch`), for decode steps of at most
-    `expert_prefetch.MAX_ASSIGNMENTS` assignments; nothing elsewhere. The prefetch runs on a
-    stream of its own, forked from the current one on entry and joined on exit, so that no
-    kernel in the block waits for it. A hint to the memory system: no value changes."""
-    kernels = _kernels(ids_Tk)
-    if kernels is None or ids_Tk.numel() > kernels.expert_prefetch.MAX_ASSIGNMENTS:
-        yield
-        return
-    tensors = []
-    for w in weights:
-        tensors += [w.codes, w.block_scale] if isinstance(w, NVFP4Tensor) else [w]
-    tensors = kernels.expert_prefetch.prefetchable(tensors)
-    if not tensors:
-        yield
-        return
-    here = torch.cuda.current_stream(ids_Tk.device)
-    side = _side_stream(ids_Tk.device)
-    side.wait_stream(here)
-    with torch.cuda.stream(side):
-        kernels.prefetch_experts(ids_Tk.contiguous(), tensors)
-    try:
-        yield
-    finally:
-        here.wait_stream(side)
-
-
-@functools.cache
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device)
 
 
 def swiglu(gate_up_A2I: torch.Tensor, *, quantize: bool = False) -> torch.Tensor | None:
