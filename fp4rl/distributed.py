@@ -187,11 +187,13 @@ def ranks_of_group(device_type: str) -> Ranks:
     return Ranks(rank=rank, world_size=world, device=device, mesh=mesh)
 
 
-def shard_policy(model, ranks: Ranks, dtype: torch.dtype):
+def shard_policy(model, ranks: Ranks, dtype: torch.dtype, *, frozen: bool = False):
     """Shard the trainer's ``model`` (built on the CPU in ``dtype``) over ``ranks`` with FSDP2:
     one unit per decoder layer, one for the rest. Its parameters become FP32 shards on
-    ``ranks.device`` (the masters); forwards gather them in ``dtype``. Returns ``model``."""
-    gathered = None if dtype == torch.float32 else dtype
+    ``ranks.device`` (the masters); forwards gather them in ``dtype``. ``frozen``: a model
+    that is never trained (the KL term's reference policy) keeps its parameters in ``dtype``,
+    sharded as they are, and forwards gather those same values. Returns ``model``."""
+    gathered = None if dtype == torch.float32 or frozen else dtype
     # cast_forward_inputs=False: the guidance records' FP32 global scales must stay FP32.
     policy = MixedPrecisionPolicy(
         param_dtype=gathered, reduce_dtype=torch.float32, cast_forward_inputs=False
@@ -200,7 +202,7 @@ def shard_policy(model, ranks: Ranks, dtype: torch.dtype):
     for unit in units:
         with torch.no_grad():
             for p in unit.parameters():
-                if not isinstance(p, DTensor) and p.dtype != torch.float32:
+                if not frozen and not isinstance(p, DTensor) and p.dtype != torch.float32:
                     p.data = p.data.float()  # exact: every BF16 value is an FP32 value
         fully_shard(unit, mesh=ranks.mesh, mp_policy=policy)
     # The trainer calls hidden_states (then lm_head on the rows it scores), not forward.
@@ -211,6 +213,12 @@ def shard_policy(model, ranks: Ranks, dtype: torch.dtype):
         if gloo:  # gloo has no pre-multiplied sum; a plain sum is the same with a factor of 1
             unit.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def held_bytes(model) -> int:
+    """Bytes of ``model``'s parameters this process holds: its shards' where FSDP2 shards it."""
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    return sum(t.numel() * t.element_size() for t in local)
 
 
 class ShardedAdamW(MasterAdamW):

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from fp4rl.config import RunConfig
-from fp4rl.distributed import Ranks, ShardedAdamW, shard_policy, weights_of
+from fp4rl.distributed import Ranks, ShardedAdamW, held_bytes, shard_policy, weights_of
 from fp4rl.evaluation import Evaluator, evaluate
 from fp4rl.metrics_log import check_tensorboard
 from fp4rl.model.weights import load_pretrained
@@ -114,11 +114,6 @@ def train(
         device = ranks.device
         log = log if writer else _silent
         ranks.share(config.rollout.prompts_per_step)  # too few prompts fail before any load
-        if config.grpo.kl_coef > 0:
-            raise ValueError(
-                f"grpo.kl_coef={config.grpo.kl_coef} runs in one process: the ranks of a "
-                "torchrun launch hold no sharded reference policy; set grpo.kl_coef=0"
-            )
     run_dir = Path(config.run.out_dir)
     resume_from = resume_point(run_dir, resume, log, writer)
 
@@ -133,6 +128,12 @@ def train(
     if config.grpo.kl_coef > 0:  # the KL term's anchor: the starting checkpoint, frozen
         reference = load_pretrained(path, precision, fp4_experts=experts, dtype=dtype, device=on)
         reference.requires_grad_(False)
+        if ranks is not None:  # sharded like the policy, kept in its dtype
+            shard_policy(reference, ranks, dtype, frozen=True)
+        log(
+            f"KL reference policy: {path}, frozen, {held_bytes(reference) / 2**20:,.1f} MiB of "
+            f"parameters held by this {'rank' if ranks else 'process'}"
+        )
     engine = Engine.from_pretrained(
         path, config.engine, precision=precision, dtype=dtype, device=device
     )

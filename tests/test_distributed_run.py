@@ -98,13 +98,14 @@ def config_of(base: Path, run_dir: Path, steps: int, *extra: str) -> run_config.
     )
 
 
-def torchrun(tmp_path: Path, *args: str, nproc: int = 2) -> None:
-    """``torchrun --standalone --nproc-per-node NPROC -m fp4rl train ARGS``."""
+def torchrun(tmp_path: Path, *args: str, nproc: int = 2) -> str:
+    """``torchrun --standalone --nproc-per-node NPROC -m fp4rl train ARGS``; its stdout."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += [f"--nproc-per-node={nproc}", "-m", "fp4rl", "train", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
 
 
 def config_file(config: run_config.RunConfig, tmp_path: Path) -> str:
@@ -133,7 +134,7 @@ EXACT = (
     "lr",
     "skipped",
 )
-CLOSE = ("loss", "entropy", "token_mult_prob_error", "is_ratio_mean", "clip_frac_low")
+CLOSE = ("loss", "entropy", "token_mult_prob_error", "is_ratio_mean", "clip_frac_low", "kl")
 # The observed mismatch: ratios of counts and a maximum, exact; means of per-token terms, close.
 OBSERVED_EXACT = (
     r"code_agreement(/.+)?",
@@ -259,6 +260,31 @@ def test_two_ranks_observe_one_batch_across_them_as_one_process(tmp_path, base):
     assert_same_observed(two[0], reference[0])
     assert two[0]["generated_tokens"] == reference[0]["generated_tokens"]
     assert 0.5 < reference[0]["code_agreement"] < 1.0  # nearest rounding: counts that matter
+
+
+def test_two_ranks_score_a_kl_term_as_one_process(tmp_path, base):
+    """``grpo.kl_coef``: each rank holds half of the starting checkpoint (sharded like the
+    policy, in its BF16) and scores its micro-batches, and its padding ones so that the
+    collectives line up, against it. Tokens, rewards and the weights are the single process's;
+    the KL is a sum grouped by rank (close). It is exactly 0 at the first update, whose policy
+    is the starting checkpoint, and positive after."""
+    extra = ("grpo.kl_coef=0.05",)
+    reference_dir, two_dir = tmp_path / "reference", tmp_path / "two"
+    lines = []
+    reference = train(config_of(base, reference_dir, 3, *extra), log=lines.append)
+    kl = [m["kl"] for m in reference if m.get("trained_samples")]
+    assert len(kl) >= 2 and kl[0] == 0.0 and min(kl[1:]) > 0, kl
+    out = torchrun(tmp_path, "--config", config_file(config_of(base, two_dir, 3, *extra), tmp_path))
+    assert_same_steps(metrics(two_dir), reference)
+    want = load_file(checkpoints.checkpoint_dir(reference_dir, 3) / "model/model.safetensors")
+    got = load_file(checkpoints.checkpoint_dir(two_dir, 3) / "model/model.safetensors")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    held = r"KL reference policy: .*, frozen, ([\d.,]+) MiB of parameters held by this (\w+)"
+    one = re.search(held, "\n".join(lines))
+    rank = re.search(held, out)
+    assert one and rank and (one[2], rank[2]) == ("process", "rank"), out[-2000:]
+    whole, share = float(one[1].replace(",", "")), float(rank[1].replace(",", ""))
+    assert share == pytest.approx(whole / 2, rel=0.05), (whole, share)
 
 
 def test_shares_cover_every_prompt_once_in_order():
