@@ -25,7 +25,8 @@ count the last timed call's steps and those of them that ran eagerly, not from a
 wall seconds that took. ``--release-kv`` gives every engine's KV pages back and takes them again
 before each timed call, as the colocated GRPO loop does between rollouts (`fp4rl.loop`), so that
 every timed call captures the graphs it uses again; ``--capture-warmups`` sets the eager calls
-before each capture (`fp4rl.rollout.graphs.CAPTURE_WARMUPS`).
+before each capture (`fp4rl.rollout.graphs.CAPTURE_WARMUPS`), ``--capture-warmups-seen`` those
+before capturing a shape the engine captured in an earlier call (`CAPTURE_WARMUPS_SEEN`).
 """
 
 from __future__ import annotations
@@ -96,6 +97,11 @@ def main() -> None:
         help="override fp4rl.rollout.graphs.CAPTURE_WARMUPS (eager calls before a capture)",
     )  # fmt: skip
     parser.add_argument(
+        "--capture-warmups-seen", type=int, default=None,
+        help="override fp4rl.rollout.graphs.CAPTURE_WARMUPS_SEEN (eager calls before capturing "
+        "a shape the engine captured before)",
+    )  # fmt: skip
+    parser.add_argument(
         "--profile", type=int, default=0, help="also print, per row, the N ops that take most "
         "device time in one more call of --warmup-tokens new tokens (torch.profiler)"
     )  # fmt: skip
@@ -106,6 +112,8 @@ def main() -> None:
         raise SystemExit(f"--variants: unknown rows {unknown}; choose from {list(VARIANTS)}")
     if args.capture_warmups is not None:
         graphs.CAPTURE_WARMUPS = args.capture_warmups
+    if args.capture_warmups_seen is not None:
+        graphs.CAPTURE_WARMUPS_SEEN = args.capture_warmups_seen
     cuda = args.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     shrink = (

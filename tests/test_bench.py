@@ -91,6 +91,7 @@ def test_the_rollout_smoke_run_counts_steps_and_captures(capfd):
     argv += ["--prompts", "2", "--n", "2", "--prompt-len", "8", "--max-tokens", "8"]
     argv += ["--kv-gib", "0.01"]  # a few pages: the default 8 GiB zeroes slowly on the CPU
     argv += ["--repeats", "1", "--spread-lengths", "--release-kv", "--capture-warmups", "1"]
+    argv += ["--capture-warmups-seen", "0"]
     argv += ["--variants", "bf16 experts, bf16 kv;nvfp4 experts, nvfp4 kv"]
     assert main(argv) == 0
     rows = re.findall(r"^\| (\w+) experts, \w+ kv \|.* \| (\d+) \| (\d+) \| (\d+) \| ([\d.]+) \|$",

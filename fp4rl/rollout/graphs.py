@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -82,15 +82,21 @@ EARLY_DEPENDENTS_MAX_BATCH = MAX_GRAPH_BATCH
 # rollout's 19 captures took 3.1 s instead of 7.2 (NVFP4) and 3.7 instead of 6.0 (BF16) on one
 # H200 (BENCHMARKS.md, "Graph captures"), the graph tests passing at either count.
 CAPTURE_WARMUPS = 1
+# Eager calls before capturing a shape the engine captured before (its graph dropped with its
+# KV pages by `Engine.release_kv`): its kernels are compiled and its workspaces exist already.
+CAPTURE_WARMUPS_SEEN = 0
 
 
 @dataclass(slots=True)
 class CaptureTally:
-    """Graphs an engine captured over its life and the wall seconds their captures took,
-    warm-up calls included (`Engine.generate` reports each call's share)."""
+    """Graphs an engine captured over its life, the wall seconds their captures took, warm-up
+    calls included (`Engine.generate` reports each call's share), those warm-up calls, and the
+    shapes captured (`capture_graph`'s keys)."""
 
     graphs: int = 0
     seconds: float = 0.0
+    warmups: int = 0
+    shapes: set = field(default_factory=set)
 
 
 def bucket_for(batch: int) -> int | None:
@@ -272,24 +278,29 @@ class DecodeGraphs:
             self.pool,
             early=b <= EARLY_DEPENDENTS_MAX_BATCH,
             tally=self.tally,
+            shape=("decode", *key),
         )
         self.graphs[key] = _Graph(graph, logits, records)
         return self.graphs[key]
 
 
-def capture_graph(forward, device: torch.device, pool, *, early: bool, tally: CaptureTally):
+def capture_graph(
+    forward, device: torch.device, pool, *, early: bool, tally: CaptureTally, shape: tuple
+):
     """A CUDA graph of ``forward()`` in ``pool``, and what the captured call returned:
     `CAPTURE_WARMUPS` calls on a side stream first (kernels compile and workspaces are sized
-    outside the graph), its kernels launched with early dependents if ``early``
-    (`fp4rl.ops.early_dependents`). The capture's wall time, from the device's last queued work
-    to the graph's instantiation, goes into ``tally``."""
+    outside the graph), or `CAPTURE_WARMUPS_SEEN` where ``tally`` holds ``shape`` (a key that
+    names the step's shape) from an earlier capture, its kernels launched with early dependents
+    if ``early`` (`fp4rl.ops.early_dependents`). The capture's wall time, from the device's
+    last queued work to the graph's instantiation, goes into ``tally``."""
     torch.cuda.synchronize(device)  # the steps queued before are not the capture's time
     start = time.perf_counter()
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
+    warmups = CAPTURE_WARMUPS_SEEN if shape in tally.shapes else CAPTURE_WARMUPS
     with ops.early_dependents(device, early):
         with torch.cuda.stream(side):
-            for _ in range(CAPTURE_WARMUPS):
+            for _ in range(warmups):
                 forward()
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
@@ -298,6 +309,8 @@ def capture_graph(forward, device: torch.device, pool, *, early: bool, tally: Ca
     torch.cuda.synchronize(device)
     tally.graphs += 1
     tally.seconds += time.perf_counter() - start
+    tally.warmups += warmups
+    tally.shapes.add(shape)
     return graph, out
 
 

@@ -284,6 +284,7 @@ class PrefillGraphs:
             self.pool,
             early=False,
             tally=self.tally,
+            shape=("prefill", *key),
         )
         self.graphs[key] = _Graph(graph, inputs, hidden, records)
         return self.graphs[key]

@@ -187,12 +187,12 @@ def test_graphs_follow_a_refit_and_are_dropped_with_the_pages():
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     first, again, recaptured = {}, {}, {}
     before = graphed.generate(PROMPTS, params, stats=first)
-    graphs = graphed.graphs.graphs[(8, False)]
+    decode_graph = graphed.graphs.graphs[(8, False)]
     # One graph per shape the call used: its prefill step's and the decode step's.
     shapes = len(graphed.graphs.graphs) + len(graphed.prefill_graphs.graphs)
     assert first["graphs_captured"] == shapes == 2 and first["capture_seconds"] > 0
     RefitReceiver(graphed).receive(refit_records(new_qat, policy_version=1))
-    assert graphed.graphs.graphs[(8, False)] is graphs  # replayed, not captured again
+    assert graphed.graphs.graphs[(8, False)] is decode_graph  # replayed, not captured again
     after = graphed.generate(PROMPTS, params, stats=again)
     assert again["graphs_captured"] == again["capture_seconds"] == 0
     _, fresh = engines(new_packed)
@@ -205,6 +205,9 @@ def test_graphs_follow_a_refit_and_are_dropped_with_the_pages():
     assert_same_completions(graphed.generate(PROMPTS, params, stats=recaptured), after)
     assert recaptured["graphs_captured"] == shapes
     assert graphed.captures.graphs == 2 * shapes
+    # The shapes were captured before: no eager call before their second capture.
+    warmups = shapes * (graphs.CAPTURE_WARMUPS + graphs.CAPTURE_WARMUPS_SEEN)
+    assert graphs.CAPTURE_WARMUPS_SEEN == 0 and graphed.captures.warmups == warmups
 
 
 def test_a_float32_engine_decodes_eagerly():
