@@ -1,10 +1,12 @@
 """`RowRecords`: a completion's guidance left in its generate call's rows of bytes, read when
-used, and `collate` gathering a batch's rows at once."""
+used, `collate` gathering a batch's rows at once, and an engine's completions through pickle."""
 
 import io
+import pickle
 
 import pytest
 import torch
+from tiny_models import engine_config, rollout_model
 
 from fp4rl.fp4 import CompactCodes, compact
 from fp4rl.ops import quantize
@@ -15,6 +17,7 @@ from fp4rl.records import (
     record_members,
     record_nbytes,
 )
+from fp4rl.rollout import Engine, SamplingParams
 from fp4rl.rollout.rows import RowLayout
 
 KEYS = [(2, "k"), (3, "k"), (5, "expert_hidden")]
@@ -125,3 +128,25 @@ def test_collate_names_a_completion_whose_rows_do_not_match_its_tokens():
     (records,) = layout.gather(rows, [torch.arange(5)], KEYS)
     with pytest.raises(ValueError, match=r"prompt 7, sample 0\): guidance for .* has 5 rows for 6"):
         collate([completion(7, records, 6)])
+
+
+@pytest.mark.parametrize("form", ["full", "compact"])
+def test_an_engines_completions_travel_through_pickle(form):
+    """What a rollout worker in another process would send: completions with their routing
+    and guidance, the records still in their call's rows, pickled and read back bit for bit
+    (E4M3 block scales included, which torch alone cannot unpickle)."""
+    packed, _ = rollout_model("nvfp4")
+    engine = Engine(packed, engine_config(capture_routing=True, guidance=form))
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=5, seed=0, return_logprobs=True)
+    sent = engine.generate([[1, 2, 3], [4, 5]], params)
+    got = pickle.loads(pickle.dumps(sent))
+    assert len(got) == len(sent) == 4
+    for g, s in zip(got, sent, strict=True):
+        assert g.completion_ids == s.completion_ids and torch.equal(g.logprobs, s.logprobs)
+        assert torch.equal(g.routing, s.routing)
+        assert isinstance(s.guidance, RowRecords) and list(g.guidance) == list(s.guidance)
+        for key in s.guidance:
+            if s.guidance[key] is None:  # a site compact guidance leaves to nearest rounding
+                assert g.guidance[key] is None, key
+            else:
+                assert_same(g.guidance[key], s.guidance[key], key)

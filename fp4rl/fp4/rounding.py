@@ -50,7 +50,7 @@ from fp4rl.fp4.reference import (
     scaled_values,
     unpack_e2m1,
 )
-from fp4rl.fp4.tensor import NVFP4Tensor
+from fp4rl.fp4.tensor import NVFP4Tensor, float8_safe_reduce
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +64,8 @@ class CompactCodes:
     mantissa_bits: torch.Tensor
     block_scale: torch.Tensor
     global_scale: torch.Tensor
+
+    __reduce__ = float8_safe_reduce  # its float8 block scales through pickle
 
     @property
     def shape(self) -> torch.Size:

@@ -16,6 +16,7 @@ paged KV cache's layout (its codes' sign bits placed for the decoding kernels).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -40,10 +41,32 @@ def _check_codes(codes: torch.Tensor, block_scale: torch.Tensor) -> None:
         )
 
 
+FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def float8_safe_reduce(record):
+    """``__reduce__`` for a dataclass of tensors (`NVFP4Tensor`, `NVFP4Rows`,
+    `fp4rl.fp4.rounding.CompactCodes`): torch's tensors of float8 pickle, but do not unpickle
+    (torch 2.13: "UntypedStorage has no attribute dtype"), so those go as their bytes (a uint8
+    view, no copy) and come back as float8 views of them. `torch.save` takes the same path."""
+    values = tuple(getattr(record, f.name) for f in dataclasses.fields(record))
+    float8 = tuple(isinstance(v, torch.Tensor) and v.dtype in FLOAT8_DTYPES for v in values)
+    pairs = zip(values, float8, strict=True)
+    sent = tuple((v.view(torch.uint8), v.dtype) if eight else v for v, eight in pairs)
+    return _unpickle, (type(record), sent, float8)
+
+
+def _unpickle(cls, sent: tuple, float8: tuple):
+    values = (v[0].view(v[1]) if eight else v for v, eight in zip(sent, float8, strict=True))
+    return cls(*values)
+
+
 class _PackedCodes:
     """What both containers read off their packed codes."""
 
     __slots__ = ()
+
+    __reduce__ = float8_safe_reduce
 
     @property
     def shape(self) -> torch.Size:

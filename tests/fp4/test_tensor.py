@@ -1,7 +1,12 @@
 """NVFP4Tensor's and NVFP4Rows' layout checks (a container that cannot describe a [..., K]
-tensor is refused), and rows kept with their amax giving back quantize's tensor."""
+tensor is refused), rows kept with their amax giving back quantize's tensor, and the records
+through pickle."""
 
+import copy
+import dataclasses
+import io
 import math
+import pickle
 
 import pytest
 import torch
@@ -116,3 +121,26 @@ def test_rows_are_read_back_inside_a_cuda_graph():
         want = reference.quantize(x[first : first + 8], scaling="row")
         want = reference.dequantize(want, torch.bfloat16)
         assert torch.equal(out.cpu(), want)
+
+
+def test_records_with_float8_scales_survive_pickle_and_torch_save():
+    """torch's float8 tensors pickle but do not unpickle; the containers send their scales'
+    bytes instead and come back bit for bit, as float8, through pickle, torch.save and copy."""
+    g = torch.Generator().manual_seed(3)
+    t = reference.quantize(torch.randn(4, 3, 64, generator=g), scaling="row")
+    rows = NVFP4Rows(t.codes, t.block_scale, torch.rand(4, 3, 1, generator=g))
+    for record in (t, ops.compact(t), rows):
+        saved = io.BytesIO()
+        torch.save({"r": record}, saved)
+        saved.seek(0)
+        copies = (
+            pickle.loads(pickle.dumps(record)),
+            torch.load(saved, weights_only=False)["r"],
+            copy.deepcopy(record),
+        )
+        for got in copies:
+            assert type(got) is type(record)
+            for f in dataclasses.fields(record):
+                a, b = getattr(got, f.name), getattr(record, f.name)
+                assert a.dtype == b.dtype and a.shape == b.shape, f.name
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f.name
