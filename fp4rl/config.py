@@ -132,7 +132,7 @@ class RunSection:
     # 2 bytes per parameter of the whole model on every rank).
     keep_gathered: bool = False
     # Keep the rollout engine's KV pages, and with them its CUDA graphs, while the trainer runs:
-    # no graph captured again for every rollout (about 3 s of a 48-layer rollout on one H200,
+    # no graph captured again for every rollout (about 2 s of a 48-layer rollout on one H200,
     # BENCHMARKS.md), for the pages' memory held through the update (docs/scaling.md).
     keep_kv: bool = False
     threads: int = 0  # CPU threads for torch; 0: leave torch's default
@@ -201,6 +201,12 @@ class RunConfig:
             raise ValueError(
                 f"task.max_prompt_tokens={self.task.max_prompt_tokens} leaves no room to generate "
                 f"within engine.max_model_len={self.engine.max_model_len}"
+            )
+        if self.grpo.mini_batches > self.rollout.prompts_per_step:
+            raise ValueError(
+                f"grpo.mini_batches={self.grpo.mini_batches} is more than the step's "
+                f"rollout.prompts_per_step={self.rollout.prompts_per_step}: a mini-batch takes "
+                "whole prompts' samples"
             )
         if guided and not replay:
             # The expert intermediate's records belong to the rollout's experts; the trainer's

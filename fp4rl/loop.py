@@ -53,7 +53,7 @@ from fp4rl.tasks import Task, build_task, step_seed
 from fp4rl.train.grpo import group_advantages
 from fp4rl.train.observe import Observed, observe_counts, observed_metrics
 from fp4rl.train.optim import MasterAdamW
-from fp4rl.train.step import grpo_update
+from fp4rl.train.step import grpo_step
 
 __all__ = [
     "DTYPES",
@@ -184,7 +184,7 @@ def train(
             with phase(m, "train", device), progress(len(keep), f"step {step} train", ranks) as bar:
                 if m["trained_samples"]:  # of every rank: all of them update, or none
                     m.update(
-                        grpo_update(
+                        grpo_step(
                             policy,
                             optimizer,
                             [completions[i] for i in keep],

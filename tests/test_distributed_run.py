@@ -133,8 +133,18 @@ EXACT = (
     "code_agreement",
     "lr",
     "skipped",
+    "updates",
 )
-CLOSE = ("loss", "entropy", "token_mult_prob_error", "is_ratio_mean", "clip_frac_low", "kl")
+CLOSE = (
+    "loss",
+    "entropy",
+    "token_mult_prob_error",
+    "is_ratio_mean",
+    "ratio_mean",
+    "clip_frac_low",
+    "clip_frac_high",
+    "kl",
+)
 # The observed mismatch: ratios of counts and a maximum, exact; means of per-token terms, close.
 OBSERVED_EXACT = (
     r"code_agreement(/.+)?",
@@ -285,6 +295,22 @@ def test_two_ranks_score_a_kl_term_as_one_process(tmp_path, base):
     assert one and rank and (one[2], rank[2]) == ("process", "rank"), out[-2000:]
     whole, share = float(one[1].replace(",", "")), float(rank[1].replace(",", ""))
     assert share == pytest.approx(whole / 2, rel=0.05), (whole, share)
+
+
+def test_two_ranks_take_several_steps_a_rollout_as_one_process(tmp_path, base):
+    """``grpo.mini_batches=2``: the even prompts' samples, then the odd ones', each rank
+    holding its share of both and scoring its later mini-batch before the first update. The
+    steps and weights are the single process's, as for one update a rollout."""
+    extra = ("grpo.mini_batches=2", "optim.lr=1e-2")
+    reference_dir, two_dir = tmp_path / "reference", tmp_path / "two"
+    reference = train(config_of(base, reference_dir, 3, *extra), log=lambda _: None)
+    assert max(m.get("updates", 0) for m in reference) == 2
+    assert any(m.get("updates") == 2 and m["ratio_mean"] != 1.0 for m in reference)
+    torchrun(tmp_path, "--config", config_file(config_of(base, two_dir, 3, *extra), tmp_path))
+    assert_same_steps(metrics(two_dir), reference)
+    want = load_file(checkpoints.checkpoint_dir(reference_dir, 3) / "model/model.safetensors")
+    got = load_file(checkpoints.checkpoint_dir(two_dir, 3) / "model/model.safetensors")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_shares_cover_every_prompt_once_in_order():

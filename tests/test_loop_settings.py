@@ -1,5 +1,6 @@
-"""Two settings of the GRPO loop: ``run.keep_kv`` (the engine keeps its KV pages, and its CUDA
-graphs, through the update) and ``grpo.kl_coef`` (the KL term to the starting checkpoint)."""
+"""Settings of the GRPO loop: ``run.keep_kv`` (the engine keeps its KV pages, and its CUDA
+graphs, through the update), ``grpo.kl_coef`` (the KL term to the starting checkpoint) and
+``grpo.mini_batches`` (several optimizer steps per rollout)."""
 
 import copy
 import dataclasses
@@ -13,7 +14,7 @@ from fp4rl import demo
 from fp4rl.loop import train
 from fp4rl.rollout import Engine
 from fp4rl.train.optim import MasterAdamW
-from fp4rl.train.step import grpo_update
+from fp4rl.train.step import grpo_step, grpo_update, proximal_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -120,3 +121,73 @@ def test_a_run_with_a_kl_term_measures_it_against_its_starting_checkpoint(tmp_pa
     history = train(kl_run_config(base, tmp_path / "run"), log=lambda _: None)
     kl = [m["kl"] for m in history if m.get("trained_samples")]  # the steps that updated
     assert len(kl) >= 2 and kl[0] == 0.0 and min(kl[1:]) > 0, kl
+
+
+STEP = dict(replay=True, guided=True, temperature=1.0, micro_batch_seqs=16)
+
+
+def weights(policy) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in policy.named_parameters()}
+
+
+def test_proximal_scores_are_the_updates_own_bits(base):
+    """`proximal_logprobs` of the policy as it is gives the bits the update's own forward
+    computes: r is exactly 1 (nothing clipped), and the update equals the one without a
+    proximal policy, bit for bit."""
+    config, policy, engine = policy_and_engine(base, "optim.lr=1e-3")
+    completions, advantages = rollout_and_advantages(config, engine, step=0)
+    twin = copy.deepcopy(policy)
+    plain = update(config, policy, completions, advantages, micro_batch_seqs=16)
+    prox = proximal_logprobs(twin, completions, **STEP)
+    assert [len(p) for p in prox] == [len(c.completion_ids) for c in completions]
+    optimizer = MasterAdamW(twin.parameters(), config.optim)
+    got = grpo_update(
+        twin, optimizer, completions, advantages, config=config.grpo, proximal=prox, **STEP
+    )
+    assert got["ratio_mean"] == 1.0 and got["clip_frac_low"] == got["clip_frac_high"] == 0.0
+    assert got == plain
+    after, want = weights(twin), weights(policy)
+    assert all(torch.equal(after[n], want[n]) for n in want)
+
+
+def test_mini_batches_update_in_turn_against_the_policy_the_step_started_from(base):
+    """``grpo.mini_batches=2``: the even prompts' samples update first, then the odd ones', the
+    second update's ratio taken against the policy before the first (scored before it), so
+    it is no longer 1. The same weights as those two updates made by hand."""
+    config, policy, engine = policy_and_engine(
+        base, "optim.lr=1e-2", "optim.warmup_steps=0", "grpo.mini_batches=2"
+    )
+    completions, advantages = rollout_and_advantages(config, engine, step=3)
+    halves = [[i for i, c in enumerate(completions) if c.prompt_index % 2 == b] for b in (0, 1)]
+    assert all(any(advantages[i] for i in half) for half in halves)  # both halves teach
+    twin = copy.deepcopy(policy)
+    optimizer = MasterAdamW(policy.parameters(), config.optim)
+    got = grpo_step(policy, optimizer, completions, advantages, config=config.grpo, **STEP)
+    assert got["updates"] == 2 and optimizer.num_updates == 2
+
+    odd = [completions[i] for i in halves[1]]
+    prox = proximal_logprobs(twin, odd, **STEP)  # before any update
+    by_hand = MasterAdamW(twin.parameters(), config.optim)
+    results = [
+        grpo_update(
+            twin,
+            by_hand,
+            [completions[i] for i in half],
+            [advantages[i] for i in half],
+            config=config.grpo,
+            proximal=None if b == 0 else prox,
+            **STEP,
+        )  # fmt: skip
+        for b, half in enumerate(halves)
+    ]
+    assert results[0]["ratio_mean"] == 1.0 and results[1]["ratio_mean"] != 1.0
+    assert got["ratio_mean"] == (results[0]["ratio_mean"] + results[1]["ratio_mean"]) / 2
+    after, want = weights(policy), weights(twin)
+    assert all(torch.equal(after[n], want[n]) for n in want)
+
+
+def test_more_mini_batches_than_prompts_are_refused():
+    with pytest.raises(ValueError, match=r"grpo.mini_batches=9 is more than the step's rollout"):
+        run_config.load(demo.CONFIG_FILE, ["grpo.mini_batches=9", "rollout.prompts_per_step=8"])
+    with pytest.raises(ValueError, match=r"grpo.mini_batches must be an int >= 1, got 0"):
+        run_config.load(demo.CONFIG_FILE, ["grpo.mini_batches=0"])

@@ -52,6 +52,11 @@ class GrpoConfig:
     kl_coef: float = 0.0  # > 0 needs logp_ref_N (a frozen reference policy)
     # Leave samples cut off by max_tokens out of the update (they are counted either way).
     mask_truncated: bool = False
+    # Optimizer steps per rollout: prompt p's samples go to mini-batch p % mini_batches, one
+    # update each, in order. From the second on, r and the correction are taken against the
+    # policy the step started from (its log-probs scored before the first update), so the clip
+    # binds. optim's warm-up and schedule count optimizer steps.
+    mini_batches: int = 1
 
     def __post_init__(self) -> None:
         for key in ("normalize_std", "leave_one_out", "mask_truncated"):
@@ -66,6 +71,7 @@ class GrpoConfig:
         checks.number("grpo.mask_low", self.mask_low, "in (0, 1]", lambda v: 0 < v <= 1)
         checks.number("grpo.mask_high", self.mask_high, ">= 1", lambda v: v >= 1)
         checks.number("grpo.kl_coef", self.kl_coef, ">= 0", lambda v: v >= 0)
+        checks.integer("grpo.mini_batches", self.mini_batches, 1)
         for key in ("clip_low", "clip_high", "tis_cap", "mask_low", "mask_high", "kl_coef"):
             object.__setattr__(self, key, float(getattr(self, key)))
 

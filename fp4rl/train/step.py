@@ -63,6 +63,7 @@ def grpo_update(
     gradient_sync: GradientSync = "micro_batch",
     keep_gathered: bool = False,
     reference=None,
+    proximal: Sequence[torch.Tensor] | None = None,
 ) -> dict[str, float]:
     """Accumulate the GRPO gradient of ``completions`` and take one optimizer step. Returns
     the loss and the objective's metrics (token-weighted means over the update) and the
@@ -84,7 +85,9 @@ def grpo_update(
 
     ``reference``: a frozen policy (the same model, its parameters not trained), scored on
     every micro-batch exactly as ``policy`` is (the same replay, rounding, temperature and
-    attention) for the KL term of ``config.kl_coef``, which needs it."""
+    attention) for the KL term of ``config.kl_coef``, which needs it. ``proximal``: each
+    completion's log-probs (FP32, one per completion token) under the proximal policy
+    (`proximal_logprobs`, `grpo_step`); left out, the proximal policy is the current one."""
     checks.choice("gradient_sync", gradient_sync, get_args(GradientSync))
     checks.boolean("keep_gathered", keep_gathered)
     if config.kl_coef > 0 and reference is None:
@@ -148,6 +151,9 @@ def grpo_update(
                     temperature=temperature,
                     forward=forward,
                 )
+        logp_prox_N = None
+        if proximal is not None and not padding:
+            logp_prox_N = torch.cat(list(proximal[start : start + micro_batch_seqs])).to(device)
         adv_Q = torch.tensor(advantages, dtype=torch.float32)
         loss, metrics = grpo_loss(
             logp_N,
@@ -157,6 +163,7 @@ def grpo_update(
             num_seqs=batch.num_seqs,
             config=config,
             entropy_N=entropy_N,
+            logp_prox_N=logp_prox_N,
             logp_ref_N=logp_ref_N,
             # A padding pass normalizes by its own counts: its loss is scaled to 0 anyway.
             total_tokens=None if padding else total_tokens,
@@ -190,6 +197,91 @@ def grpo_update(
         for key, value in counters.items():
             stats[key] = stats.get(key, 0) + value
     out.update(optimizer.step())
+    return out
+
+
+def grpo_step(
+    policy,
+    optimizer: MasterAdamW,
+    completions: Sequence[Completion],
+    advantages_Q: Sequence[float],
+    *,
+    config: GrpoConfig,
+    across: Across | None = None,
+    spare: Completion | None = None,
+    **update,
+) -> dict[str, float]:
+    """One rollout's optimizer steps: ``config.mini_batches`` updates (`grpo_update`, which
+    ``update`` is passed to), prompt p's completions in mini-batch ``p % mini_batches``; a
+    mini-batch no rank holds a completion of is left out. Before the first update the policy
+    scores the completions of the later ones (`proximal_logprobs`): their proximal policy is
+    the one the step started from. Returns the updates' metrics averaged over them, but ``lr``
+    (the last update's) and ``skipped`` (how many skipped their step), and ``updates``, how
+    many ran. One mini-batch is exactly one `grpo_update`."""
+    M = config.mini_batches
+    kw = dict(config=config, across=across, spare=spare, **update)
+    if M == 1:
+        return {**grpo_update(policy, optimizer, completions, advantages_Q, **kw), "updates": 1}
+    parts = [[i for i, c in enumerate(completions) if c.prompt_index % M == b] for b in range(M)]
+    sizes = {str(b): len(part) for b, part in enumerate(parts)}
+    if across is not None:
+        sizes = across.sum(sizes)
+    parts = [part for b, part in enumerate(parts) if sizes[str(b)] > 0]
+    later = [i for part in parts[1:] for i in part]
+    scored = proximal_logprobs(
+        policy,
+        [completions[i] for i in later],
+        replay=update["replay"],
+        guided=update["guided"],
+        temperature=update["temperature"],
+        micro_batch_seqs=update["micro_batch_seqs"],
+        forward=update.get("forward", "packed"),
+        across=across,
+        spare=completions[0] if completions else spare,
+    )
+    proximal = dict(zip(later, scored, strict=True))
+    results = []
+    for n, part in enumerate(parts):
+        prox = None if n == 0 else [proximal[i] for i in part]
+        chosen = [completions[i] for i in part]
+        advantages = [advantages_Q[i] for i in part]
+        results.append(grpo_update(policy, optimizer, chosen, advantages, proximal=prox, **kw))
+    out = {key: sum(r[key] for r in results) / len(results) for key in results[0]}
+    out.update(lr=results[-1]["lr"], skipped=sum(r["skipped"] for r in results))
+    return {**out, "updates": len(results)}
+
+
+@torch.no_grad()
+def proximal_logprobs(
+    policy,
+    completions: Sequence[Completion],
+    *,
+    replay: bool,
+    guided: bool,
+    temperature: float,
+    micro_batch_seqs: int,
+    forward: str = "packed",
+    across: Across | None = None,
+    spare: Completion | None = None,
+) -> list[torch.Tensor]:
+    """Each completion's log-probs under ``policy`` as it is now (FP32 on the policy's device,
+    one per completion token), scored as `grpo_update` scores it (the same micro-batches,
+    replay, rounding, temperature and attention, so the same bits), without a gradient. With
+    ``across``, every rank runs as many micro-batches as the busiest, the missing ones over
+    ``spare``, so that a sharded policy's gathers line up."""
+    count = math.ceil(len(completions) / micro_batch_seqs)
+    if across is not None:
+        count = int(across.max({"n": count})["n"])
+    out = []
+    for index in range(count):
+        chunk = completions[index * micro_batch_seqs : (index + 1) * micro_batch_seqs]
+        batch = collate(chunk or [spare])
+        logp_N = policy_logprobs(
+            policy, batch, replay=replay, guided=guided, temperature=temperature,
+            forward=forward,
+        )  # fmt: skip
+        if chunk:
+            out += logp_N.split([len(c.completion_ids) for c in chunk])
     return out
 
 
