@@ -227,10 +227,7 @@ def grpo_step(
     if across is not None:
         sizes = across.sum(sizes)
     parts = [part for b, part in enumerate(parts) if sizes[str(b)] > 0]
-    later = [i for part in parts[1:] for i in part]
-    scored = proximal_logprobs(
-        policy,
-        [completions[i] for i in later],
+    scoring = dict(
         replay=update["replay"],
         guided=update["guided"],
         temperature=update["temperature"],
@@ -239,13 +236,12 @@ def grpo_step(
         across=across,
         spare=completions[0] if completions else spare,
     )
-    proximal = dict(zip(later, scored, strict=True))
+    chosen = [[completions[i] for i in part] for part in parts]
+    proximal = [None] + [proximal_logprobs(policy, later, **scoring) for later in chosen[1:]]
     results = []
-    for n, part in enumerate(parts):
-        prox = None if n == 0 else [proximal[i] for i in part]
-        chosen = [completions[i] for i in part]
+    for part, these, prox in zip(parts, chosen, proximal, strict=True):
         advantages = [advantages_Q[i] for i in part]
-        results.append(grpo_update(policy, optimizer, chosen, advantages, proximal=prox, **kw))
+        results.append(grpo_update(policy, optimizer, these, advantages, proximal=prox, **kw))
     out = {key: sum(r[key] for r in results) / len(results) for key in results[0]}
     out.update(lr=results[-1]["lr"], skipped=sum(r["skipped"] for r in results))
     return {**out, "updates": len(results)}
@@ -265,7 +261,7 @@ def proximal_logprobs(
     spare: Completion | None = None,
 ) -> list[torch.Tensor]:
     """Each completion's log-probs under ``policy`` as it is now (FP32 on the policy's device,
-    one per completion token), scored as `grpo_update` scores it (the same micro-batches,
+    one per completion token), scored as `grpo_update` scores the same list (its micro-batches,
     replay, rounding, temperature and attention, so the same bits), without a gradient. With
     ``across``, every rank runs as many micro-batches as the busiest, the missing ones over
     ``spare``, so that a sharded policy's gathers line up."""
