@@ -7,8 +7,8 @@ drawn and written from them afterwards:
 - `FIGURES` and `plot`: PNG plots of what the run recorded (`figure_maker`, the matplotlib
   figures they and `fp4rl.study_results` draw on);
 - `summary`: ``report.md``'s text, its sections the configuration that defines the run, reward
-  and held-out accuracy, the trainer-vs-rollout mismatch, time per phase and what is not
-  plotted;
+  and held-out accuracy, the trainer-vs-rollout mismatch, the update, time per phase and what
+  is not plotted;
 - `write_report`: the plots and ``report.md`` of a run into its report directory.
 
 It does not own which metrics exist (the loop, `fp4rl.train.observe`, `fp4rl.train.step`) or
@@ -75,6 +75,15 @@ FIGURES = {
             ),
             ("sparse: values recorded", [r"sparse_recorded_share"]),
             ("top-k experts, per layer", [r"router_agreement/layer\d+"]),
+        ],
+    ),
+    "update.png": (
+        "The update: clipping, correction, entropy, gradient",
+        [
+            ("share of tokens", [r"clip_frac_low", r"clip_frac_high", r"correction_frac"]),
+            ("mean ratio", [r"ratio_mean", r"is_ratio_mean"]),
+            ("entropy, nats", [r"entropy"]),
+            ("gradient norm", [r"grad_norm"]),
         ],
     ),
     "time.png": (
@@ -312,6 +321,21 @@ def _mismatch_section(entries: list[dict], pngs: set[str]) -> list[str]:
     return lines
 
 
+def _update_section(pngs: set[str]) -> list[str]:
+    if "update.png" not in pngs:
+        return ["No update ran, so there is no update plot."]
+    return [
+        "Per update, over its tokens: the shares clipped below and above (r = pi / pi_prox "
+        "out of [1 - clip_low, 1 + clip_high] where it binds; r is 1 with one update a "
+        "rollout, `grpo.mini_batches` 1) and corrected (rho = pi_prox / rollout past "
+        "`grpo.tis_cap`, or masked), the mean r and rho, the entropy of the trainer's "
+        "distribution and the gradient norm before clipping; a step of several updates "
+        "shows their mean.",
+        "",
+        "![the update](update.png)",
+    ]
+
+
 def _time_section(entries: list[dict], pngs: set[str]) -> list[str]:
     totals = {p: sum(series(entries, f"{p}_s")[1]) for p in PHASES}
     counted = {p: len(series(entries, f"{p}_s")[0]) for p in PHASES}
@@ -373,6 +397,7 @@ def summary(run_dir: Path, entries: list[dict], pngs: set[str]) -> str:
         ("Configuration", _config_section(_read_config(run_dir))),
         ("Reward and held-out accuracy", _outcome_section(entries, pngs)),
         ("Trainer vs rollout", _mismatch_section(entries, pngs)),
+        ("The update", _update_section(pngs)),
         ("Time", _time_section(entries, pngs)),
         ("Not plotted", _rest_section(entries)),
     ]

@@ -150,7 +150,8 @@ def test_a_run_without_mismatch_metrics_gets_no_agreement_plot(run_dir, tmp_path
     (plain / "report").mkdir()
     (plain / "report" / "agreement.png").write_bytes(b"left by an earlier report")
     written = write_report(plain)
-    assert [p.name for p in written] == ["reward.png", "gap.png", "time.png", "report.md"]
+    names = ["reward.png", "gap.png", "update.png", "time.png", "report.md"]
+    assert [p.name for p in written] == names
     assert not (plain / "report" / "agreement.png").exists()
     md = written[-1].read_text()
     assert "so there is no agreement plot" in md and "agreement.png" not in md
