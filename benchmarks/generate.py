@@ -23,10 +23,13 @@ cost such as a capture's shows there through the machine's drift. "steps" and "e
 count the last timed call's steps and those of them that ran eagerly, not from a CUDA graph;
 "graphs" and "capture s" the CUDA graphs it captured (on first use of a step's shape) and the
 wall seconds that took. ``--release-kv`` gives every engine's KV pages back and takes them again
-before each timed call, as the colocated GRPO loop does between rollouts (`fp4rl.loop`), so that
-every timed call captures the graphs it uses again; ``--capture-warmups`` sets the eager calls
-before each capture (`fp4rl.rollout.graphs.CAPTURE_WARMUPS`), ``--capture-warmups-seen`` those
-before capturing a shape the engine captured in an earlier call (`CAPTURE_WARMUPS_SEEN`).
+before each timed call, as the colocated GRPO loop does between rollouts (`fp4rl.loop`), and
+prints what the release and acquire took and the device memory free between them (after
+`torch.cuda.empty_cache`); ``--keep-graphs 0`` makes each such timed call
+capture its graphs again (`EngineConfig.keep_graphs`; 1, the default, keeps them over pages at
+reserved addresses). ``--capture-warmups`` sets the eager calls before each capture
+(`fp4rl.rollout.graphs.CAPTURE_WARMUPS`), ``--capture-warmups-seen`` those before capturing a
+shape the engine captured in an earlier call (`CAPTURE_WARMUPS_SEEN`).
 """
 
 from __future__ import annotations
@@ -91,6 +94,10 @@ def main() -> None:
     parser.add_argument(
         "--release-kv", action="store_true", help="release and acquire each engine's KV pages "
         "before each timed call (the colocated loop's rollouts: graphs captured every call)"
+    )  # fmt: skip
+    parser.add_argument(
+        "--keep-graphs", type=int, choices=(0, 1), default=1,
+        help="EngineConfig.keep_graphs: 1 keeps the graphs across --release-kv, 0 drops them",
     )  # fmt: skip
     parser.add_argument(
         "--capture-warmups", type=int, default=None,
@@ -179,6 +186,7 @@ def main() -> None:
                 guidance=guidance,
                 cuda_graphs=graphed,
                 overlap_steps=overlap,
+                keep_graphs=bool(args.keep_graphs),
             ),
         )
         # Warm-up: the call timed (shorter with --warmup-tokens), so kernels compile before the
@@ -188,11 +196,20 @@ def main() -> None:
     # machine's drift over the run falls on all rows alike.
     runs = [(name, order) for name in chosen for order in orders]
     times, outs, stats = {run: [] for run in runs}, {}, {}
+    swaps, free = [], []  # wall seconds of each release_kv + acquire_kv; free bytes between
     for r in range(args.repeats):
         for name, order in runs[r % len(runs) :] + runs[: r % len(runs)]:
             if args.release_kv:
+                sync()
+                start = time.perf_counter()
                 engines[name].release_kv()
+                if cuda:  # what a trainer could take meanwhile, the graphs' pool aside
+                    sync()
+                    torch.cuda.empty_cache()
+                    free.append(torch.cuda.mem_get_info()[0])
                 engines[name].acquire_kv()
+                sync()
+                swaps.append(time.perf_counter() - start)
             sync()
             start = time.perf_counter()
             stats[name, order] = {}  # the last run's
@@ -241,6 +258,17 @@ def main() -> None:
             "| capture s |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|",
             *rows,
+            *(
+                [
+                    "",
+                    f"release_kv + acquire_kv (keep_graphs={bool(args.keep_graphs)}): median "
+                    f"{statistics.median(swaps):.3f} s, max {max(swaps):.3f} s over "
+                    f"{len(swaps)}; device memory free between the two: "
+                    f"{min(free, default=0) / 2**30:.2f} GiB",
+                ]
+                if swaps
+                else []
+            ),
         ],
     )
 

@@ -6,7 +6,7 @@ import pickle
 
 import pytest
 import torch
-from tiny_models import engine_config, rollout_model
+from tiny_models import DEVICES, engine_config, rollout_model
 
 from fp4rl.fp4 import CompactCodes, compact
 from fp4rl.ops import quantize
@@ -130,12 +130,15 @@ def test_collate_names_a_completion_whose_rows_do_not_match_its_tokens():
         collate([completion(7, records, 6)])
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("form", ["full", "compact"])
-def test_an_engines_completions_travel_through_pickle(form):
+def test_an_engines_completions_travel_through_pickle(form, device):
     """What a rollout worker in another process would send: completions with their routing
     and guidance, the records still in their call's rows, pickled and read back bit for bit
-    (E4M3 block scales included, which torch alone cannot unpickle)."""
-    packed, _ = rollout_model("nvfp4")
+    (E4M3 block scales included, which torch alone cannot unpickle). On a GPU, from graphed
+    steps whose rows the engine copied to pinned memory."""
+    dtype = torch.bfloat16 if device == "cuda" else None
+    packed, _ = rollout_model("nvfp4", dtype=dtype, device=device)
     engine = Engine(packed, engine_config(capture_routing=True, guidance=form))
     params = SamplingParams(n=2, temperature=1.0, max_tokens=5, seed=0, return_logprobs=True)
     sent = engine.generate([[1, 2, 3], [4, 5]], params)

@@ -42,6 +42,11 @@ class EngineConfig:
     # (`fp4rl.rollout.graphs`, `fp4rl.rollout.prefill_graphs`) where the engine runs on a GPU
     # and every layer's attention reads its pages with the paged kernels.
     cuda_graphs: bool = True
+    # `Engine.release_kv` keeps the CUDA graphs: the KV pages lie at device addresses reserved
+    # for the engine's life (`fp4rl.rollout.device_memory`), their memory given back and mapped
+    # again, so `acquire_kv` needs no capture. The graphs' own memory pool stays held while the
+    # pages are released. Off: the graphs and their pool go with the pages.
+    keep_graphs: bool = True
     # Feed a prompt longer than what is left of a step's token budget in chunks, beside the
     # decodes (`fp4rl.rollout.scheduler`); off: it waits until it fits one step whole.
     chunked_prefill: bool = True
@@ -65,6 +70,7 @@ class EngineConfig:
             raise ValueError(f"{s}.guidance must be one of {GUIDANCE_MODES}, got {self.guidance!r}")
         checks.boolean(f"{s}.capture_routing", self.capture_routing)
         checks.boolean(f"{s}.cuda_graphs", self.cuda_graphs)
+        checks.boolean(f"{s}.keep_graphs", self.keep_graphs)
         checks.boolean(f"{s}.chunked_prefill", self.chunked_prefill)
         checks.boolean(f"{s}.overlap_steps", self.overlap_steps)
         fraction = self.compact_fraction

@@ -38,7 +38,7 @@ from fp4rl.rollout.block_manager import BlockManager
 from fp4rl.rollout.capture import CaptureLog, SequenceCapture, StepCapture, kept_layers
 from fp4rl.rollout.config import EngineConfig, SamplingParams
 from fp4rl.rollout.generation_config import eos_token_ids
-from fp4rl.rollout.graphs import CaptureTally, DecodeGraphs, graphs_unsupported
+from fp4rl.rollout.graphs import CaptureTally, DecodeGraphs, graphs_dropped, graphs_unsupported
 from fp4rl.rollout.kv_cache import KVCache, num_blocks_for_budget
 from fp4rl.rollout.model_layout import ModelLayout
 from fp4rl.rollout.prefill_graphs import PrefillGraphs, graphable_prefill
@@ -64,9 +64,13 @@ class Engine:
         self.host_rows = HostRows()  # where each call's captured rows land, call after call
         # Why every step runs eagerly, or None when decode and prefill steps replay CUDA graphs.
         self.graphs_off = graphs_unsupported(self.layout, config)
+        # Why `release_kv` drops the graphs (None: they are kept, over pages at reserved
+        # addresses), or None where there are no graphs to keep.
+        self.graphs_dropped = None if self.graphs_off else graphs_dropped(self.layout, config)
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
         self.captures = CaptureTally()  # every graph this engine captured, across releases
+        self._unmapped: KVCache | None = None  # the pages while released, graphs kept
         self.acquire_kv()
         if config.guidance is not None and not self.layout.guided_keys:
             raise ValueError(
@@ -99,20 +103,34 @@ class Engine:
         return cls(model, config, eos_token_ids=eos_token_ids(path))
 
     def release_kv(self) -> None:
-        """Give the KV pages back (a colocated trainer needs the memory while it runs);
-        `generate` refuses to run until `acquire_kv`. Nothing else holds them between calls.
-        The host memory kept for captured rows (`HostRows`) goes back too."""
-        # The graphs hold the pages' addresses.
-        self.cache = self.graphs = self.prefill_graphs = None
+        """Give the KV pages' memory back (a colocated trainer needs it while it runs);
+        `generate` refuses to run until `acquire_kv`. Nothing else holds the pages between
+        calls. The CUDA graphs stay, and their memory pool with them, where the pages lie at
+        reserved addresses (``engine.keep_graphs``; `graphs_dropped` says why not); otherwise
+        they go too, since they hold the pages' addresses. The host memory kept for captured
+        rows (`HostRows`) goes back too."""
+        if self.cache is not None and self.cache.memory is not None:
+            self.cache.memory.unmap()
+            self._unmapped, self.cache = self.cache, None
+        else:
+            self.cache = self.graphs = self.prefill_graphs = None
         self.host_rows.release()
 
     def acquire_kv(self) -> None:
         """Allocate the KV pages (again): zeroed, the size ``engine.kv_memory_bytes`` bought,
-        plus one scratch block that the padding rows of graphed steps write to."""
+        plus one scratch block that the padding rows of graphed steps write to; at the
+        addresses they had, where the graphs were kept."""
+        if self.cache is None and self._unmapped is not None:
+            self._unmapped.memory.map()
+            self.cache, self._unmapped = self._unmapped, None
         if self.cache is None:
             c = self.config
             self.cache = KVCache(
-                self.layout.kv, self.num_blocks + 1, c.block_size, self.layout.device
+                self.layout.kv,
+                self.num_blocks + 1,
+                c.block_size,
+                self.layout.device,
+                reserved=self.graphs_off is None and self.graphs_dropped is None,
             )
             if self.graphs_off is None:
                 self.graphs = DecodeGraphs(

@@ -56,6 +56,7 @@ import numpy as np
 import torch
 
 from fp4rl import ops
+from fp4rl.rollout import device_memory
 from fp4rl.rollout.attention import AttentionMetadata, PagedAttention, Segment
 from fp4rl.rollout.block_manager import BlockTable
 from fp4rl.rollout.capture import PackedRows, StepCapture
@@ -123,6 +124,14 @@ def graphs_unsupported(layout, config) -> str | None:
         if not ops.paged_decode_kernel_runs(q, fmt == "nvfp4"):
             return f"layers.{layer} ({fmt} pages) gathers its context instead of the paged kernel"
     return None
+
+
+def graphs_dropped(layout, config) -> str | None:
+    """Why `Engine.release_kv` drops an engine's graphs with its KV pages, or None when the
+    pages can lie at reserved addresses (`fp4rl.rollout.device_memory`) and the graphs stay."""
+    if not config.keep_graphs:
+        return "engine.keep_graphs is false"
+    return device_memory.unsupported(torch.device(layout.device))
 
 
 def fill_rows(

@@ -21,6 +21,7 @@ owns the bytes; who reads which slots is `fp4rl.rollout.attention`'s business.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,7 @@ from fp4rl.fp4.reference import rows_tensor
 from fp4rl.fp4.tensor import NVFP4Rows
 from fp4rl.model.precision import KV_FORMATS
 from fp4rl.rollout.config import EngineConfig
+from fp4rl.rollout.device_memory import ReservedMemory
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,9 +76,9 @@ def num_blocks_for_budget(config: EngineConfig, spec: KVCacheSpec) -> int:
 
 
 class _Bf16Pages:
-    def __init__(self, num_blocks, block_size, K, D, dtype, device) -> None:
-        self.k_NBKD = torch.zeros(num_blocks, block_size, K, D, dtype=dtype, device=device)
-        self.v_NBKD = torch.zeros_like(self.k_NBKD)
+    def __init__(self, num_blocks, block_size, K, D, dtype, zeros) -> None:
+        self.k_NBKD = zeros((num_blocks, block_size, K, D), dtype)
+        self.v_NBKD = zeros((num_blocks, block_size, K, D), dtype)
 
     def write(self, slots_T, k_TKD, v_TKD, record=None) -> tuple[None, None]:
         if record is not None:
@@ -95,22 +97,22 @@ class _Bf16Pages:
         return self.k_NBKD, self.v_NBKD
 
 
-def _empty_rows(num_blocks, block_size, K, D, dtype, device) -> NVFP4Rows:
+def _empty_rows(num_blocks, block_size, K, D, dtype, zeros) -> NVFP4Rows:
     lead = (num_blocks, block_size, K)
     rows = num_blocks * block_size * K
     # A spare amax after an odd count: kernels read 2-byte amaxes as whole 4-byte words.
-    amax = torch.zeros(rows + rows % 2, dtype=dtype, device=device)[:rows]
+    amax = zeros((rows + rows % 2,), dtype)[:rows]
     return NVFP4Rows(
-        codes=torch.zeros(*lead, D // 2, dtype=torch.uint8, device=device),
-        block_scale=torch.zeros(*lead, D // BLOCK_SIZE, dtype=torch.float8_e4m3fn, device=device),
+        codes=zeros((*lead, D // 2), torch.uint8),
+        block_scale=zeros((*lead, D // BLOCK_SIZE), torch.float8_e4m3fn),
         amax=amax.view(*lead, 1),
     )
 
 
 class _Nvfp4Pages:
-    def __init__(self, num_blocks, block_size, K, D, dtype, device) -> None:
-        self.k = _empty_rows(num_blocks, block_size, K, D, dtype, device)
-        self.v = _empty_rows(num_blocks, block_size, K, D, dtype, device)
+    def __init__(self, num_blocks, block_size, K, D, dtype, zeros) -> None:
+        self.k = _empty_rows(num_blocks, block_size, K, D, dtype, zeros)
+        self.v = _empty_rows(num_blocks, block_size, K, D, dtype, zeros)
 
     def write(self, slots_T, k_TKD, v_TKD, record=None):
         return ops.quantize_into_pair(k_TKD, self.k, v_TKD, self.v, slots_T, record)
@@ -128,16 +130,61 @@ class _Nvfp4Pages:
         return (*self.k.tensors(), *self.v.tensors())
 
 
+_ALIGN = 256  # bytes: each page tensor in reserved memory starts on this boundary
+
+
 class KVCache:
-    """All layers' pages, each in its layer's format from the precision plan."""
+    """All layers' pages, each in its layer's format from the precision plan, zeroed. With
+    ``reserved``, every page tensor lies in one `ReservedMemory` (``memory``), whose physical
+    memory `unmap` gives back and `map` takes again, zeroed, at the same addresses."""
 
     def __init__(
-        self, spec: KVCacheSpec, num_blocks: int, block_size: int, device: torch.device | str
+        self,
+        spec: KVCacheSpec,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device | str,
+        *,
+        reserved: bool = False,
     ) -> None:
         self.spec, self.num_blocks, self.block_size = spec, num_blocks, block_size
-        pages = {"bf16": _Bf16Pages, "nvfp4": _Nvfp4Pages}
-        self.layers = [
-            pages[fmt](num_blocks, block_size, spec.num_kv_heads, spec.head_dim, spec.dtype, device)
+        self.memory: ReservedMemory | None = None
+        if not reserved:
+
+            def zeros(shape, dtype) -> torch.Tensor:
+                return torch.zeros(shape, dtype=dtype, device=device)
+
+            self.layers = self._pages(zeros)
+            return
+        offsets = []  # where each tensor goes, from a first pass that allocates nothing
+
+        def place(shape, dtype) -> torch.Tensor:
+            start = offsets[-1][1] if offsets else 0
+            start = -(-start // _ALIGN) * _ALIGN
+            offsets.append((start, start + math.prod(shape) * dtype.itemsize))
+            return torch.empty(shape, dtype=dtype, device="meta")
+
+        self._pages(place)
+        self.memory = ReservedMemory(offsets[-1][1], device)
+        spans = iter(offsets)
+
+        def carve(shape, dtype) -> torch.Tensor:
+            start, end = next(spans)
+            return self.memory.view(start, end - start).view(dtype).view(shape)
+
+        self.layers = self._pages(carve)
+
+    def _pages(self, zeros) -> list:
+        spec, pages = self.spec, {"bf16": _Bf16Pages, "nvfp4": _Nvfp4Pages}
+        return [
+            pages[fmt](
+                self.num_blocks,
+                self.block_size,
+                spec.num_kv_heads,
+                spec.head_dim,
+                spec.dtype,
+                zeros,
+            )  # fmt: skip
             for fmt in spec.layer_formats
         ]
 

@@ -15,6 +15,7 @@ from fp4rl.rollout.kv_cache import KVCacheSpec, num_blocks_for_budget
         ("max_num_seqs", 0),
         ("max_model_len", 1),
         ("cuda_graphs", "yes"),
+        ("keep_graphs", 1),
         ("chunked_prefill", 0),
         ("overlap_steps", "no"),
         ("max_num_seqs", 10_000),  # > max_num_batched_tokens

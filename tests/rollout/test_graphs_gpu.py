@@ -3,9 +3,9 @@
 At a batch that is a bucket size every decode step runs the same kernels on the same shapes
 eagerly and graphed, so completions, logprobs and records must agree bit for bit; at other
 batches the padding rows must write only the scratch block and compute what their source row
-computes. Graphs must follow a refit (weights
-copied in place) and be dropped with the KV pages. Tiny model with head dim 32, the paged
-kernel's smallest for BF16 queries over NVFP4 pages.
+computes. Graphs must follow a refit (weights copied in place) and a release of the KV pages
+(kept, or dropped with them). Tiny model with head dim 32, the paged kernel's smallest for BF16
+queries over NVFP4 pages.
 """
 
 import dataclasses
@@ -180,12 +180,13 @@ def test_padding_rows_compute_what_their_source_row_computes(experts):
 
 
 @torch.no_grad()
-def test_graphs_follow_a_refit_and_are_dropped_with_the_pages():
+def test_graphs_follow_a_refit_and_stay_across_a_release_of_the_pages():
     _, packed = models("nvfp4", "nvfp4")
     new_qat, new_packed = models("nvfp4", "nvfp4", seed=1)
     graphed, _ = engines(packed)
+    assert graphed.graphs_dropped is None and graphed.cache.memory is not None
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    first, again, recaptured = {}, {}, {}
+    first, again, after_release = {}, {}, {}
     before = graphed.generate(PROMPTS, params, stats=first)
     decode_graph = graphed.graphs.graphs[(8, False)]
     # One graph per shape the call used: its prefill step's and the decode step's.
@@ -198,11 +199,39 @@ def test_graphs_follow_a_refit_and_are_dropped_with_the_pages():
     _, fresh = engines(new_packed)
     assert_same_completions(after, fresh.generate(PROMPTS, params))
     assert [c.completion_ids for c in after] != [c.completion_ids for c in before]
+    pages = [t.data_ptr() for layer in graphed.cache.layers for t in layer.tensors()]
+    memory = graphed.cache.memory
+    free_before = torch.cuda.mem_get_info()[0]
     graphed.release_kv()
-    assert graphed.graphs is None
+    assert graphed.cache is None and not memory.mapped
+    assert torch.cuda.mem_get_info()[0] - free_before >= memory.nbytes  # given back
+    with pytest.raises(RuntimeError, match="acquire_kv"):
+        graphed.generate(PROMPTS, params)
+    graphed.acquire_kv()
+    assert graphed.graphs.graphs[(8, False)] is decode_graph
+    assert [t.data_ptr() for layer in graphed.cache.layers for t in layer.tensors()] == pages
+    assert all(not t.ne(0).any() for layer in graphed.cache.layers for t in layer.tensors())
+    assert_same_completions(graphed.generate(PROMPTS, params, stats=after_release), after)
+    assert after_release["graphs_captured"] == 0 and graphed.captures.graphs == shapes
+
+
+@torch.no_grad()
+def test_graphs_go_with_the_pages_unless_kept():
+    """``engine.keep_graphs=False``: the pages are plain allocations, the graphs are dropped
+    with them and captured again, without an eager call for a shape captured before."""
+    _, packed = models("nvfp4", "nvfp4")
+    graphed, _ = engines(packed, keep_graphs=False)
+    assert graphed.graphs_dropped == "engine.keep_graphs is false"
+    assert graphed.cache.memory is None
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    first, recaptured = {}, {}
+    before = graphed.generate(PROMPTS, params, stats=first)
+    shapes = first["graphs_captured"]
+    graphed.release_kv()
+    assert graphed.graphs is None and graphed.prefill_graphs is None
     graphed.acquire_kv()
     assert graphed.graphs is not None and not graphed.graphs.graphs
-    assert_same_completions(graphed.generate(PROMPTS, params, stats=recaptured), after)
+    assert_same_completions(graphed.generate(PROMPTS, params, stats=recaptured), before)
     assert recaptured["graphs_captured"] == shapes
     assert graphed.captures.graphs == 2 * shapes
     # The shapes were captured before: no eager call before their second capture.
@@ -308,4 +337,6 @@ def test_a_prompt_of_a_few_hundred_tokens_then_its_decodes():
     assert_same_completions(graphed.generate(prompt, params), eager.generate(prompt, params))
     assert graphed.prefill_graphs.graphs[(256, 0, False)] is graph
     graphed.release_kv()
-    assert graphed.prefill_graphs is None
+    graphed.acquire_kv()
+    assert_same_completions(graphed.generate(prompt, params), eager.generate(prompt, params))
+    assert graphed.prefill_graphs.graphs[(256, 0, False)] is graph
