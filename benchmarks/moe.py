@@ -20,7 +20,8 @@ logits. Compared in the same run:
       choice is (e) up to `moe_tiles.REGISTERS_MAX_ROWS_PER_EXPERT` rows per expert, else (a).
 Every variant is first checked against the plain-PyTorch twin (``moe_gemm.reference_gemm``).
 Times are CUDA-graph replays (the GPU's time) after warm-up, median over repeats, rotating over
-``--layers`` sets of weights, rows and routing so that no call finds its experts in L2; inputs
+``--layers`` sets of weights, rows and routing so that no call finds its experts in L2 (with
+``--hot``, every call of a replay on the first set: the L2-hot figure); inputs
 are random, never zeros. The roofline beside each time is the bytes that must move (distinct
 experts touched x their bytes, FP4 packed for (a)/(b), BF16 for (c), plus x read and y written)
 over a device-to-device copy measured in the same run, or the FLOPs over a BF16 matmul measured
@@ -54,6 +55,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny shapes; runs on a CPU")
     parser.add_argument("--tokens", default="1,8,64,256,4096", help="token counts (x top-8)")
     parser.add_argument("--layers", type=int, default=8, help="weight/routing sets rotated over")
+    parser.add_argument(
+        "--hot", action="store_true", help="every launch of a replay on the first set: after "
+        "the first, its experts' weights are in L2 where they fit (what prefetching them would "
+        "at best give)"
+    )  # fmt: skip
     parser.add_argument(
         "--configs",
         default="",
@@ -109,7 +115,9 @@ def main() -> None:
     lines = [
         run_header(" ".join(["python", *sys.argv])),
         "",
-        f"E={experts}, top-{TOP_K}, random routing; {layers} weight sets rotated. Ceilings "
+        f"E={experts}, top-{TOP_K}, random routing; "
+        + ("one weight set, L2-hot" if args.hot else f"{layers} weight sets rotated")
+        + ". Ceilings "
         f"measured in this run: device copy {copy_gbs:.0f} GB/s (read + write; the best of "
         f"512, 256 and 64 MiB copies), BF16 matmul "
         f"{matmul_tflops:.0f} TFLOP/s. Times: CUDA-graph replay, median of {repeats}, us.",
@@ -151,7 +159,7 @@ def main() -> None:
         for t in tokens:
             row, tiles, bf16_tiles, register_tiles = measure(
                 name, t, w_bf16, packed, variants, bf16_variants, register_variants,
-                (copy_gbs, matmul_tflops), warmup=warmup, repeats=repeats,
+                (copy_gbs, matmul_tflops), warmup=warmup, repeats=repeats, hot=args.hot,
             )  # fmt: skip
             lines.append(row)
             sweep.append(tiles)
@@ -168,7 +176,7 @@ def main() -> None:
 
 def measure(
     name, t, w_bf16, packed, variants, bf16_variants, register_variants, ceiling, *, warmup,
-    repeats,
+    repeats, hot=False,
 ):  # fmt: skip
     """(main table row, tile sweep row, BF16 tile sweep row, register tile sweep row) for one
     GEMM shape at t tokens."""
@@ -181,6 +189,8 @@ def measure(
         counts = torch.bincount(logits.topk(TOP_K, dim=-1).indices.flatten(), minlength=experts)
         x = torch.randn(t * TOP_K, k, device=device).to(torch.bfloat16)
         sets.append((x, p, w, counts))
+    if hot:
+        sets = sets[:1] * len(sets)
     rows = t * TOP_K
     touched = statistics.mean(int((s[3] > 0).sum()) for s in sets)
     acts = rows * k * 2 + rows * n * 2
