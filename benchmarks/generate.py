@@ -78,7 +78,8 @@ def main() -> None:
     )
     parser.add_argument(
         "--warmup-tokens", type=int, default=None, help="new tokens of the warm-up call "
-        "(default: --max-tokens; fewer keeps a long rollout's warm-up short)"
+        "(default: --max-tokens; fewer keeps a long rollout's warm-up short; with "
+        "--spread-lengths, each request's drawn length cut at this)"
     )  # fmt: skip
     parser.add_argument("--kv-gib", type=float, default=8.0, help="KV budget of each engine")
     parser.add_argument(
@@ -159,7 +160,10 @@ def main() -> None:
         drawn = torch.randint(low, args.max_tokens + 1, (args.prompts * args.n,), generator=g)
         prompts = [p for p in prompts for _ in range(args.n)]
         sampling = [dataclasses.replace(sampling, n=1, max_tokens=m) for m in drawn.tolist()]
-        warmup = [dataclasses.replace(warmup, n=1)] * len(prompts)
+        # The timed call's lengths, cut at --warmup-tokens: without the cut the warm-up meets
+        # every batch size, and so every graph, the timed calls meet.
+        cap = args.warmup_tokens or args.max_tokens
+        warmup = [dataclasses.replace(p, max_tokens=min(p.max_tokens, cap)) for p in sampling]
         lengths = f"new tokens drawn uniformly from [{low}, {args.max_tokens}] per sample"
     max_model_len = -(-(args.prompt_len + args.max_tokens) // 16) * 16
     models, engines = {}, {}

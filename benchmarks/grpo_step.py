@@ -5,18 +5,22 @@
         --prompt-len 8 --max-tokens 4                     # smoke check
 
 Each variant builds its trainer (QAT model, BF16 parameters, FP32 masters and AdamW moments) and
-a colocated engine on one device, loads the engine by a refit, then times two whole steps (the
-first compiles kernels and is reported apart): rollout (random prompts, n samples each, every
+a colocated engine on one device, loads the engine by a refit, then times ``--steps`` whole steps
+(the first compiles kernels and is reported apart; the medians of the others): rollout (random
+prompts, n samples each, every
 sample ``--max-tokens`` long), reward (a stand-in: the parity of each sample's token sum, so that
 groups have spread), advantages, one update of micro-batches with replay (and compact guidance
 for NVFP4), refit. Every layer is MoE and, in the NVFP4 variant, FP4 experts and FP4 KV (no BF16
-boundary layers). Wall-clock seconds with a device sync at each phase's end.
+boundary layers). Wall-clock seconds with a device sync at each phase's end. ``--keep-graphs
+1,0`` runs each rollout with the engine's CUDA graphs kept across its release of the KV pages
+(`EngineConfig.keep_graphs`, the default) and captured again in every step.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
 import sys
 import time
 
@@ -43,6 +47,11 @@ def parse_args():
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--micro-batch-seqs", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=2, help="steps per row; the first is warm-up")
+    parser.add_argument(
+        "--keep-graphs", default="1", help="comma-separated EngineConfig.keep_graphs values "
+        "(1: the engine's graphs outlive release_kv; 0: captured again each step), a row each"
+    )  # fmt: skip
     parser.add_argument("--device", default="cuda", help="cpu runs a smoke check")
     parser.add_argument("--hidden", type=int, default=None, help="override (smoke checks)")
     return parser.parse_args()
@@ -57,9 +66,11 @@ def one_step(trainer, engine, receiver, optimizer, prompts, args, seed) -> dict[
     device, times = engine.layout.device, {}
     start = time.perf_counter()
     sampling = SamplingParams(n=args.n, max_tokens=args.max_tokens, ignore_eos=True, seed=seed)
-    completions = engine.generate(prompts, sampling)
+    stats = {}
+    completions = engine.generate(prompts, sampling, stats=stats)
     sync(device)
     times["rollout"] = time.perf_counter() - start
+    times["captured"] = stats["graphs_captured"]
     start = time.perf_counter()
     rewards = torch.tensor([float(sum(c.completion_ids) % 2) for c in completions])
     adv, _ = group_advantages(rewards.view(len(prompts), args.n), normalize_std=False)
@@ -113,34 +124,43 @@ def main() -> None:
         f"{args.micro_batch_seqs} sequences\n"
     )
     rows, base = [], None
-    for variant in ("bf16", "nvfp4"):
+    keeps = [bool(int(k)) for k in args.keep_graphs.split(",")]
+    for variant, keep in [(v, k) for v in ("bf16", "nvfp4") for k in keeps]:
         precision = PrecisionConfig(
             experts=variant, kv_cache=variant, bf16_first_layers=0, bf16_last_layers=0
         )
         trainer = build_model(config, precision, fp4_experts="qat", device=device)
         init_weights(trainer, std=0.02, seed=0)
         packed = build_model(config, precision, fp4_experts="packed", device=device)
-        engine = Engine(packed, dataclasses.replace(engine_config, guidance=GUIDANCE[variant]))
+        engine = Engine(
+            packed,
+            dataclasses.replace(engine_config, guidance=GUIDANCE[variant], keep_graphs=keep),
+        )
         receiver = RefitReceiver(engine)
         receiver.receive(refit_records(trainer, policy_version=1))
         optimizer = MasterAdamW(trainer.parameters(), OptimConfig(lr=1e-6))
-        first = one_step(trainer, engine, receiver, optimizer, prompts, args, seed=1)
-        t = one_step(trainer, engine, receiver, optimizer, prompts, args, seed=2)
+        first, *timed = [
+            one_step(trainer, engine, receiver, optimizer, prompts, args, seed=1 + s)
+            for s in range(max(2, args.steps))
+        ]
+        t = {key: statistics.median(step[key] for step in timed) for key in timed[0]}
         total = t["rollout"] + t["reward"] + t["train"] + t["refit"]
         base = base or t["rollout"]
         rows.append(
-            f"| {variant} | {t['rollout']:.2f} | {t['reward']:.3f} | {t['train']:.2f} | "
+            f"| {variant} | {keep} | {t['rollout']:.2f} | {t['reward']:.3f} | {t['train']:.2f} | "
             f"{t['refit']:.3f} | {total:.2f} | {t['tokens'] / t['rollout']:,.0f} | "
-            f"{base / t['rollout']:.2f} | {first['rollout'] + first['train']:.1f} |"
+            f"{base / t['rollout']:.2f} | {t['captured']:.0f} | "
+            f"{first['rollout'] + first['train']:.1f} |"
         )
         del trainer, packed, engine, receiver, optimizer
         if device.type == "cuda":
             torch.cuda.empty_cache()
     print(
-        "| rollout | rollout s | reward s | train s | refit s | step s | rollout tok/s "
-        "| rollout speed vs BF16 | first step (rollout+train) s |"
+        "| rollout | keep_graphs | rollout s | reward s | train s | refit s | step s "
+        "| rollout tok/s | rollout speed vs the first row | graphs captured | first step "
+        "(rollout+train) s |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
 
 
