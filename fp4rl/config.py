@@ -131,9 +131,10 @@ class RunSection:
     # forward to its last backward (one all-gather per update instead of two per micro-batch;
     # 2 bytes per parameter of the whole model on every rank).
     keep_gathered: bool = False
-    # Keep the rollout engine's KV pages, and with them its CUDA graphs, while the trainer runs:
-    # no graph captured again for every rollout (about 2 s of a 48-layer rollout on one H200,
-    # BENCHMARKS.md), for the pages' memory held through the update (docs/scaling.md).
+    # Keep the rollout engine's KV pages while the trainer runs, their memory held through the
+    # update (docs/scaling.md): no unmap and map of the pages around each update. The engine's
+    # CUDA graphs outlive a release anyway (`engine.keep_graphs`); with that off, this is what
+    # spares every rollout capturing its graphs again (about 2 s at 48 layers on one H200).
     keep_kv: bool = False
     threads: int = 0  # CPU threads for torch; 0: leave torch's default
     tensorboard: bool = False  # also every numeric metric as scalars in <out_dir>/tensorboard

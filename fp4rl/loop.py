@@ -180,7 +180,7 @@ def train(
                 first = mine.start * config.rollout.samples_per_prompt  # this rank's first
                 m.update(observed(policy, completions, config, replay, guided, first, ranks))
             if not config.run.keep_kv:  # the trainer takes the pages' memory while it runs
-                engine.release_kv()  # and the engine's graphs go with them
+                engine.release_kv()  # the pages' memory; the graphs stay (engine.keep_graphs)
             with phase(m, "train", device), progress(len(keep), f"step {step} train", ranks) as bar:
                 if m["trained_samples"]:  # of every rank: all of them update, or none
                     m.update(
@@ -242,7 +242,7 @@ def rollout(
     """The completions of ``problems[mine]`` (this rank's share; all of them in one process),
     sampled as one engine given every problem would sample them. Into ``m``: the CUDA graphs
     the engine captured for it and the seconds that took (``graphs_captured``,
-    ``graph_capture_s``; none once the engine holds its graphs, with ``run.keep_kv``)."""
+    ``graph_capture_s``; none once the engine holds a graph of every shape it meets)."""
     total = len(mine) * config.rollout.samples_per_prompt
     stats: dict = {}
     with progress(total, f"step {step} rollout", ranks) as bar:

@@ -175,7 +175,8 @@ class Engine:
         (steps run eagerly rather than replayed from a CUDA graph: every step where graphs are
         off, else steps of more tokens than a prefill graph takes), ``graphs_captured`` and
         ``capture_seconds`` (the CUDA graphs this call captured on first use of their shapes, and
-        the wall time that took; `Engine.release_kv` drops every graph). ``on_finish``
+        the wall time that took; with ``engine.keep_graphs`` off, `Engine.release_kv` drops
+        every graph). ``on_finish``
         (optional) is called with the number of samples that finished, after each step that
         finished any (progress bars).
         ``first_prompt_index``: this call's prompts are those of a larger request from that

@@ -29,10 +29,13 @@ token's records in one row, by a `fp4rl.rollout.rows.RowLayout` made when the gr
 overwrite them first: the host's whole share of the capture is that copy.
 
 Graphs hold the addresses of the weights and the KV pages they were captured with: a refit
-copies weights in place (`fp4rl.refit`), and the engine drops its graphs with its KV pages
-(`Engine.release_kv`). Here, decode-only steps; steps that prefill have graphs of their own
-(`fp4rl.rollout.prefill_graphs`, in the same memory pool) up to a number of tokens, and the
-longer ones run eagerly, as does every step where a layer's attention would gather its context
+copies weights in place (`fp4rl.refit`), and the pages lie at device addresses reserved for the
+engine's life, whose memory `Engine.release_kv` gives back and `acquire_kv` maps again
+(`fp4rl.rollout.device_memory`), so the graphs outlive both; with ``engine.keep_graphs`` off, or
+where the driver cannot reserve addresses, the engine drops its graphs with its pages. Here,
+decode-only steps; steps that prefill have graphs of their own (`fp4rl.rollout.prefill_graphs`,
+in the same memory pool) up to a number of tokens, and the longer ones run eagerly, as does
+every step where a layer's attention would gather its context
 (`fp4rl.ops.paged_decode_kernel_runs`) or the engine records sparse guidance (its record's size
 depends on the values).
 
@@ -84,7 +87,8 @@ EARLY_DEPENDENTS_MAX_BATCH = MAX_GRAPH_BATCH
 # H200 (BENCHMARKS.md, "Graph captures"), the graph tests passing at either count.
 CAPTURE_WARMUPS = 1
 # Eager calls before capturing a shape the engine captured before (its graph dropped with its
-# KV pages by `Engine.release_kv`): its kernels are compiled and its workspaces exist already.
+# KV pages by `Engine.release_kv`, ``engine.keep_graphs`` off): its kernels are compiled and its
+# workspaces exist already.
 CAPTURE_WARMUPS_SEEN = 0
 
 
