@@ -198,8 +198,13 @@ class PagedAttention:
             return
         if self.padded:  # a graph's segments are on the device only
             raise RuntimeError(f"layers.{layer}: the prefill kernel does not run for these pages")
+        step_kv = None  # the K/V of this step's rows, read once (reading is per row)
         for row, num, slots_C in m.prefills:
-            k_CKD, v_CKD = self.cache.read(layer, slots_C, q_THD.dtype)
+            if slots_C.numel() == num:  # prefilled from position 0: its context is its rows
+                step_kv = step_kv or self.cache.read(layer, m.slots_T, q_THD.dtype)
+                k_CKD, v_CKD = (t[row : row + num] for t in step_kv)
+            else:
+                k_CKD, v_CKD = self.cache.read(layer, slots_C, q_THD.dtype)
             o = attend_fp32(
                 q_THD[None, row : row + num],
                 k_CKD[None],
