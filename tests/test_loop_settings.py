@@ -181,7 +181,13 @@ def test_mini_batches_update_in_turn_against_the_policy_the_step_started_from(ba
         for b, half in enumerate(halves)
     ]
     assert results[0]["ratio_mean"] == 1.0 and results[1]["ratio_mean"] != 1.0
-    assert got["ratio_mean"] == (results[0]["ratio_mean"] + results[1]["ratio_mean"]) / 2
+    # The step's metrics weigh each update by its tokens, its optimizer's figures by step.
+    tokens = [sum(len(completions[i].completion_ids) for i in half) for half in halves]
+    assert tokens[0] != tokens[1]  # so that a plain mean would differ
+    for key in ("ratio_mean", "loss", "entropy"):
+        want = sum(t * r[key] for t, r in zip(tokens, results, strict=True)) / sum(tokens)
+        assert got[key] == pytest.approx(want, rel=1e-12, abs=1e-15), key
+    assert got["grad_norm"] == (results[0]["grad_norm"] + results[1]["grad_norm"]) / 2
     after, want = weights(policy), weights(twin)
     assert all(torch.equal(after[n], want[n]) for n in want)
 

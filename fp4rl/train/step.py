@@ -215,18 +215,24 @@ def grpo_step(
     ``update`` is passed to), prompt p's completions in mini-batch ``p % mini_batches``; a
     mini-batch no rank holds a completion of is left out. Before the first update the policy
     scores the completions of the later ones (`proximal_logprobs`): their proximal policy is
-    the one the step started from. Returns the updates' metrics averaged over them, but ``lr``
-    (the last update's) and ``skipped`` (how many skipped their step), and ``updates``, how
+    the one the step started from. Returns the loss and the objective's metrics averaged over
+    the updates weighted by their tokens (over every rank), ``grad_norm`` averaged over them,
+    ``lr`` (the last update's), ``skipped`` (how many skipped their step) and ``updates``, how
     many ran. One mini-batch is exactly one `grpo_update`."""
     M = config.mini_batches
     kw = dict(config=config, across=across, spare=spare, **update)
     if M == 1:
         return {**grpo_update(policy, optimizer, completions, advantages_Q, **kw), "updates": 1}
     parts = [[i for i, c in enumerate(completions) if c.prompt_index % M == b] for b in range(M)]
-    sizes = {str(b): len(part) for b, part in enumerate(parts)}
+    # Each mini-batch's completions and tokens, over every rank.
+    sizes = {f"{what}{b}": sum(len(completions[i].completion_ids) if what == "t" else 1
+                               for i in part)
+             for b, part in enumerate(parts) for what in "nt"}  # fmt: skip
     if across is not None:
         sizes = across.sum(sizes)
-    parts = [part for b, part in enumerate(parts) if sizes[str(b)] > 0]
+    kept = [b for b in range(M) if sizes[f"n{b}"] > 0]
+    parts = [parts[b] for b in kept]
+    tokens = [sizes[f"t{b}"] for b in kept]
     scoring = dict(
         replay=update["replay"],
         guided=update["guided"],
@@ -242,8 +248,15 @@ def grpo_step(
     for part, these, prox in zip(parts, chosen, proximal, strict=True):
         advantages = [advantages_Q[i] for i in part]
         results.append(grpo_update(policy, optimizer, these, advantages, proximal=prox, **kw))
-    out = {key: sum(r[key] for r in results) / len(results) for key in results[0]}
-    out.update(lr=results[-1]["lr"], skipped=sum(r["skipped"] for r in results))
+    # The loss and the objective's metrics weighted by each update's share of the tokens, as
+    # `grpo_update` weighs its micro-batches; the optimizer's own per step.
+    share = [t / sum(tokens) for t in tokens]
+    out = {key: sum(w * r[key] for w, r in zip(share, results, strict=True)) for key in results[0]}
+    out.update(
+        lr=results[-1]["lr"],
+        grad_norm=sum(r["grad_norm"] for r in results) / len(results),
+        skipped=sum(r["skipped"] for r in results),
+    )
     return {**out, "updates": len(results)}
 
 
