@@ -29,6 +29,8 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.0  # decoupled; applies to matrices only, never to norms or biases
     max_grad_norm: float | None = 1.0  # None: no clipping (the norm is still reported)
+    # Steps of the schedule are optimizer steps: a run of run.steps rollouts takes
+    # run.steps * grpo.mini_batches of them.
     schedule: Schedule = "constant"
     warmup_steps: int = 0  # linear warm-up, for either schedule
     total_steps: int | None = None  # "cosine" reaches min_lr at this step
