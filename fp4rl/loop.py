@@ -170,7 +170,7 @@ def train(
             num = config.rollout.prompts_per_step
             problems = task.train_examples(seed=config.run.seed, step=step, num=num)
             mine = range(num) if ranks is None else ranks.share(num)  # this rank's prompts
-            with phase(m, "rollout", device):
+            with phase(m, "rollout", device, engine):
                 completions = rollout(engine, task, problems, config, step, mine, ranks, m)
             keep, advantages = score(
                 task, problems[mine.start : mine.stop], completions, config, m, ranks
@@ -181,7 +181,8 @@ def train(
                 m.update(observed(policy, completions, config, replay, guided, first, ranks))
             if not config.run.keep_kv:  # the trainer takes the pages' memory while it runs
                 engine.release_kv()  # the pages' memory; the graphs stay (engine.keep_graphs)
-            with phase(m, "train", device), progress(len(keep), f"step {step} train", ranks) as bar:
+            bar = progress(len(keep), f"step {step} train", ranks)
+            with phase(m, "train", device, engine), bar:
                 if m["trained_samples"]:  # of every rank: all of them update, or none
                     m.update(
                         grpo_step(
@@ -204,7 +205,7 @@ def train(
                             reference=reference,
                         )
                     )
-            with phase(m, "refit", device):
+            with phase(m, "refit", device, engine):
                 receiver.receive(weights_of(policy, engine.policy_version + 1, ranks))
                 engine.acquire_kv()
             if ranks is not None:  # the step waits for its slowest rank
@@ -354,18 +355,26 @@ def progress(total: int, label: str, ranks: Ranks | None = None) -> Progress:
 
 
 @contextlib.contextmanager
-def phase(m: dict, name: str, device: torch.device):
+def phase(m: dict, name: str, device: torch.device, engine=None):
     """Time a phase into ``m[name + "_s"]``; on CUDA also its peak memory (GiB) into
-    ``m["peak_" + name + "_gib"]``, counted from the phase's start."""
+    ``m["peak_" + name + "_gib"]``, counted from the phase's start: torch's allocations and
+    the ``engine``'s KV pages at reserved addresses, outside torch's allocator
+    (`Engine.reserved_kv_bytes`: the more of what they were at the phase's start and end)."""
+
+    def outside() -> int:
+        return 0 if engine is None else engine.reserved_kv_bytes
+
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+    held = outside()
     start = time.perf_counter()
     yield
     if cuda:
         torch.cuda.synchronize(device)
-        m[f"peak_{name}_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        peak = torch.cuda.max_memory_allocated(device) + max(held, outside())
+        m[f"peak_{name}_gib"] = peak / 2**30
     m[f"{name}_s"] = time.perf_counter() - start
 
 

@@ -85,6 +85,18 @@ def unsupported(device: torch.device) -> str | None:
     return None
 
 
+def _on_its_device(method):
+    """Run a `ReservedMemory` method with its device current: the driver's calls act in the
+    current context."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with torch.cuda.device(self.device):
+            return method(self, *args, **kwargs)
+
+    return run
+
+
 class ReservedMemory:
     """``nbytes`` of device memory (rounded up to the driver's granularity) at addresses fixed
     for this object's life. `unmap` gives the physical memory back and `map` takes fresh
@@ -98,7 +110,13 @@ class ReservedMemory:
             raise ValueError(f"reserved device memory: {why}")
         index = torch.cuda.current_device() if device.index is None else device.index
         self.device = torch.device("cuda", index)
-        torch.zeros(1, device=self.device)  # the device's primary context, current on this thread
+        self._reserve(nbytes)
+        self._handle: ctypes.c_uint64 | None = None
+        self.map()
+
+    @_on_its_device
+    def _reserve(self, nbytes: int) -> None:
+        torch.zeros(1, device=self.device)  # the device's primary context exists
         location = _Location(_LOCATION_DEVICE, self.device.index)
         self._prop = _AllocationProp(_ALLOCATION_PINNED, 0, location)
         self._access = _AccessDesc(location, _ACCESS_READ_WRITE)
@@ -123,13 +141,12 @@ class ReservedMemory:
             what=f"{self.nbytes} bytes",
         )
         self.base = base.value
-        self._handle: ctypes.c_uint64 | None = None
-        self.map()
 
     @property
     def mapped(self) -> bool:
         return self._handle is not None
 
+    @_on_its_device
     def map(self) -> None:
         """Back the addresses with fresh physical memory, zeroed; a no-op when mapped."""
         if self.mapped:
@@ -172,6 +189,7 @@ class ReservedMemory:
         self._handle = handle
         self.view(0, self.nbytes).zero_()
 
+    @_on_its_device
     def unmap(self) -> None:
         """Give the physical memory back, once the device is done with it; the addresses stay
         reserved. A no-op when unmapped."""
@@ -198,6 +216,7 @@ class ReservedMemory:
             )
         return torch.as_tensor(_Interface(self.base + offset, nbytes), device=self.device)
 
+    @_on_its_device
     def close(self) -> None:
         """Unmap, then free the addresses; the object is unusable after."""
         if self.base is None:

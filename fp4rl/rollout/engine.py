@@ -116,6 +116,14 @@ class Engine:
             self.cache = self.graphs = self.prefill_graphs = None
         self.host_rows.release()
 
+    @property
+    def reserved_kv_bytes(self) -> int:
+        """Bytes of KV pages mapped at reserved addresses now: memory outside torch's caching
+        allocator, so absent from ``torch.cuda.memory_allocated``; 0 while the pages are
+        released or where they are torch's own allocations."""
+        memory = None if self.cache is None else self.cache.memory
+        return 0 if memory is None else memory.nbytes
+
     def acquire_kv(self) -> None:
         """Allocate the KV pages (again): zeroed, the size ``engine.kv_memory_bytes`` bought,
         plus one scratch block that the padding rows of graphed steps write to; at the

@@ -16,6 +16,7 @@ from tiny_models import FP4_EVERYWHERE, engine_config, packed_twin, qat_model, t
 
 from fp4rl.fp4 import CompactCodes
 from fp4rl.kernels import dependent_launch
+from fp4rl.loop import phase
 from fp4rl.refit import RefitReceiver, refit_records
 from fp4rl.rollout import Engine, SamplingParams, graphs
 from fp4rl.rollout.graphs import MAX_GRAPH_BATCH, bucket_for
@@ -213,6 +214,25 @@ def test_graphs_follow_a_refit_and_stay_across_a_release_of_the_pages():
     assert all(not t.ne(0).any() for layer in graphed.cache.layers for t in layer.tensors())
     assert_same_completions(graphed.generate(PROMPTS, params, stats=after_release), after)
     assert after_release["graphs_captured"] == 0 and graphed.captures.graphs == shapes
+
+
+@torch.no_grad()
+def test_the_loops_peak_memory_counts_the_pages_outside_torchs_allocator():
+    """The pages at reserved addresses are not torch's allocations: a loop phase
+    (`fp4rl.loop.phase`) adds them to its peak while they are mapped, and not once released."""
+    _, packed = models("nvfp4", "nvfp4")
+    graphed, _ = engines(packed)
+    pages = graphed.reserved_kv_bytes
+    assert pages == graphed.cache.memory.nbytes > 0
+    m, device = {}, torch.device("cuda")
+    with phase(m, "rollout", device, graphed):
+        graphed.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert m["peak_rollout_gib"] * 2**30 == torch.cuda.max_memory_allocated() + pages
+    graphed.release_kv()
+    assert graphed.reserved_kv_bytes == 0
+    with phase(m, "train", device, graphed):
+        torch.ones(1 << 20, device=device)
+    assert m["peak_train_gib"] * 2**30 == torch.cuda.max_memory_allocated()
 
 
 @torch.no_grad()
