@@ -108,11 +108,11 @@ class Engine:
         calls. The CUDA graphs stay, and their memory pool with them, where the pages lie at
         reserved addresses (``engine.keep_graphs``; `graphs_dropped` says why not); otherwise
         they go too, since they hold the pages' addresses. The host memory kept for captured
-        rows (`HostRows`) goes back too."""
+        rows (`HostRows`) goes back too. Released already, a no-op."""
         if self.cache is not None and self.cache.memory is not None:
             self.cache.memory.unmap()
             self._unmapped, self.cache = self.cache, None
-        else:
+        elif self.cache is not None:
             self.cache = self.graphs = self.prefill_graphs = None
         self.host_rows.release()
 

@@ -133,8 +133,10 @@ def test_kv_pages_can_be_given_back_and_taken_again(models):
     before = engine.generate(PROMPTS[:2], sampling, on_finish=finished.append)
     assert sum(finished) == 4
     engine.release_kv()
+    engine.release_kv()  # released already: nothing more happens
     assert engine.cache is None
     with pytest.raises(RuntimeError, match="KV pages were released; call acquire_kv"):
         engine.generate(PROMPTS[:2], sampling)
     engine.acquire_kv()
+    engine.acquire_kv()  # acquired already
     assert_same_outputs(before, engine.generate(PROMPTS[:2], sampling))
