@@ -16,6 +16,8 @@ token, B sequences.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -164,6 +166,15 @@ class Completion:
 
     def routing_nbytes(self) -> int:
         return 0 if self.routing is None else self.routing.numel() * self.routing.element_size()
+
+    def __reduce__(self):
+        # An engine's routing record views the block of its whole generate call, and pickle
+        # (and copy.deepcopy) would write that whole block with every completion: send its
+        # own bytes instead. The guidance's rows do the same (`RowRecords.__reduce__`).
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if self.routing is not None:
+            fields["routing"] = self.routing.clone(memory_format=torch.contiguous_format)
+        return functools.partial(Completion, **fields), ()
 
 
 def capture_totals(completions: Sequence[Completion]) -> dict[str, int]:

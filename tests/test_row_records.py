@@ -3,6 +3,7 @@ used, `collate` gathering a batch's rows at once, and an engine's completions th
 
 import io
 import pickle
+from dataclasses import replace
 
 import pytest
 import torch
@@ -141,9 +142,16 @@ def test_an_engines_completions_travel_through_pickle(form, device):
     packed, _ = rollout_model("nvfp4", dtype=dtype, device=device)
     engine = Engine(packed, engine_config(capture_routing=True, guidance=form))
     params = SamplingParams(n=2, temperature=1.0, max_tokens=5, seed=0, return_logprobs=True)
-    sent = engine.generate([[1, 2, 3], [4, 5]], params)
+    sent = engine.generate([[1, 2, 3], [4, 5]] * 4, params)
     got = pickle.loads(pickle.dumps(sent))
-    assert len(got) == len(sent) == 4
+    # One completion carries its own routing, not its call's: the record views the call's
+    # block, which pickle would otherwise write whole with each completion.
+    one = sent[0]
+    block = one.routing.untyped_storage().nbytes()
+    assert block >= 16 * one.routing_nbytes()
+    routing_pickled = len(pickle.dumps(one)) - len(pickle.dumps(replace(one, routing=None)))
+    assert routing_pickled < block / 2, (routing_pickled, block)
+    assert len(got) == len(sent) == 16
     for g, s in zip(got, sent, strict=True):
         assert g.completion_ids == s.completion_ids and torch.equal(g.logprobs, s.logprobs)
         assert torch.equal(g.routing, s.routing)
