@@ -25,6 +25,7 @@ _ALLOCATION_PINNED = 1  # CU_MEM_ALLOCATION_TYPE_PINNED
 _LOCATION_DEVICE = 1  # CU_MEM_LOCATION_TYPE_DEVICE
 _ACCESS_READ_WRITE = 3  # CU_MEM_ACCESS_FLAGS_PROT_READWRITE
 _GRANULARITY_RECOMMENDED = 1  # CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+_ATTRIBUTE_VMM_SUPPORTED = 102  # CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
 
 
 class _Location(ctypes.Structure):
@@ -78,10 +79,23 @@ def unsupported(device: torch.device) -> str | None:
     device = torch.device(device)
     if device.type != "cuda":
         return f"{device} is not a CUDA device"
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return _unsupported_on(index)
+
+
+@functools.cache
+def _unsupported_on(index: int) -> str | None:
     try:
         _driver().cuMemAddressReserve  # noqa: B018 - the symbol's presence is the question
     except (OSError, AttributeError) as err:
         return f"the CUDA driver's virtual memory calls are not available ({err})"
+    torch.cuda.init()  # the driver initialized, as its calls below need
+    ordinal, supported = ctypes.c_int(), ctypes.c_int()
+    _call("cuDeviceGet", ctypes.byref(ordinal), ctypes.c_int(index), what=f"cuda:{index}")
+    _call("cuDeviceGetAttribute", ctypes.byref(supported), _ATTRIBUTE_VMM_SUPPORTED, ordinal,
+          what=f"cuda:{index}, virtual memory management supported")  # fmt: skip
+    if not supported.value:
+        return f"cuda:{index} does not support the driver's virtual memory management"
     return None
 
 
