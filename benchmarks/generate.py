@@ -15,12 +15,16 @@ NVFP4 grouped GEMM and attention through the paged kernels; steps replay CUDA gr
 tokens), except in the rows marked eager, and the engine launches the next decode step before
 reading a step's tokens (`EngineConfig.overlap_steps`), except in the rows taken one step at a
 time.
+``--max-num-seqs fit`` gives each engine as many seats as its pages hold sequences of the full
+length (the row's label says how many): at one KV budget the NVFP4 engine runs about 5× as many
+sequences at once as the BF16 one, which is where FP4 KV pays in a rollout.
 The ratios are against the graphed, overlapped engines. ``--cdf-orders probability,token`` runs
 every row with each `SamplingParams.cdf_order` (the default draw sorts the vocabulary each step;
 "token" does not), each order's ratios against the baselines of that order. The column
 "paired" is the ratio to the uncaptured NVFP4 row taken repeat by repeat (its median): a small
 cost such as a capture's shows there through the machine's drift. "steps" and "eager steps"
 count the last timed call's steps and those of them that ran eagerly, not from a CUDA graph;
+"preemptions" the sequences it preempted for want of KV blocks (recomputed later),
 "graphs" and "capture s" the CUDA graphs it captured (on first use of a step's shape) and the
 wall seconds that took. ``--release-kv`` gives every engine's KV pages back and takes them again
 before each timed call, as the colocated GRPO loop does between rollouts (`fp4rl.loop`), and
@@ -49,6 +53,7 @@ from fp4rl.model.transformer import build_model
 from fp4rl.model.weights import load_weights
 from fp4rl.records import capture_bytes_per_generated_token
 from fp4rl.rollout import Engine, EngineConfig, SamplingParams, graphs
+from fp4rl.rollout.model_layout import ModelLayout
 
 VARIANTS = {  # name: (experts, kv, capture_routing, guidance, cuda_graphs, overlap_steps)
     "bf16 experts, bf16 kv, eager": ("bf16", "bf16", False, None, False, True),
@@ -82,6 +87,11 @@ def main() -> None:
         "--spread-lengths, each request's drawn length cut at this)"
     )  # fmt: skip
     parser.add_argument("--kv-gib", type=float, default=8.0, help="KV budget of each engine")
+    parser.add_argument(
+        "--max-num-seqs", default="256", help="EngineConfig.max_num_seqs of every engine, or "
+        "'fit': of each engine, as many sequences of the full length as its --kv-gib of pages "
+        "holds (at most 512; the NVFP4 pages hold about 5x the BF16 pages' tokens)"
+    )  # fmt: skip
     parser.add_argument(
         "--cdf-orders", default="probability", help="comma-separated SamplingParams.cdf_order "
         "values: every row runs with each"
@@ -178,14 +188,16 @@ def main() -> None:
     del source, weights, p
     if cuda:
         torch.cuda.empty_cache()
+    seats = {}
     for name in chosen:
         experts, kv, routing, guidance, graphed, overlap = VARIANTS[name]
+        seats[name] = _seats(models[name], args, max(1024, max_model_len))
         engines[name] = Engine(
             models.pop(name),
             EngineConfig(
                 kv_memory_bytes=int(args.kv_gib * 2**30),
                 max_model_len=max(1024, max_model_len),
-                max_num_seqs=256,
+                max_num_seqs=seats[name],
                 capture_routing=routing,
                 guidance=guidance,
                 cuda_graphs=graphed,
@@ -238,14 +250,16 @@ def main() -> None:
         capture = capture_bytes_per_generated_token(out)
         last = stats[name, order]
         label = name if order == "probability" else f"{name}, {order}-order CDF"
+        if args.max_num_seqs == "fit":
+            label += f" ({seats[name]} seats)"
         rows.append(
             f"| {label} | {seconds:.2f} ±{100 * spread / 2:.0f}% | {tok_s:,.0f} | "
             f"{_ratio(tok_s, base.get((order, 'bf16')))} | "
             f"{_ratio(tok_s, base.get((order, 'fp4')))} | "
             f"{_paired(times[name, order], generated, base_runs.get(order))} | "
             f"{capture['routing']:,.0f} | {capture['guidance']:,.0f} | "
-            f"{last['steps']:,} | {last['eager_steps']:,} | {last['graphs_captured']} | "
-            f"{last['capture_seconds']:.2f} |"
+            f"{last['steps']:,} | {last['eager_steps']:,} | {last['preemptions']:,} | "
+            f"{last['graphs_captured']} | {last['capture_seconds']:.2f} |"
         )
         if args.profile and order == orders[0]:
             profile_call(engines[name], prompts, _in_order(warmup, order), args.profile, name, cuda)
@@ -258,9 +272,9 @@ def main() -> None:
             f"n={args.n}, {lengths}",
             "",
             "| engine | seconds | generated tok/s | vs bf16 | vs nvfp4 uncaptured "
-            "| paired | routing B/tok | guidance B/tok | steps | eager steps | graphs "
-            "| capture s |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| paired | routing B/tok | guidance B/tok | steps | eager steps | preemptions "
+            "| graphs | capture s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
             *rows,
             *(
                 [
@@ -275,6 +289,15 @@ def main() -> None:
             ),
         ],
     )
+
+
+def _seats(model, args, max_model_len: int) -> int:
+    """The engine's max_num_seqs: ``--max-num-seqs``, or with 'fit' as many sequences of
+    ``max_model_len`` tokens as the KV budget holds (at most the largest graph's batch)."""
+    if args.max_num_seqs != "fit":
+        return int(args.max_num_seqs)
+    tokens = int(args.kv_gib * 2**30) // ModelLayout.of(model).kv.bytes_per_token()
+    return max(1, min(graphs.MAX_GRAPH_BATCH, tokens // max_model_len))
 
 
 def _in_order(sampling, order: str):
