@@ -184,9 +184,8 @@ class Engine:
         off, else steps of more tokens than a prefill graph takes), ``graphs_captured`` and
         ``capture_seconds`` (the CUDA graphs this call captured on first use of their shapes, and
         the wall time that took; with ``engine.keep_graphs`` off, `Engine.release_kv` drops
-        every graph). ``on_finish``
-        (optional) is called with the number of samples that finished, after each step that
-        finished any (progress bars).
+        every graph). ``on_finish`` (optional) is called with the number of samples that
+        finished, after each step that finished any (progress bars).
         ``first_prompt_index``: this call's prompts are those of a larger request from that
         index on (one rank's share of it); prompt ``i`` seeds its generators with index
         ``first_prompt_index + i``, so a request split across engines samples what one engine

@@ -176,17 +176,8 @@ class KVCache:
 
     def _pages(self, zeros) -> list:
         spec, pages = self.spec, {"bf16": _Bf16Pages, "nvfp4": _Nvfp4Pages}
-        return [
-            pages[fmt](
-                self.num_blocks,
-                self.block_size,
-                spec.num_kv_heads,
-                spec.head_dim,
-                spec.dtype,
-                zeros,
-            )  # fmt: skip
-            for fmt in spec.layer_formats
-        ]
+        shape = (self.num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
+        return [pages[fmt](*shape, spec.dtype, zeros) for fmt in spec.layer_formats]
 
     def write(
         self,

@@ -224,10 +224,10 @@ def grpo_step(
     if M == 1:
         return {**grpo_update(policy, optimizer, completions, advantages_Q, **kw), "updates": 1}
     parts = [[i for i, c in enumerate(completions) if c.prompt_index % M == b] for b in range(M)]
-    # Each mini-batch's completions and tokens, over every rank.
-    sizes = {f"{what}{b}": sum(len(completions[i].completion_ids) if what == "t" else 1
-                               for i in part)
-             for b, part in enumerate(parts) for what in "nt"}  # fmt: skip
+    sizes = {}  # each mini-batch's completions and tokens, over every rank
+    for b, part in enumerate(parts):
+        sizes[f"n{b}"] = len(part)
+        sizes[f"t{b}"] = sum(len(completions[i].completion_ids) for i in part)
     if across is not None:
         sizes = across.sum(sizes)
     kept = [b for b in range(M) if sizes[f"n{b}"] > 0]
