@@ -8,9 +8,9 @@ Each variant builds its trainer (QAT model, BF16 parameters, FP32 masters and Ad
 a colocated engine on one device, loads the engine by a refit, then times ``--steps`` whole
 steps (the first compiles kernels and is reported apart; the medians of the others): rollout
 (random prompts, n samples each, every sample ``--max-tokens`` long), reward (a stand-in: the
-parity of each sample's token sum, so that groups have spread), advantages, one update of micro-
-batches with replay (and compact guidance for NVFP4), refit. Every layer is MoE and, in the
-NVFP4 variant, FP4 experts and FP4 KV (no BF16 boundary layers). Wall-clock seconds with a
+parity of each sample's token sum, so that groups have spread), advantages, one update of
+micro-batches with replay (and compact guidance for NVFP4), refit. Every layer is MoE and, in
+the NVFP4 variant, FP4 experts and FP4 KV (no BF16 boundary layers). Wall-clock seconds with a
 device sync at each phase's end. ``--keep-graphs 1,0`` runs each rollout with the engine's CUDA
 graphs kept across its release of the KV pages (`EngineConfig.keep_graphs`, the default) and
 captured again in every step.
