@@ -167,6 +167,18 @@ class Completion:
     def routing_nbytes(self) -> int:
         return 0 if self.routing is None else self.routing.numel() * self.routing.element_size()
 
+    def detached(self) -> Completion:
+        """This completion with records of its own. What the engine hands out shares its
+        generate call's routing block and guidance rows with the call's other completions, so
+        keeping one keeps them all; a detached copy (routing copied out, guidance a plain dict
+        of its records, each a tensor of its own) keeps only its own bytes."""
+        make, args = self.__reduce__()
+        own = make(*args)
+        if isinstance(own.guidance, RowRecords):
+            make, args = own.guidance.__reduce__()
+            own = dataclasses.replace(own, guidance=make(*args))
+        return own
+
     def __reduce__(self):
         # An engine's routing record views the block of its whole generate call, and pickle
         # (and copy.deepcopy) would write that whole block with every completion: send its

@@ -161,3 +161,21 @@ def test_an_engines_completions_travel_through_pickle(form, device):
                 assert g.guidance[key] is None, key
             else:
                 assert_same(g.guidance[key], s.guidance[key], key)
+
+
+def test_a_detached_completion_keeps_only_its_own_records():
+    packed, _ = rollout_model("nvfp4")
+    engine = Engine(packed, engine_config(capture_routing=True, guidance="full"))
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=5, seed=0)
+    sent = engine.generate([[1, 2, 3], [4, 5]] * 2, params)
+    one, own = sent[1], sent[1].detached()
+    assert isinstance(one.guidance, RowRecords) and not isinstance(own.guidance, RowRecords)
+    assert one.routing.untyped_storage().nbytes() > one.routing_nbytes()
+    assert own.routing.untyped_storage().nbytes() == own.routing_nbytes()
+    assert torch.equal(own.routing, one.routing) and own.completion_ids == one.completion_ids
+    assert list(own.guidance) == list(one.guidance)
+    for key in one.guidance:
+        assert_same(own.guidance[key], one.guidance[key], key)
+        for member in record_members(own.guidance[key]):
+            assert member.untyped_storage().nbytes() == member.numel() * member.element_size()
+    assert own.guidance_nbytes() == one.guidance_nbytes()
