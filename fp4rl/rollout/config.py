@@ -1,14 +1,16 @@
 """Settings of the rollout engine and of one generate call: small, frozen, checked on creation.
 
 `EngineConfig` sizes the engine (KV budget, batch limits, what to capture); `SamplingParams`
-says how one request's tokens are drawn. Mistakes raise `ValueError` naming the key and value.
-Turning the KV byte budget into a number of blocks needs the model's shape, so it lives in
-`fp4rl.rollout.kv_cache.num_blocks_for_budget`.
+says how one request's tokens are drawn; `check_prompts` and `per_prompt_params` check a
+generate call's prompts and give each its parameters and seed. Mistakes raise `ValueError`
+naming the key and value. Turning the KV byte budget into a number of blocks needs the model's
+shape, so it lives in `fp4rl.rollout.kv_cache.num_blocks_for_budget`.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -165,3 +167,44 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def check_prompts(prompts: list[list[int]], max_model_len: int, vocab_size: int) -> None:
+    """Raise ValueError naming the first prompt that is empty, leaves no room to generate
+    under ``max_model_len``, or holds a token id outside ``[0, vocab_size)``."""
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ValueError(f"prompt {i} is empty")
+        if len(prompt) >= max_model_len:
+            raise ValueError(
+                f"prompt {i} has {len(prompt)} tokens; engine.max_model_len={max_model_len} "
+                "leaves no room to generate (a prompt must be shorter than max_model_len)"
+            )
+        for token in prompt:
+            if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab_size:
+                raise ValueError(
+                    f"prompt {i} has token id {token!r} outside the vocabulary [0, {vocab_size})"
+                )
+
+
+def per_prompt_params(sampling, num_prompts: int) -> list[tuple[SamplingParams, int]]:
+    """``(params, seed)`` of each prompt: the one `SamplingParams` (one seed for the call) or
+    the list's entry (a seed per prompt), a fresh seed where none is given."""
+
+    def seed_of(params: SamplingParams) -> int:
+        if params.seed is not None:
+            return params.seed
+        return int.from_bytes(os.urandom(8), "little") >> 1
+
+    if isinstance(sampling, SamplingParams):
+        return [(sampling, seed_of(sampling))] * num_prompts
+    params = list(sampling)
+    if len(params) != num_prompts:
+        raise ValueError(
+            f"sampling holds {len(params)} SamplingParams for {num_prompts} prompts; give one "
+            "per prompt, or a single SamplingParams for all"
+        )
+    for i, p in enumerate(params):
+        if not isinstance(p, SamplingParams):
+            raise TypeError(f"sampling[{i}] must be a SamplingParams, got {type(p).__name__}")
+    return [(p, seed_of(p)) for p in params]

@@ -25,7 +25,6 @@ FP4 layers) and ``moe_layers`` (the order of the routing record).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -36,7 +35,7 @@ from fp4rl.records import Completion
 from fp4rl.rollout.attention import AttentionMetadata, PagedAttention, Segment
 from fp4rl.rollout.block_manager import BlockManager
 from fp4rl.rollout.capture import CaptureLog, SequenceCapture, StepCapture, kept_layers
-from fp4rl.rollout.config import EngineConfig, SamplingParams
+from fp4rl.rollout.config import EngineConfig, SamplingParams, check_prompts, per_prompt_params
 from fp4rl.rollout.generation_config import eos_token_ids
 from fp4rl.rollout.graphs import CaptureTally, DecodeGraphs, graphs_dropped, graphs_unsupported
 from fp4rl.rollout.kv_cache import KVCache, num_blocks_for_budget
@@ -198,8 +197,8 @@ class Engine:
             )
         if self.cache is None:
             raise RuntimeError("the engine's KV pages were released; call acquire_kv() first")
-        self._check_prompts(prompts)
-        per_prompt = _per_prompt(sampling, len(prompts))
+        check_prompts(prompts, self.config.max_model_len, self.layout.vocab_size)
+        per_prompt = per_prompt_params(sampling, len(prompts))
         capturing = self.config.capture_routing or self.config.guidance is not None
         scheduler = Scheduler(self.config, BlockManager(self.num_blocks, self.config.block_size))
         seq_id = 0
@@ -408,22 +407,6 @@ class Engine:
             guidance=guidance,
         )
 
-    def _check_prompts(self, prompts: list[list[int]]) -> None:
-        limit, vocab = self.config.max_model_len, self.layout.vocab_size
-        for i, prompt in enumerate(prompts):
-            if len(prompt) == 0:
-                raise ValueError(f"prompt {i} is empty")
-            if len(prompt) >= limit:
-                raise ValueError(
-                    f"prompt {i} has {len(prompt)} tokens; engine.max_model_len={limit} leaves "
-                    "no room to generate (a prompt must be shorter than max_model_len)"
-                )
-            for token in prompt:
-                if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
-                    raise ValueError(
-                        f"prompt {i} has token id {token!r} outside the vocabulary [0, {vocab})"
-                    )
-
 
 @dataclass(eq=False, slots=True)
 class _Launched:
@@ -440,26 +423,3 @@ class _Launched:
     bad_S: torch.Tensor | None = None
     out: SampleOutput | None = None
     read_back: tuple | None = None  # `queue_read_back`'s host tensor and event
-
-
-def _per_prompt(sampling, num_prompts: int) -> list[tuple[SamplingParams, int]]:
-    """``(params, seed)`` of each prompt: the one `SamplingParams` (one seed for the call) or
-    the list's entry (a seed per prompt), a fresh seed where none is given."""
-
-    def seed_of(params: SamplingParams) -> int:
-        if params.seed is not None:
-            return params.seed
-        return int.from_bytes(os.urandom(8), "little") >> 1
-
-    if isinstance(sampling, SamplingParams):
-        return [(sampling, seed_of(sampling))] * num_prompts
-    params = list(sampling)
-    if len(params) != num_prompts:
-        raise ValueError(
-            f"sampling holds {len(params)} SamplingParams for {num_prompts} prompts; give one "
-            "per prompt, or a single SamplingParams for all"
-        )
-    for i, p in enumerate(params):
-        if not isinstance(p, SamplingParams):
-            raise TypeError(f"sampling[{i}] must be a SamplingParams, got {type(p).__name__}")
-    return [(p, seed_of(p)) for p in params]
