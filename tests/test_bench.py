@@ -94,11 +94,12 @@ def test_the_rollout_smoke_run_counts_steps_and_captures(capfd):
     argv += ["--capture-warmups-seen", "0"]
     argv += ["--variants", "bf16 experts, bf16 kv;nvfp4 experts, nvfp4 kv"]
     assert main(argv) == 0
-    rows = re.findall(r"^\| (\w+) experts, \w+ kv \|.* \| (\d+) \| (\d+) \| (\d+) \| ([\d.]+) \|$",
-                      capfd.readouterr().out, re.M)  # fmt: skip
+    cells = r" \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| ([\d.]+) \|$"  # steps .. capture s
+    rows = re.findall(r"^\| (\w+) experts, \w+ kv \|.*" + cells, capfd.readouterr().out, re.M)
     assert [r[0] for r in rows] == ["bf16", "nvfp4"]
-    for _, steps, eager, graphs, seconds in rows:
-        assert int(steps) == int(eager) > 0 and graphs == "0" and float(seconds) == 0
+    for _, steps, eager, preempted, graphs, seconds in rows:
+        assert int(steps) == int(eager) > 0 and preempted == "0"
+        assert graphs == "0" and float(seconds) == 0
 
 
 def test_the_benchmarks_exit_status_is_the_commands(capfd):
