@@ -90,13 +90,19 @@ BF16_CONFIGS: tuple[tuple[float, GemmTile], ...] = (
 )
 
 
-# Batches of at most this many rows per expert on average (decode steps up to 256 tokens at
+# Batches of at most this many rows per expert on average (decode steps up to 512 tokens at
 # top-8 over 128 experts) take the register kernel (`moe_gemm_registers`) on packed weights,
 # with `register_config_for`'s tile: 1.08-1.56x the BF16 kernel's speed from 1 to 256 tokens,
 # where `moe_gemm`'s Triton program is 0.84-1.07x; at 1,024 tokens both NVFP4 programs are
 # 0.55-0.71x the BF16 kernel, and the Triton program is used (one H200, `python
 # benchmarks/moe.py`, BENCHMARKS.md "Routed-expert GEMM: the register kernel").
-REGISTERS_MAX_ROWS_PER_EXPERT = 16.0
+# Up to 32 rows (512 tokens at top-8 over 128 experts: the NVFP4 engine's decode batches when
+# its KV holds that many sequences) the register kernel's wide tile still beats the Triton
+# program: w13 210.6 against 286.9 us, w2 112.0 against 160.1, and the 48-layer decode step of
+# 512 x 1024 took 30.48 against 37.02 ms (one H200, `python benchmarks/moe.py --tokens 256,512
+# --register-configs auto,32:128:128:4:2` and `python benchmarks/decode.py --cases 512x1024`,
+# BENCHMARKS.md "A whole rollout with the seats its KV holds").
+REGISTERS_MAX_ROWS_PER_EXPERT = 32.0
 # Below half a row per expert (one token): 16 rows, 64 columns, 256-wide K steps, the tile once
 # taken up to 8 rows (there w13 at 8 / 64 tokens 53.3 / 117.5 us against 57.5 / 123.8 for the
 # bucket's tile, w2 30.7 / 67.8 against 33.0 / 69.1).
