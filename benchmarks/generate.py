@@ -16,8 +16,9 @@ tokens), except in the rows marked eager, and the engine launches the next decod
 reading a step's tokens (`EngineConfig.overlap_steps`), except in the rows taken one step at a
 time.
 ``--max-num-seqs fit`` gives each engine as many seats as its pages hold sequences of the full
-length (the row's label says how many): at one KV budget the NVFP4 engine runs about 5× as many
-sequences at once as the BF16 one, which is where FP4 KV pays in a rollout.
+length, rounded down to a graph's batch (the row's label says how many): at one KV budget the
+NVFP4 engine runs about 5× as many sequences at once as the BF16 one, which is where FP4 KV
+pays in a rollout.
 The ratios are against the graphed, overlapped engines. ``--cdf-orders probability,token`` runs
 every row with each `SamplingParams.cdf_order` (the default draw sorts the vocabulary each step;
 "token" does not), each order's ratios against the baselines of that order. The column
@@ -90,7 +91,8 @@ def main() -> None:
     parser.add_argument(
         "--max-num-seqs", default="256", help="EngineConfig.max_num_seqs of every engine, or "
         "'fit': of each engine, as many sequences of the full length as its --kv-gib of pages "
-        "holds (at most 512; the NVFP4 pages hold about 5x the BF16 pages' tokens)"
+        "holds, rounded down to a graph's batch (at most 512; the NVFP4 pages hold about 5x the "
+        "BF16 pages' tokens)"
     )  # fmt: skip
     parser.add_argument(
         "--cdf-orders", default="probability", help="comma-separated SamplingParams.cdf_order "
@@ -292,12 +294,16 @@ def main() -> None:
 
 
 def _seats(model, args, max_model_len: int) -> int:
-    """The engine's max_num_seqs: ``--max-num-seqs``, or with 'fit' as many sequences of
-    ``max_model_len`` tokens as the KV budget holds (at most the largest graph's batch)."""
+    """The engine's max_num_seqs: ``--max-num-seqs``, or with 'fit' the largest graph batch
+    (`graphs.BUCKETS`) of sequences of ``max_model_len`` tokens that the KV budget holds."""
     if args.max_num_seqs != "fit":
         return int(args.max_num_seqs)
     tokens = int(args.kv_gib * 2**30) // ModelLayout.of(model).kv.bytes_per_token()
-    return max(1, min(graphs.MAX_GRAPH_BATCH, tokens // max_model_len))
+    held = tokens // max_model_len
+    # Down to a graph's batch: 261 seats would pad every full step to the 288 graph (5 % slower
+    # than 256 at equal lengths on one H200, BENCHMARKS.md "A whole rollout with the seats its
+    # KV holds").
+    return max((b for b in graphs.BUCKETS if b <= held), default=1)
 
 
 def _in_order(sampling, order: str):
