@@ -71,8 +71,11 @@ CONFIGS: tuple[tuple[float, GemmTile], ...] = (
     (8.0, GemmTile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)),
     # Up to 640 tokens: 32 rows, so that most experts are decoded once.
     (40.0, GemmTile(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=4)),
-    # Prefill chunks up to 1536 tokens: 128 rows per tile.
-    (96.0, GemmTile(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)),
+    # Prefill chunks up to 2048 tokens: 128 rows per tile. At 2048 tokens it took 640.0 / 326.0
+    # us (w13 / w2) against 695.7 / 354.4 for the 256-row tile; at 3072 the 256-row tile was
+    # ahead, 717.3 / 360.7 against 861.0 / 436.8 (one H200, `python benchmarks/moe.py --tokens
+    # 1024,1280,1536,2048,3072,4096`, BENCHMARKS.md "Routed-expert GEMM: prefill chunks").
+    (128.0, GemmTile(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)),
     # Long prefill: a weight tile's decode is shared by 256 rows.
     (float("inf"), GemmTile(block_m=256, block_n=128, block_k=64, num_warps=8, num_stages=3)),
 )
@@ -90,19 +93,22 @@ BF16_CONFIGS: tuple[tuple[float, GemmTile], ...] = (
 )
 
 
-# Batches of at most this many rows per expert on average (decode steps up to 512 tokens at
-# top-8 over 128 experts) take the register kernel (`moe_gemm_registers`) on packed weights,
-# with `register_config_for`'s tile: 1.08-1.56x the BF16 kernel's speed from 1 to 256 tokens,
-# where `moe_gemm`'s Triton program is 0.84-1.07x; at 1,024 tokens both NVFP4 programs are
-# 0.55-0.71x the BF16 kernel, and the Triton program is used (one H200, `python
-# benchmarks/moe.py`, BENCHMARKS.md "Routed-expert GEMM: the register kernel").
-# Up to 32 rows (512 tokens at top-8 over 128 experts: the NVFP4 engine's decode batches when
-# its KV holds that many sequences) the register kernel's wide tile still beats the Triton
-# program: w13 210.6 against 286.9 us, w2 112.0 against 160.1, and the 48-layer decode step of
-# 512 x 1024 took 30.48 against 37.02 ms (one H200, `python benchmarks/moe.py --tokens 256,512
-# --register-configs auto,32:128:128:4:2` and `python benchmarks/decode.py --cases 512x1024`,
-# BENCHMARKS.md "A whole rollout with the seats its KV holds").
-REGISTERS_MAX_ROWS_PER_EXPERT = 32.0
+# Batches of at most this many rows per expert on average (decode steps and prefill chunks up
+# to 1,024 tokens at top-8 over 128 experts) take the register kernel (`moe_gemm_registers`) on
+# packed weights, with `register_config_for`'s tile: 1.08-1.56x the BF16 kernel's speed from 1
+# to 256 tokens, where `moe_gemm`'s Triton program is 0.84-1.07x (one H200, `python
+# benchmarks/moe.py`, BENCHMARKS.md "Routed-expert GEMM: the register kernel"). Up to 512
+# tokens (the NVFP4 engine's decode batches when its KV holds that many sequences) the wide tile
+# beat the Triton program by 1.4x (w13 210.6 against 286.9 us, w2 112.0 against 160.1), and the
+# 48-layer decode step of 512 x 1024 took 30.48 against 37.02 ms (`python benchmarks/decode.py
+# --cases 512x1024`, BENCHMARKS.md "A whole rollout with the seats its KV holds"); at 768 and
+# 1,024 tokens by 1.5x and 1.2x (w13 286.8 / 358.3 against 423.8 / 429.7, w2 150.3 / 189.7
+# against 217.2 / 221.4); at 1,280 they tied (w13 426.9 against 435.7, w2 225.6 against 222.8)
+# and from 1,536 the Triton program was ahead, also against a 64-row register tile (w13 440.8
+# against 483.8 at 1,536) (`python benchmarks/moe.py --tokens 512,...,4096`, BENCHMARKS.md
+# "Routed-expert GEMM: prefill chunks"). From 1,024 tokens both NVFP4 programs are slower than
+# the BF16 kernel (0.67x and 0.56x for w13 there).
+REGISTERS_MAX_ROWS_PER_EXPERT = 64.0
 # Below half a row per expert (one token): 16 rows, 64 columns, 256-wide K steps, the tile once
 # taken up to 8 rows (there w13 at 8 / 64 tokens 53.3 / 117.5 us against 57.5 / 123.8 for the
 # bucket's tile, w2 30.7 / 67.8 against 33.0 / 69.1).

@@ -101,7 +101,7 @@ def test_registers_every_byte_bitwise_on_gpu(decode, scales):
 @pytest.mark.gpu
 @DECODES
 @pytest.mark.parametrize("shape", list(QWEN3_SHAPES), ids=str)
-@pytest.mark.parametrize("tokens", [1, 8, 64, 128, 256, 4096])
+@pytest.mark.parametrize("tokens", [1, 8, 64, 128, 256, 1024, 4096])
 def test_registers_qwen3_shapes_on_gpu(shape, tokens, decode):
     n, k = QWEN3_SHAPES[shape]
     g = torch.Generator().manual_seed(tokens)
@@ -224,7 +224,8 @@ def test_register_tiles_by_rows_per_expert():
         assert moe_tiles.register_config_for(rows, 128) == moe_tiles.REGISTERS_MEDIUM_TILE
     assert moe_tiles.register_config_for(1537, 128) == moe_tiles.REGISTERS_WIDE_TILE
     assert moe_tiles.REGISTERS_SHORT_TILE.block_m == 8
-    assert moe_tiles.REGISTERS_MAX_ROWS_PER_EXPERT * 128 >= 4096  # 512 tokens at top-8
+    assert moe_tiles.register_config_for(8192, 128) == moe_tiles.REGISTERS_WIDE_TILE
+    assert moe_tiles.REGISTERS_MAX_ROWS_PER_EXPERT * 128 >= 8192  # 1,024 tokens at top-8
 
 
 def test_registers_checks_name_the_values(device):
