@@ -136,15 +136,17 @@ def quantize_guided(
 
 
 # Row counts up to which the fused NVFP4 GEMM beats dequantizing every expert then one BF16
-# grouped GEMM (one H200, `python benchmarks/moe.py`: 1.6x faster at 8,192 rows, slower at
-# 32,768 -- long prefills).
-FUSED_GEMM_MAX_ROWS = 16384
+# grouped GEMM (one H200, `python benchmarks/moe.py`: 1.6x faster at 8,192 rows, 1.07x (w13)
+# and 1.16x (w2) at 24,576, slower at 32,768 -- long prefills; BENCHMARKS.md "Routed-expert
+# GEMM: prefill chunks").
+FUSED_GEMM_MAX_ROWS = 24576
 # Row counts up to which the same kernel over BF16 weights replaces `torch._grouped_mm` in
-# inference: it was faster at every size measured, 1 to 1,024 tokens of top-8 (one H200,
-# `python benchmarks/moe.py`, "Routed-expert GEMM" in BENCHMARKS.md: 2.2x at one token, 1.1x
-# at 8,192 rows); longer prefill chunks were not measured. Outside inference mode (training)
-# `torch._grouped_mm` runs, which has a backward.
-BF16_KERNEL_MAX_ROWS = 8192
+# inference: it was faster at every size measured from 1 to 2,048 tokens of top-8 (one H200,
+# `python benchmarks/moe.py`, "Routed-expert GEMM" and "Routed-expert GEMM: prefill chunks" in
+# BENCHMARKS.md: 2.2x at one token, 1.1x at 8,192 rows, 1.18x (w13) and 1.15x (w2) at 16,384),
+# slower at 24,576 (0.88x and 0.83x). Outside inference mode (training) `torch._grouped_mm`
+# runs, which has a backward.
+BF16_KERNEL_MAX_ROWS = 16384
 
 
 def grouped_mm(
