@@ -86,18 +86,22 @@ def test_the_host_share_smoke_run_times_each_part_of_the_engine(capfd):
 def test_the_rollout_smoke_run_counts_steps_and_captures(capfd):
     """generate at tiny shapes on the CPU, samples of their own lengths, the pages given back
     before the timed call: a row per engine with its steps, all eager, and no graph captured
-    (graphs are the GPU's)."""
+    (graphs are the GPU's); each engine seated as its pages hold full-length sequences, rounded
+    down to a graph's batch."""
     argv = ["bench", "generate", "--device", "cpu", "--layers", "2", "--hidden", "64"]
     argv += ["--prompts", "2", "--n", "2", "--prompt-len", "8", "--max-tokens", "8"]
-    argv += ["--kv-gib", "0.01"]  # a few pages: the default 8 GiB zeroes slowly on the CPU
+    argv += ["--kv-gib", "0.0125"]  # a few pages: the default 8 GiB zeroes slowly on the CPU
     argv += ["--repeats", "1", "--spread-lengths", "--release-kv", "--capture-warmups", "1"]
-    argv += ["--capture-warmups-seen", "0"]
+    argv += ["--capture-warmups-seen", "0", "--max-num-seqs", "fit"]
     argv += ["--variants", "bf16 experts, bf16 kv;nvfp4 experts, nvfp4 kv"]
     assert main(argv) == 0
     cells = r" \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| ([\d.]+) \|$"  # steps .. capture s
-    rows = re.findall(r"^\| (\w+) experts, \w+ kv \|.*" + cells, capfd.readouterr().out, re.M)
-    assert [r[0] for r in rows] == ["bf16", "nvfp4"]
-    for _, steps, eager, preempted, graphs, seconds in rows:
+    label = r"^\| (\w+) experts, \w+ kv \((\d+) seats\) \|.*"
+    rows = re.findall(label + cells, capfd.readouterr().out, re.M)
+    # 13.4 MB of pages hold 3 (BF16, 4,096 bytes a token) and 11 (NVFP4, 1,184) sequences of
+    # the engines' 1,024 tokens: graph batches 2 and 8.
+    assert [r[:2] for r in rows] == [("bf16", "2"), ("nvfp4", "8")]
+    for _, _, steps, eager, preempted, graphs, seconds in rows:
         assert int(steps) == int(eager) > 0 and preempted == "0"
         assert graphs == "0" and float(seconds) == 0
 
