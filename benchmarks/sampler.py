@@ -7,11 +7,13 @@ One H200 (about a minute): ``python benchmarks/sampler.py``; a CPU smoke check:
 markdown table and writes it to ``$OUT/sampler.md`` when OUT is set; exits 1 if any output
 differs.
 
-V = 151936 tokens, B in (1, 8, 64, 256) rows, six settings (temperature 1; the same in token
-order, by the fused kernel on a GPU and by torch's float64 scan, its baseline; top_k 50; top_p
-0.95; greedy) over three kinds of logits: randn (flat) and randn * 4 (peaked, closer to a trained
-LM's) in FP32, and randn * 4 in BF16, as the engine passes its lm_head's logits (both samplers
-get the same BF16 tensor; temperature-1 rows of the new one sort it as given). "today" is the
+V = 151936 tokens, B in (1, 8, 64, 256, 512) rows, seven settings (temperature 1, and the same
+with torch's sort and float64 passes in place of the sorted draw's kernels, their baseline; the
+same in token order, by the fused kernel on a GPU and by torch's float64 scan, its baseline;
+top_k 50; top_p 0.95; greedy) over three kinds of logits: randn (flat) and randn * 4 (peaked,
+closer to a trained LM's) in FP32, and randn * 4 in BF16, as the engine passes its lm_head's
+logits (both samplers get the same BF16 tensor; temperature-1 rows of the new one sort it as
+given, or on a GPU from 64 rows count its values instead). "today" is the
 reference kept in tests/rollout/test_sampler.py (every row sorted, in FP32), "new" is
 `fp4rl.rollout.sampler.sample`. A call is timed together with what the engine does right
 after it, ``.tolist()`` of the three outputs (the step's readback), so host launch time counts:
@@ -39,6 +41,7 @@ from fp4rl.rollout.sampler import make_generator, sample
 REFERENCE = Path(__file__).resolve().parents[1] / "tests" / "rollout" / "test_sampler.py"
 SETTINGS = {
     "temperature 1": SamplingParams(),
+    "temperature 1, torch sort": SamplingParams(),
     "temperature 1, token order": SamplingParams(cdf_order="token"),
     "temperature 1, token order, torch scan": SamplingParams(cdf_order="token"),
     "top_k 50": SamplingParams(top_k=50),
@@ -64,7 +67,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", help="cpu runs a smoke check")
     parser.add_argument("--vocab", type=int, default=151936)
-    parser.add_argument("--batch", default="1,8,64,256", help="rows per call, comma-separated")
+    parser.add_argument("--batch", default="1,8,64,256,512", help="rows per call, comma-separated")
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -91,8 +94,10 @@ def main() -> int:
                 (torch.randn(B, V, generator=g) * scale).to(device, dtype) for _ in range(count)
             ]
             for name, params in SETTINGS.items():
-                # The token-order draw's fused kernel, or (the baseline) torch's float64 scan.
+                # The token-order draw's fused kernel, or (the baseline) torch's float64 scan;
+                # the sorted draw's kernels, or (the baseline) torch's sort and passes.
                 sampler_module.TOKEN_DRAW_KERNEL = not name.endswith("torch scan")
+                sampler_module.SORTED_DRAW_KERNELS = not name.endswith("torch sort")
                 times = {k: time_ms(fn, inputs, params, args.repeats) for k, fn in samplers.items()}
                 verdict = compare(samplers, inputs[0], params)
                 all_equal &= verdict in ("bitwise equal", "logprobs exact")

@@ -31,6 +31,7 @@ from fp4rl.kernels import (
     skinny_gemm,
     swiglu,
     token_draw,
+    value_sort,
 )
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "compact",
     "dequantize",
     "draw_in_token_order",
+    "exp_float64",
     "fake_quantize",
     "grouped_mm",
     "norm_rope_rows",
@@ -55,8 +57,10 @@ __all__ = [
     "route_rows",
     "round_guided_full",
     "sort_expert_ids",
+    "sort_values_by_counting",
     "swiglu_rows",
     "swiglu_site_rows",
+    "token_at_rank",
 ]
 
 
@@ -235,3 +239,24 @@ def draw_in_token_order(
     int64, logprob [B] float32)`` for float32 log-probabilities ``[B, V]`` and float64 numbers
     ``u [B]``, in two launches that read nothing back (`token_draw.launch`)."""
     return token_draw.launch(logprobs_BV, u_B)
+
+
+def sort_values_by_counting(rows_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.sort(rows_BV, descending=True)[0].float()`` bit for bit for 16-bit rows, by
+    counting each row's bit patterns, and the counts' cumulative sums that `token_at_rank`
+    takes (`value_sort.sort_values`)."""
+    return value_sort.sort_values(rows_BV)
+
+
+def token_at_rank(
+    rows_BV: torch.Tensor, ends_BN: torch.Tensor, rank_B: torch.Tensor
+) -> torch.Tensor:
+    """The id the stable descending sort of each 16-bit row puts at its rank, from
+    `sort_values_by_counting`'s counts (`value_sort.token_at_rank`)."""
+    return value_sort.token_at_rank(rows_BV, ends_BN, rank_B)
+
+
+def exp_float64(x: torch.Tensor) -> torch.Tensor:
+    """``x.double().exp()`` of float32 ``x`` in one launch, torch's bits on the GPU
+    (`value_sort.exp_float64`)."""
+    return value_sort.exp_float64(x)

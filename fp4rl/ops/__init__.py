@@ -336,14 +336,17 @@ from fp4rl.ops.glue import (  # noqa: E402
     add_rms_norm_quantize,
     apply_rope,
     draw_in_token_order,
+    exp_float64,
     moe_combine,
     norm_rope,
     project,
     rms_norm,
     route,
     sort_by_expert,
+    sort_values,
     swiglu,
     swiglu_site,
+    token_at_rank,
 )
 
 __all__ = [
@@ -358,6 +361,7 @@ __all__ = [
     "dequantize",
     "draw_in_token_order",
     "early_dependents",
+    "exp_float64",
     "fake_quantize",
     "grouped_mm",
     "moe_combine",
@@ -377,6 +381,8 @@ __all__ = [
     "rms_norm",
     "route",
     "sort_by_expert",
+    "sort_values",
     "swiglu",
     "swiglu_site",
+    "token_at_rank",
 ]

@@ -16,7 +16,8 @@ record where asked). Those that make a site's values on the way (`add_rms_norm_q
 same launch: a captured site then costs no launch more. `project` multiplies a decode step's
 few rows by up to three weights of one input (q, k and v) in one launch, batch-invariant (None
 where the kernel does not run: the caller uses cuBLAS). The sampler's token-order draw
-(`draw_in_token_order`) is one more, with float64 sums in an order of its own.
+(`draw_in_token_order`) is one more, with float64 sums in an order of its own, and its sorted
+draw's values and token (`sort_values`, `token_at_rank`) by counting, bitwise the sort's.
 """
 
 from __future__ import annotations
@@ -184,6 +185,34 @@ def draw_in_token_order(
     if kernels is None:
         return None
     return kernels.draw_in_token_order(logprobs_BV.contiguous(), u_B.contiguous())
+
+
+def sort_values(rows_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The sampler's sorted values, ``torch.sort(rows_BV, descending=True)[0].float()`` bit for
+    bit, for rows of 16-bit floats on the GPU, with the counts `token_at_rank` maps a rank back
+    by (`fp4rl.kernels.value_sort`: a count of each row's bit patterns, no sort); None
+    elsewhere, where the caller sorts."""
+    kernels = _kernels(rows_BV)
+    if kernels is None or rows_BV.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    return kernels.sort_values_by_counting(rows_BV.contiguous())
+
+
+def exp_float64(x: torch.Tensor) -> torch.Tensor | None:
+    """``x.double().exp()`` of float32 ``x`` on the GPU in one pass, the same bits
+    (`fp4rl.kernels.value_sort.exp_float64`); None elsewhere."""
+    kernels = _kernels(x)
+    if kernels is None or x.dtype != torch.float32:
+        return None
+    return kernels.exp_float64(x.contiguous())
+
+
+def token_at_rank(
+    rows_BV: torch.Tensor, ends_BN: torch.Tensor, rank_B: torch.Tensor
+) -> torch.Tensor:
+    """int64 ``[B]``: the id the stable descending sort of each row of ``rows_BV`` puts at
+    ``rank_B``, from `sort_values`' counts ``ends_BN`` (so only where it ran)."""
+    return _kernels(rows_BV).token_at_rank(rows_BV.contiguous(), ends_BN, rank_B.contiguous())
 
 
 def moe_combine(

@@ -38,7 +38,11 @@ back from the device: which rows take which path follows from their SamplingPara
 The sort itself takes the logits as given where that changes no bit: BF16 or FP16 logits (the
 engine passes the lm_head's BF16) are exactly their FP32 copies, so rows of temperature 1 sort
 the 16-bit values, in the same order and with the same ties, from keys of half the width (on a
-GPU, half a radix sort's passes: `benchmarks/sampler.py`'s "bf16" rows).
+GPU, half a radix sort's passes: `benchmarks/sampler.py`'s "bf16" rows). On a GPU, for batches
+of at least `SORTED_DRAW_MIN_ROWS` rows, such rows are not sorted at all: a 16-bit row's sorted
+values follow from how often each value occurs, counted, and the drawn rank's token from one
+scan of the row (`fp4rl.kernels.value_sort`); the walk then runs on the same FP32 values and
+its float64 exponentials take one pass, so every result keeps its bits.
 
 A request may give up that equality for speed: ``SamplingParams(cdf_order="token")`` walks
 the CDF of the whole vocabulary in token-id order (`_draw_in_token_order`), with no sort at
@@ -51,8 +55,8 @@ neighbouring token there and not on the CPU (rare: tests/kernels/test_kernel_tok
 counts them), and a row's token still depends on nothing but its own logits and number.
 
 Outside the contract, as before: NaN logits (the engine refuses them after the draw; the
-sampler only keeps every index in range for them) and the relative order of -0.0 and +0.0 (a
-GPU radix sort puts +0.0 first; the CPU sort and the tie repair here treat them as equal).
+sampler only keeps every index in range for them). Zeros of either sign are one value to the
+sorts (the CPU's, the GPU's radix sort and the counting kernels alike keep their ids in order).
 
 Legend: B rows (sequences), V vocab, K top-k candidates per row.
 """
@@ -70,6 +74,13 @@ _MASK64 = (1 << 64) - 1
 # The token-order draw runs its fused kernel on a GPU (a knob for benchmarks/sampler.py, which
 # times torch's float64 scan beside it).
 TOKEN_DRAW_KERNEL = True
+# The sorted draw runs its kernels on a GPU for at least SORTED_DRAW_MIN_ROWS rows: 16-bit rows'
+# values counted instead of sorted, the float64 exponentials in one pass (a knob for
+# benchmarks/sampler.py, which times torch's sort and passes beside them). With fewer rows their
+# six launches cost more than they save (one H200, `python benchmarks/sampler.py`, BENCHMARKS.md
+# "The sorted draw by counting").
+SORTED_DRAW_KERNELS = True
+SORTED_DRAW_MIN_ROWS = 64
 
 
 def _splitmix64(x: int) -> int:
@@ -232,10 +243,22 @@ def _pick(rows_b: torch.Tensor, B: int):
 
 def _draw_sorted(scaled_BV, top_k_B, top_p_B, u_B, masked=True):
     """The definition: ``(token, logprob)`` per row of temperature-scaled logits, FP32 or a
-    16-bit dtype holding them exactly (sorted as given, walked in FP32)."""
+    16-bit dtype holding them exactly (sorted as given, walked in FP32). On a GPU, 16-bit rows
+    are not sorted: their sorted values come from counting each bit pattern, and the token at
+    the drawn rank from a scan of the row (`ops.sort_values`), the sort's bits."""
+    counted = ops.sort_values(scaled_BV) if _kernels_for(scaled_BV) else None
+    if counted is not None:
+        sorted_BV, ends_BN = counted
+        rank_B, logprob_B = _walk(sorted_BV, top_k_B, top_p_B, u_B, masked)
+        return ops.token_at_rank(scaled_BV, ends_BN, rank_B), logprob_B
     sorted_BV, order_BV = torch.sort(scaled_BV, dim=-1, descending=True, stable=True)
     rank_B, logprob_B = _walk(sorted_BV.float(), top_k_B, top_p_B, u_B, masked)
     return order_BV.gather(1, rank_B[:, None])[:, 0], logprob_B
+
+
+def _kernels_for(rows_BV: torch.Tensor) -> bool:
+    """Whether the sorted draw tries its kernels (`ops` runs them on a GPU only)."""
+    return SORTED_DRAW_KERNELS and rows_BV.shape[0] >= SORTED_DRAW_MIN_ROWS
 
 
 def _draw_top_k(scaled_BV, K, top_k_B, top_p_B, u_B):
@@ -277,7 +300,9 @@ def _walk(sorted_BV, top_k_B, top_p_B, u_B, masked=True):
     if masked:
         sorted_BV = sorted_BV.masked_fill(~_keep(sorted_BV, top_k_B, top_p_B), float("-inf"))
     logprobs_BV = torch.log_softmax(sorted_BV, -1)
-    cdf_BV = logprobs_BV.double().exp().cumsum(-1)
+    # On a GPU the float64 exponentials take one pass (torch's bits), not a cast and an exp.
+    probs_BV = ops.exp_float64(logprobs_BV) if _kernels_for(logprobs_BV) else None
+    cdf_BV = (logprobs_BV.double().exp() if probs_BV is None else probs_BV).cumsum(-1)
     # First rank whose CDF exceeds u * total: never a zero-probability rank, except through
     # rounding at the very top, which the clamp to the last positive rank (the positive ranks
     # are a prefix, as the logits are sorted) removes.

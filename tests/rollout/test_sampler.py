@@ -378,7 +378,7 @@ def test_the_benchmark_smoke_run_finds_equal_outputs():
     run = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
     rows = [line for line in run.stdout.splitlines() if line.startswith("| rand")]
-    assert len(rows) == 3 * 2 * 6  # logits kinds x batches x settings
+    assert len(rows) == 3 * 2 * 7  # logits kinds x batches x settings
     for row in rows:  # the token-order draw picks other tokens: its logprobs are checked
         verdict = "logprobs exact" if "token order" in row else "bitwise equal"
         assert row.endswith(f"| {verdict} |"), run.stdout
