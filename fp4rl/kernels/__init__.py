@@ -41,7 +41,6 @@ __all__ = [
     "compact",
     "dequantize",
     "draw_in_token_order",
-    "exp_float64",
     "fake_quantize",
     "grouped_mm",
     "norm_rope_rows",
@@ -61,6 +60,7 @@ __all__ = [
     "swiglu_rows",
     "swiglu_site_rows",
     "token_at_rank",
+    "walk_exponentials",
 ]
 
 
@@ -256,7 +256,7 @@ def token_at_rank(
     return value_sort.token_at_rank(rows_BV, ends_BN, rank_B)
 
 
-def exp_float64(x: torch.Tensor) -> torch.Tensor:
-    """``x.double().exp()`` of float32 ``x`` in one launch, torch's bits on the GPU
-    (`value_sort.exp_float64`)."""
-    return value_sort.exp_float64(x)
+def walk_exponentials(x_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x_BV.double().exp()`` of float32 rows and each row's count of entries above -inf, in
+    one launch, torch's bits on the GPU (`value_sort.walk_exponentials`)."""
+    return value_sort.walk_exponentials(x_BV)

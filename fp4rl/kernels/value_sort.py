@@ -29,7 +29,8 @@ values, and one no result of the draw depends on (a zero's logprob, exponential 
 same either way). A NaN sorts with the largest (sign bit clear) or after -inf (sign set); the
 engine refuses NaN logits after the draw, and every index stays in range for them.
 
-Also `exp_float64`: the walk's ``x.double().exp()`` in one pass, torch's bits on the GPU.
+Also `walk_exponentials`: the walk's ``x.double().exp()`` of each row in one pass (torch's bits
+on the GPU) with its count of entries above -inf, which the walk takes as well.
 
 Cost at V = 151,936: per row, 65,536 int32 bins (256 KB, zeroed, counted, scanned) besides one
 read of the row for the counts, one write of the FP32 row and part of a read for the token.
@@ -52,8 +53,9 @@ NUM_BINS = 1 << 16
 DTYPES = (torch.bfloat16, torch.float16)
 # Values a program of the count and expand launches takes.
 BLOCK = 1024
-# Values a step of the token scan takes.
-SCAN_BLOCK = 2048
+# Values a step of the token scan takes (on 8 warps): a row is one program's, so a few long steps
+# rather than many short ones.
+SCAN_BLOCK = 8192
 # Bins a step of the running sums takes, over 32.
 SCAN_TILE = 128
 # Values a program of the exponentials takes.
@@ -181,27 +183,33 @@ def _token_kernel(
 
 
 @triton.jit
-def _exp_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
-    at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + at, mask=at < n, other=0.0)
-    tl.store(y_ptr + at, exp64(x.to(tl.float64)), mask=at < n)
+def _exp_kernel(x_BV, y_BV, live_B, V, BLOCK: tl.constexpr):
+    row = tl.program_id(1).to(tl.int64)
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_BV + row * V + cols, mask=cols < V, other=float("-inf"))
+    tl.store(y_BV + row * V + cols, exp64(x.to(tl.float64)), mask=cols < V)
+    tl.atomic_add(live_B + row, tl.sum((x > float("-inf")).to(tl.int64), axis=0), sem="relaxed")
 
 
-def exp_float64(x: torch.Tensor) -> torch.Tensor:
-    """``x.double().exp()`` for float32 ``x`` (contiguous) in one pass instead of two, with
-    the bits of torch's float64 ``exp`` on the GPU (`token_draw.exp64`: the same CUDA
-    function); under the interpreter numpy's."""
-    check_kernel_device("x", x)
-    if x.dtype != torch.float32:
-        raise ValueError(f"x must be float32; got {x.dtype}")
-    check_contiguous("x", x)
-    y = torch.empty(x.shape, dtype=torch.float64, device=x.device)
-    if x.numel():
-        with device_of(x):
-            _exp_kernel[(triton.cdiv(x.numel(), EXP_BLOCK),)](
-                x, y, x.numel(), BLOCK=EXP_BLOCK, num_warps=8
+def walk_exponentials(x_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x_BV.double().exp(), (x_BV > -inf).sum(-1))`` for float32 rows ``[B, V]``
+    (contiguous) in one pass instead of four, with the bits of torch's float64 ``exp`` on the
+    GPU (`token_draw.exp64`: the same CUDA function); under the interpreter numpy's."""
+    check_kernel_device("x_BV", x_BV)
+    if x_BV.dtype != torch.float32 or x_BV.dim() != 2:
+        raise ValueError(
+            f"x_BV must be float32 [B, V]; got {x_BV.dtype} of shape {tuple(x_BV.shape)}"
+        )
+    check_contiguous("x_BV", x_BV)
+    B, V = x_BV.shape
+    y_BV = torch.empty(B, V, dtype=torch.float64, device=x_BV.device)
+    live_B = torch.zeros(B, dtype=torch.int64, device=x_BV.device)
+    if x_BV.numel():
+        with device_of(x_BV):
+            _exp_kernel[(triton.cdiv(V, EXP_BLOCK), B)](
+                x_BV, y_BV, live_B, V, BLOCK=EXP_BLOCK, num_warps=8
             )
-    return y
+    return y_BV, live_B
 
 
 def _check_rows(rows_BV: torch.Tensor) -> None:

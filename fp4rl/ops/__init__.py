@@ -336,7 +336,6 @@ from fp4rl.ops.glue import (  # noqa: E402
     add_rms_norm_quantize,
     apply_rope,
     draw_in_token_order,
-    exp_float64,
     moe_combine,
     norm_rope,
     project,
@@ -347,6 +346,7 @@ from fp4rl.ops.glue import (  # noqa: E402
     swiglu,
     swiglu_site,
     token_at_rank,
+    walk_exponentials,
 )
 
 __all__ = [
@@ -361,7 +361,6 @@ __all__ = [
     "dequantize",
     "draw_in_token_order",
     "early_dependents",
-    "exp_float64",
     "fake_quantize",
     "grouped_mm",
     "moe_combine",
@@ -385,4 +384,5 @@ __all__ = [
     "swiglu",
     "swiglu_site",
     "token_at_rank",
+    "walk_exponentials",
 ]

@@ -198,13 +198,14 @@ def sort_values(rows_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | No
     return kernels.sort_values_by_counting(rows_BV.contiguous())
 
 
-def exp_float64(x: torch.Tensor) -> torch.Tensor | None:
-    """``x.double().exp()`` of float32 ``x`` on the GPU in one pass, the same bits
-    (`fp4rl.kernels.value_sort.exp_float64`); None elsewhere."""
-    kernels = _kernels(x)
-    if kernels is None or x.dtype != torch.float32:
+def walk_exponentials(x_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(x_BV.double().exp(), (x_BV > -inf).sum(-1))`` of float32 rows on the GPU in one
+    pass, the same bits and counts (`fp4rl.kernels.value_sort.walk_exponentials`); None
+    elsewhere."""
+    kernels = _kernels(x_BV)
+    if kernels is None or x_BV.dtype != torch.float32:
         return None
-    return kernels.exp_float64(x.contiguous())
+    return kernels.walk_exponentials(x_BV.contiguous())
 
 
 def token_at_rank(

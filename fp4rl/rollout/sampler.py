@@ -300,14 +300,18 @@ def _walk(sorted_BV, top_k_B, top_p_B, u_B, masked=True):
     if masked:
         sorted_BV = sorted_BV.masked_fill(~_keep(sorted_BV, top_k_B, top_p_B), float("-inf"))
     logprobs_BV = torch.log_softmax(sorted_BV, -1)
-    # On a GPU the float64 exponentials take one pass (torch's bits), not a cast and an exp.
-    probs_BV = ops.exp_float64(logprobs_BV) if _kernels_for(logprobs_BV) else None
-    cdf_BV = (logprobs_BV.double().exp() if probs_BV is None else probs_BV).cumsum(-1)
+    # On a GPU the float64 exponentials and the count of positive ranks take one pass
+    # (torch's bits), not a cast, an exp, a comparison and a sum.
+    walked = ops.walk_exponentials(logprobs_BV) if _kernels_for(logprobs_BV) else None
+    if walked is None:
+        walked = logprobs_BV.double().exp(), (logprobs_BV > float("-inf")).sum(-1)
+    probs_BV, live_B = walked
+    cdf_BV = probs_BV.cumsum(-1)
     # First rank whose CDF exceeds u * total: never a zero-probability rank, except through
     # rounding at the very top, which the clamp to the last positive rank (the positive ranks
     # are a prefix, as the logits are sorted) removes.
     rank_B = torch.searchsorted(cdf_BV, (u_B * cdf_BV[:, -1])[:, None], right=True)[:, 0]
-    rank_B = torch.minimum(rank_B, (logprobs_BV > float("-inf")).sum(-1) - 1)
+    rank_B = torch.minimum(rank_B, live_B - 1)
     # A row with no positive rank (NaN or infinite logits, which the engine refuses once the
     # step's tokens are read) still indexes in range: no device assert before that check.
     rank_B = rank_B.clamp_(min=0)

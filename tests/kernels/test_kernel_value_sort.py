@@ -102,18 +102,22 @@ def test_nan_rows_keep_every_index_in_range(device):
         assert ((token >= 0) & (token < 1000)).all()
 
 
-def test_float64_exponentials_in_one_pass(device):
-    """``x.double().exp()``: on the GPU torch's bits; interpreted, numpy's exp, as Triton's
-    interpreter computes it (compared with numpy here)."""
-    x = torch.log_softmax(torch.randn(3, 2000, generator=torch.Generator().manual_seed(4)) * 4, -1)
+def test_the_walks_exponentials_and_live_counts_in_one_pass(device):
+    """``x.double().exp()`` (on the GPU torch's bits; interpreted, numpy's exp, as Triton's
+    interpreter computes it) and each row's count of entries above -inf, rows longer than a
+    program's block."""
+    x = torch.log_softmax(torch.randn(3, 5000, generator=torch.Generator().manual_seed(4)) * 4, -1)
     x[0, :5] = float("-inf")
-    got = kernels.exp_float64(x.to(device)).cpu()
+    x[1, ::3] = float("-inf")
+    x[2] = float("-inf")
+    got, live = kernels.walk_exponentials(x.to(device))
     if device == "cuda":
         want = x.cuda().double().exp().cpu()
     else:
         want = torch.from_numpy(np.exp(x.double().numpy()))
-    assert got.dtype == torch.float64
-    assert torch.equal(got.view(torch.int64), want.view(torch.int64))
+    assert got.dtype == torch.float64 and live.dtype == torch.int64
+    assert torch.equal(got.cpu().view(torch.int64), want.view(torch.int64))
+    assert live.cpu().tolist() == (x > float("-inf")).sum(-1).tolist()
 
 
 def test_checks_its_inputs(device):
@@ -129,7 +133,7 @@ def test_checks_its_inputs(device):
     with pytest.raises(ValueError, match="rank_B must be int64"):
         kernels.token_at_rank(x, ends, rank.int())
     with pytest.raises(ValueError, match="float32"):
-        kernels.exp_float64(x)
+        kernels.walk_exponentials(x)
     empty, _ = kernels.sort_values_by_counting(x[:0])
     assert empty.shape == (0, 100)
 
@@ -179,9 +183,9 @@ def test_on_the_gpu_at_qwen3s_vocabulary():
         )
         assert torch.equal(token, order[0, rank])
     logprobs = torch.log_softmax(got, -1)
-    assert torch.equal(
-        kernels.exp_float64(logprobs).view(torch.int64), logprobs.double().exp().view(torch.int64)
-    )
+    probs, live = kernels.walk_exponentials(logprobs)
+    assert torch.equal(probs.view(torch.int64), logprobs.double().exp().view(torch.int64))
+    assert torch.equal(live, (logprobs > float("-inf")).sum(-1))
 
     x = rows(B, V, seed=10, dtype=torch.bfloat16).cuda()
     sampler.sample(x, [SamplingParams()] * B, [sampler.make_generator(0, b, 0) for b in range(B)])
