@@ -193,7 +193,7 @@ def sort_values(rows_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | No
     by (`fp4rl.kernels.value_sort`: a count of each row's bit patterns, no sort); None
     elsewhere, where the caller sorts."""
     kernels = _kernels(rows_BV)
-    if kernels is None or rows_BV.dtype not in (torch.bfloat16, torch.float16):
+    if kernels is None or rows_BV.dtype not in kernels.value_sort.DTYPES:
         return None
     return kernels.sort_values_by_counting(rows_BV.contiguous())
 
