@@ -75,9 +75,10 @@ def main() -> None:
         "--register-configs",
         default="auto,16:64:128:4:2,16:64:128:4:1,16:128:128:4:2,8:64:256:4:2,16:64:64:4:2,"
         "32:64:128:4:2,16:128:64:8:2",
-        help="tiles for (e), BLOCK_M:BLOCK_N:BLOCK_K:WARPS:STAGES[:SPLIT_K[:CLAMP]] or auto "
-        "(STAGES >= 2: the next step's words loaded ahead; SPLIT_K of the warps share each "
-        "column, each with its own BLOCK_K of a step; CLAMP 1: GemmTile.clamp_rows), "
+        help="tiles for (e), BLOCK_M:BLOCK_N:BLOCK_K:WARPS:STAGES[:SPLIT_K[:CLAMP[:WGMMA]]] or "
+        "auto (STAGES >= 2: the next step's words loaded ahead; SPLIT_K of the warps share each "
+        "column, each with its own BLOCK_K of a step; CLAMP 1: GemmTile.clamp_rows; WGMMA 1: "
+        "the warpgroup MMA's program, Hopper only), "
         "comma-separated; suffix '+lut' decodes by byte-table "
         "lookup, '+arith' by arithmetic per code (moe_gemm_registers.LOOKUP; no suffix: its "
         "default); ignored without a GPU",
@@ -260,7 +261,7 @@ def measure(
 
 
 def register_tile(spec: str) -> GemmTile:
-    """A register tile from BLOCK_M:BLOCK_N:BLOCK_K:WARPS:STAGES[:SPLIT_K[:CLAMP]]."""
+    """A register tile from BLOCK_M:BLOCK_N:BLOCK_K:WARPS:STAGES[:SPLIT_K[:CLAMP[:WGMMA]]]."""
     ints = [int(v) for v in spec.split(":")]
     return GemmTile(*ints[:6], *(bool(v) for v in ints[6:]))
 

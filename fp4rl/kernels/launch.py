@@ -90,6 +90,16 @@ def register_kernels_refusal(device: torch.device) -> str | None:
     return None
 
 
+def wgmma_refusal(device: torch.device) -> str | None:
+    """Why `moe_gemm_wgmma`'s warpgroup MMA cannot run on ``device`` (a sentence naming it), or
+    None: it needs what the register kernels need, on Hopper (sm_90), whose ``wgmma`` it is."""
+    if (refusal := register_kernels_refusal(device)) is not None:
+        return refusal
+    if (capability := torch.cuda.get_device_capability(device))[0] != 9:
+        return f"needs a Hopper GPU (sm_90, wgmma); got {capability}"
+    return None
+
+
 @functools.cache
 def multiprocessors(device: torch.device) -> int:
     """The device's SM count; 1 off CUDA (the interpreter: as few programs as possible)."""

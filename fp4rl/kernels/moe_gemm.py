@@ -44,6 +44,7 @@ from fp4rl.kernels.launch import (
     multiprocessors,
     register_kernels_refusal,
     scale_per_group,
+    wgmma_refusal,
 )
 from fp4rl.kernels.moe_tiles import (
     REGISTERS_MAX_ROWS_PER_EXPERT,
@@ -275,10 +276,13 @@ def launch(
 
     ``registers`` runs the same product on packed weights with `moe_gemm_registers`' program
     (compiled only): the weights decoded straight into the tensor cores' register operands. Its
-    tile keeps at most ``block_n // 16`` warps. Left as None, the launcher takes it for packed
-    weights on a CUDA GPU, without ``config`` or ``global_scale_on_accumulator``, for batches
-    of at most `REGISTERS_MAX_ROWS_PER_EXPERT` rows per expert on average (the tile of
-    `register_config_for`).
+    tile keeps at most ``block_n // 16`` warps. A ``wgmma`` tile runs `moe_gemm_wgmma`'s
+    program instead (Hopper only), its warps cut to as many warpgroups as ``block_n`` holds
+    (64 columns each). Left as None, the launcher takes the register programs for packed
+    weights on a CUDA GPU, without ``config`` or ``global_scale_on_accumulator``: on Hopper,
+    for N and K multiples of 64, at every batch (the tile of `register_config_for`, the
+    warpgroup MMA's above 12 rows per expert), otherwise for batches of at most
+    `REGISTERS_MAX_ROWS_PER_EXPERT` rows per expert on average.
     """
     check_kernel_device("x_AK", x_AK)
     if x_AK.dtype != torch.bfloat16 or x_AK.dim() != 2:
@@ -340,17 +344,19 @@ def launch(
     y_AN = torch.empty((A, N), dtype=torch.bfloat16, device=x_AK.device)
     if A == 0 or E == 0:
         return y_AN
+    # The warpgroup MMA's tiles take whole warpgroups of 64 columns and K steps of 64.
+    wgmma = packed and N % 64 == 0 and K % 64 == 0 and wgmma_refusal(x_AK.device) is None
     if registers is None:
         registers = (
             packed
             and config is None
             and not global_scale_on_accumulator
             and register_kernels_refusal(x_AK.device) is None
-            and A <= REGISTERS_MAX_ROWS_PER_EXPERT * E
+            and (wgmma or A <= REGISTERS_MAX_ROWS_PER_EXPERT * E)
         )
     sms = multiprocessors(x_AK.device)
     if config is None:
-        config = register_config_for(A, E, K) if registers else config_for(
+        config = register_config_for(A, E, K, wgmma=wgmma) if registers else config_for(
             A, E, N, sms, bf16=not packed
         )  # fmt: skip
     tile = config.fitted(N, K)
@@ -367,6 +373,20 @@ def launch(
         raise ValueError(f"block_m={tile.block_m}: 8 rows are for the register kernel only")
     if tile.split_k > 1 and not registers:
         raise ValueError(f"split_k={tile.split_k}: splitting K is for the register kernel only")
+    if tile.wgmma and not registers:
+        raise ValueError("a wgmma tile is for the register programs (registers=True) only")
+    if tile.wgmma:
+        if (refusal := wgmma_refusal(x_AK.device)) is not None:
+            raise ValueError(f"a wgmma tile (x_AK's device) {refusal}")
+        from fp4rl.kernels import moe_gemm_wgmma
+
+        tile = dataclasses.replace(tile, num_warps=max(4, min(tile.num_warps, tile.block_n // 16)))
+        with device_of(x_AK):
+            moe_gemm_wgmma.launch_kernel(
+                grid, x_AK, members, counts_E, y_AN, order_A, A=A, E=E, N=N, K=K,
+                rows_per_group=rows_per_group, top_k=top_k, tile=tile,
+            )  # fmt: skip
+        return y_AN
     if registers:
         if (refusal := register_kernels_refusal(x_AK.device)) is not None:
             raise ValueError(f"registers (x_AK's device) {refusal}")

@@ -74,7 +74,7 @@ def _warps(step, rows, warps_n, split):
 
 
 @gluon.constexpr_function
-def _words_layout(block_n, block_k, warps_n, split):
+def words_layout(block_n, block_k, warps_n, split):
     """``[split * BLOCK_N, BLOCK_K // 8]`` packed words (slice s of the step's K on rows ``s *
     BLOCK_N ..``), each held by the thread whose operand fragment holds its 8 codes: lanes (c,
     g) of a quad layout, warps along N as the MMA's, then one K slice each."""
@@ -87,9 +87,9 @@ def _words_layout(block_n, block_k, warps_n, split):
 
 
 @gluon.constexpr_function
-def _blocks_layout(block_n, block_k, warps_n, split):
+def blocks_layout(block_n, block_k, warps_n, split):
     """``[split * BLOCK_N, BLOCK_K // 16]`` blocks of 16 codes, each held by the thread that
-    holds its two words in `_words_layout` (BLOCK_K >= 64)."""
+    holds its two words in `words_layout` (BLOCK_K >= 64)."""
     ch = block_k // 32
     regs = [[0, 1 << i] for i in range(int(math.log2(ch)) - 1)] + [[8, 0]]
     regs += [[16 * warps_n << i, 0] for i in range(int(math.log2(block_n // (16 * warps_n))))]
@@ -180,14 +180,14 @@ def _decode(words, scale, s, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
 
 
 @gluon.jit
-def _rows_of(ptrs, row_ok, other, CLAMPED: gl.constexpr):
+def rows_of(ptrs, row_ok, other, CLAMPED: gl.constexpr):
     """A load of x's rows (or their ids): masked to the tile's rows, or, with rows clamped into
     them, unmasked."""
     return gl.load(ptrs) if CLAMPED else gl.load(ptrs, mask=row_ok, other=other)
 
 
 @gluon.jit
-def _expert_tile(counts_E, tile, num_rows, E, BLOCK_M: gl.constexpr, BLOCK_E: gl.constexpr,
+def expert_tile(counts_E, tile, num_rows, E, BLOCK_M: gl.constexpr, BLOCK_E: gl.constexpr,
                  NUM_WARPS: gl.constexpr):  # fmt: skip
     """(tiles in all, expert, first row, end of the expert's rows), as `moe_gemm`'s. Every warp
     holds all the counts (the layout repeats them across warps), so the scans and sums stay
@@ -242,11 +242,11 @@ def _moe_gemm_registers_kernel(
     mma: gl.constexpr = _mma_layout(WARPS_N, SPLIT)
     weights_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     rows_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    words_l: gl.constexpr = _words_layout(BLOCK_N, BLOCK_K, WARPS_N, SPLIT)
+    words_l: gl.constexpr = words_layout(BLOCK_N, BLOCK_K, WARPS_N, SPLIT)
     x_l: gl.constexpr = _rows_layout(BLOCK_M, BLOCK_K, WARPS_N, SPLIT)
     STEP: gl.constexpr = SPLIT * BLOCK_K  # of K, per pass of the loop
 
-    num_tiles, expert, row0, rows_end = _expert_tile(
+    num_tiles, expert, row0, rows_end = expert_tile(
         counts_E, gl.program_id(1), A, E, BLOCK_M, BLOCK_E, WARPS_N * SPLIT
     )
     if gl.program_id(1) >= num_tiles:
@@ -261,7 +261,7 @@ def _moe_gemm_registers_kernel(
     row_ok_U = rows_U < rows_end
     x_rows_U = rows_U.to(gl.int64)
     if GATHER:  # x holds tokens: row a of the product is token order[a] // top_k
-        x_rows_U = _rows_of(order_A + rows_U, row_ok_U, 0, CLAMP_ROWS).to(gl.int64) // top_k
+        x_rows_U = rows_of(order_A + rows_U, row_ok_U, 0, CLAMP_ROWS).to(gl.int64) // top_k
     k_K = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, x_l))
     x_ptrs = x_AK + x_rows_U[:, None] * K + k_K[None, :]
 
@@ -273,7 +273,7 @@ def _moe_gemm_registers_kernel(
     word_W = gl.arange(0, BLOCK_K // 8, layout=gl.SliceLayout(0, words_l))
     word_ptrs = codes_ENW + w_rows_V[:, None] * (K // 8) + word_W[None, :]
     if LOOKUP:  # block scales per block, and each block's byte tables built once
-        blocks_l: gl.constexpr = _blocks_layout(BLOCK_N, BLOCK_K, WARPS_N, SPLIT)
+        blocks_l: gl.constexpr = blocks_layout(BLOCK_N, BLOCK_K, WARPS_N, SPLIT)
         v_B = gl.arange(0, SPLIT * BLOCK_N, layout=gl.SliceLayout(1, blocks_l))
         n_B, slice_B = _unstacked(v_B, BLOCK_N, SPLIT)
         w_rows_B = expert.to(gl.int64) * N + (gl.program_id(0) * BLOCK_N + n_B)
@@ -306,7 +306,7 @@ def _moe_gemm_registers_kernel(
             w_VK = _decode(words, sf * BLOCK_SCALE_BIAS, s_V[:, None], SPLIT * BLOCK_N, BLOCK_K)
         w = fragments.hardware_order(w_VK, SPLIT * BLOCK_N, BLOCK_K)
         w = gl.convert_layout(_stacked(w, SPLIT), weights_l, assert_trivial=True)
-        x_UK = _rows_of(x_ptrs, row_ok_U[:, None], 0.0, CLAMP_ROWS)
+        x_UK = rows_of(x_ptrs, row_ok_U[:, None], 0.0, CLAMP_ROWS)
         x = _stacked_t(fragments.hardware_order(x_UK, SPLIT * BLOCK_M, BLOCK_K), SPLIT)
         acc = mma_v2(w, gl.convert_layout(x, rows_l, assert_trivial=True), acc)
         word_ptrs += STEP // 8

@@ -22,7 +22,10 @@ class GemmTile:
     end. ``clamp_rows`` (register kernel only): a tile's rows past the expert's last read that
     row again, unmasked, instead of masked loads with a zero fill; the extra rows' products land
     in accumulator columns that are never stored. No bit changes; the compiled loop does (fewer
-    instructions, another register allocation), so it is set where it measured faster."""
+    instructions, another register allocation), so it is set where it measured faster.
+    ``wgmma`` (packed weights on Hopper): the tile runs on `moe_gemm_wgmma`'s warpgroup MMA, x's
+    rows read by the tensor cores from shared memory, instead of the register kernel's
+    ``mma.sync``."""
 
     block_m: int
     block_n: int
@@ -31,12 +34,18 @@ class GemmTile:
     num_stages: int
     split_k: int = 1
     clamp_rows: bool = False
+    wgmma: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
             v, least = getattr(self, name), 8 if name == "block_m" else 16
             if v < least or v & (v - 1):
                 raise ValueError(f"GemmTile.{name} must be a power of two >= {least}; got {v}")
+        if self.wgmma and (self.split_k > 1 or self.clamp_rows):
+            raise ValueError(
+                f"GemmTile.wgmma takes neither split_k nor clamp_rows; got split_k="
+                f"{self.split_k}, clamp_rows={self.clamp_rows}"
+            )
         if self.split_k < 1 or self.split_k & (self.split_k - 1) or self.num_warps % self.split_k:
             raise ValueError(
                 f"GemmTile.split_k must be a power of two dividing num_warps={self.num_warps}; "
@@ -156,6 +165,22 @@ REGISTERS_MEDIUM_ROWS = (5.5, 12.0)  # rows per expert on average: above the fir
 # copy of the rows); at 256 tokens 171 against 280 us (w13) and 82 against 149 (w2).
 REGISTERS_WIDE_TILE = GemmTile(block_m=32, block_n=128, block_k=128, num_warps=4, num_stages=2)
 
+# On Hopper, past 12 rows per expert (from 193 tokens at top-8 over 128 experts): the warpgroup
+# MMA's tiles (`moe_gemm_wgmma`), each K step's rows of x stored once into shared memory and the
+# decoded weights the MMA's register operand. Against the register kernel's wide tile (and,
+# from 1,280 tokens, `moe_gemm`'s program), us a launch at 256 / 384 / 512 / 768 / 1,024 /
+# 2,048 / 4,096 tokens: w13 133.5 / 145.5 / 171.2 / 177.9 / 252.3 / 410.2 / 662.3 against
+# 140.9 / 159.2 / 211.9 / 285.1 / 359.0 / 639.0 / 1,025.1, w2 71.7 / 76.0 / 92.8 / 98.1 /
+# 133.8 / 227.6 / 383.8 against 77.3 / 84.4 / 111.0 / 150.3 / 186.5 / 327.7 / 517.6 (one H200,
+# BENCHMARKS.md "Routed-expert GEMM: the warpgroup MMA"). 32 rows of 128 columns up to 24 rows
+# per expert (384 tokens; at 512 the 64-row tile was ahead, 171.2 against 188.5 for w13), 64
+# rows up to 128 (2,048 tokens), then 128 rows of 256 columns on two warpgroups.
+WGMMA_TILES: tuple[tuple[float, GemmTile], ...] = (
+    (24.0, GemmTile(block_m=32, block_n=128, block_k=64, num_warps=4, num_stages=2, wgmma=True)),
+    (128.0, GemmTile(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=2, wgmma=True)),
+    (float("inf"), GemmTile(128, 256, 64, num_warps=8, num_stages=2, wgmma=True)),
+)
+
 # A launch whose grid would give the SMs fewer programs than this each (one token's w13: 24
 # column tiles x 8 experts = 192 programs for 132 SMs) halves its tile's width, so that more SMs
 # stream weights: 18.7 against 20.1 µs there, while w2's 256 programs lose by narrowing (14.8
@@ -185,15 +210,20 @@ def config_for(
     return tile
 
 
-def register_config_for(num_rows: int, num_experts: int, k: int = 0) -> GemmTile:
+def register_config_for(
+    num_rows: int, num_experts: int, k: int = 0, *, wgmma: bool = False
+) -> GemmTile:
     """The register kernel's tile by rows per expert on average: `REGISTERS_TILE` below half a
     row (`REGISTERS_SPLIT_TILE` where the reduction ``k`` has at least
     `REGISTERS_SPLIT_MIN_STEPS` of its steps), `REGISTERS_SHORT_TILE` up to 5.5 rows,
-    `REGISTERS_MEDIUM_TILE` up to 12 (`REGISTERS_MEDIUM_ROWS`), `REGISTERS_WIDE_TILE` above
-    (narrowed to the weight's shape by `moe_gemm.launch`, its warps cut to one per 16 columns)."""
+    `REGISTERS_MEDIUM_TILE` up to 12 (`REGISTERS_MEDIUM_ROWS`), above that `WGMMA_TILES`' on a
+    GPU with the warpgroup MMA (``wgmma``), else `REGISTERS_WIDE_TILE` (narrowed to the
+    weight's shape by `moe_gemm.launch`, its warps cut to one per 16 columns)."""
     experts = max(num_experts, 1)
     low, high = REGISTERS_MEDIUM_ROWS
     if num_rows > high * experts:
+        if wgmma:
+            return next(t for bound, t in WGMMA_TILES if num_rows <= bound * experts)
         return REGISTERS_WIDE_TILE
     if num_rows > low * experts:
         return REGISTERS_MEDIUM_TILE

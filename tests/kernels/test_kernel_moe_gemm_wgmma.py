@@ -1,0 +1,202 @@
+"""The warpgroup-MMA expert GEMM (`moe_gemm_wgmma`, a ``wgmma`` `GemmTile` through
+`moe_gemm.launch(registers=...)`) against the register kernel's checks: the weights entering
+the products bitwise through one-hot rows (every code and scale byte too), general rows within
+the float64 bound, gathered rows bitwise the gathered product, NaN scales poisoning exactly
+their outputs, and a CUDA-graph replay. The kernel is Gluon for Hopper, compiled only: its
+tests run on an sm_90 GPU; on the CPU the checks and tile rules run.
+"""
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the kernels need triton (pip install 'fp4rl[kernels]')")
+
+from test_kernel_moe_gemm import (  # noqa: E402
+    QWEN3_SHAPES,
+    assert_fp32_accumulated,
+    assert_weights_bitwise,
+    every_byte_weights,
+    onehot_rows,
+    random_weights,
+    routed,
+)
+from test_kernel_moe_gemm_registers import EDGE_GLOBAL_SCALES, dispatched  # noqa: E402
+
+from fp4rl.fp4.tensor import NVFP4Tensor  # noqa: E402
+from fp4rl.kernels import moe_gemm, moe_tiles  # noqa: E402
+from fp4rl.kernels.moe_tiles import GemmTile  # noqa: E402
+
+WGMMA_TILES = [
+    *(tile for _, tile in moe_tiles.WGMMA_TILES),
+    GemmTile(block_m=8, block_n=64, block_k=64, num_warps=4, num_stages=2, wgmma=True),
+    GemmTile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=2, wgmma=True),
+    GemmTile(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=2, wgmma=True),
+]
+
+
+def hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+HOPPER = pytest.mark.skipif(not hopper(), reason="wgmma is Hopper's (sm_90)")
+
+
+@pytest.mark.gpu
+@HOPPER
+@pytest.mark.parametrize("shape", list(QWEN3_SHAPES), ids=str)
+def test_wgmma_weights_bitwise_on_gpu(shape):
+    """Every weight of four experts, read off each wgmma tile with one-hot rows: the contract's
+    bits, through the permuted K of the weights and of x in shared memory."""
+    n, k = QWEN3_SHAPES[shape]
+    w = random_weights(128, n, k, "cuda", seed=19)
+    experts = [0, 5, 77, 127]
+    x, counts = onehot_rows(k, experts, 128, "cuda")
+    for tile in WGMMA_TILES:
+        y = moe_gemm.launch(x, w, counts, config=tile, registers=True)
+        assert_weights_bitwise(y, w, experts, f"{shape}, wgmma tile {tile}")
+
+
+@pytest.mark.gpu
+@HOPPER
+@pytest.mark.parametrize("scales", ["usual", "edges"])
+def test_wgmma_every_byte_bitwise_on_gpu(scales):
+    """Every code byte, every finite block-scale byte, and global scales across the range and at
+    the recipe's edges: the wgmma tiles' weights are bitwise the reference's (narrowed to N =
+    64: one warpgroup)."""
+    e, n, k = 4, 64, 256
+    if scales == "edges":
+        w = every_byte_weights(e, n, k, seed=5, global_scales=EDGE_GLOBAL_SCALES)
+    else:
+        w = every_byte_weights(e, n, k, seed=6)
+    experts = [0, 1, 3]
+    x, counts = onehot_rows(k, experts, e, "cuda")
+    for tile in WGMMA_TILES:
+        y = moe_gemm.launch(x, w.map(lambda t: t.cuda()), counts, config=tile, registers=True)
+        assert_weights_bitwise(y, w, experts, f"wgmma tile {tile}, {scales} global scales")
+
+
+@pytest.mark.gpu
+@HOPPER
+@pytest.mark.parametrize("shape", list(QWEN3_SHAPES), ids=str)
+@pytest.mark.parametrize("tokens", [1, 64, 256, 512, 2048, 4096])
+def test_wgmma_qwen3_shapes_on_gpu(shape, tokens):
+    """Random rows at Qwen3-30B-A3B's shapes, the launcher's choice and each wgmma tile, within
+    the float64 bound of FP32 accumulation."""
+    n, k = QWEN3_SHAPES[shape]
+    g = torch.Generator().manual_seed(tokens + 1)
+    w = random_weights(128, n, k, "cuda", seed=tokens + 1)
+    counts = routed(tokens, 128, 8, g)
+    x = torch.randn(int(counts.sum()), k, generator=g).to(torch.bfloat16).cuda()
+    for tile in (None, *WGMMA_TILES):
+        y = moe_gemm.launch(x, w, counts.cuda(), config=tile, registers=True)
+        assert_fp32_accumulated(y, x, w, counts, f"wgmma {shape} {tokens} tokens {tile}")
+
+
+@pytest.mark.gpu
+@HOPPER
+def test_wgmma_gather_poison_and_graph_on_gpu():
+    """Rows read through the dispatch order are bitwise the gathered rows' product; NaN scales
+    poison exactly the outputs they touch; the launcher's launch at 300 tokens (a wgmma tile),
+    captured in a graph, follows new counts and rows."""
+    tokens, top_k = 300, 8
+    g, w, x, order, counts = dispatched(tokens, top_k, seed=41)
+    k = x.shape[1]
+    rows = x[order // top_k].contiguous()
+    for tile in WGMMA_TILES:
+        got = moe_gemm.launch(x, w, counts, order_A=order, top_k=top_k, config=tile,
+                              registers=True)  # fmt: skip
+        want = moe_gemm.launch(rows, w, counts, config=tile, registers=True)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), tile
+
+    global_scale = w.global_scale.clone()
+    block_scale = w.block_scale.clone()
+    first = int(torch.nonzero(counts)[0])
+    global_scale[first] = math.nan
+    block_scale.view(torch.uint8)[first + 1 :, 5, 3] = 0x7F  # column 5 of every later expert
+    poisoned = NVFP4Tensor(w.codes, block_scale, global_scale)
+    y = moe_gemm.launch(rows, poisoned, counts, config=WGMMA_TILES[0], registers=True)
+    assert torch.equal(y.isnan(), moe_gemm.launch(rows, poisoned, counts, registers=False).isnan())
+    assert y[: int(counts[first])].isnan().all() and y[:, 5].isnan().all()
+
+    rows_in = rows.clone()
+    counts_in = counts.clone()
+    assert moe_tiles.register_config_for(tokens * top_k, 128, k, wgmma=True).wgmma
+    moe_gemm.launch(rows_in, w, counts_in)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = moe_gemm.launch(rows_in, w, counts_in)
+    for _ in range(2):
+        rows_in.copy_(torch.randn(rows_in.shape, generator=g).to(torch.bfloat16))
+        counts_in.copy_(routed(tokens, 128, top_k, g))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = moe_gemm.launch(rows_in, w, counts_in, config=WGMMA_TILES[0], registers=True)
+        assert torch.equal(y, want)
+
+
+@pytest.mark.gpu
+@HOPPER
+def test_small_weights_keep_the_register_tiles_on_gpu():
+    """A weight whose N or K is not a multiple of 64 (a tiny model's w2, K = 32) never gets a
+    wgmma tile from the launcher: at any batch it runs as on other GPUs, within the bound."""
+    g = torch.Generator().manual_seed(43)
+    for n, k in ((64, 32), (32, 64), (64, 64)):
+        w = random_weights(8, n, k, "cuda", seed=43)
+        for tokens in (4, 256, 1024):
+            counts = routed(tokens, 8, 2, g)
+            x = torch.randn(int(counts.sum()), k, generator=g).to(torch.bfloat16).cuda()
+            y = moe_gemm.launch(x, w, counts.cuda())
+            assert_fp32_accumulated(y, x, w, counts, f"[{n}, {k}], {tokens} tokens")
+
+
+def test_wgmma_tiles_by_rows_per_expert():
+    """With the warpgroup MMA, past 12 rows per expert (192 tokens at top-8 of 128): 32 rows up
+    to 24 rows per expert, 64 up to 128, 128 rows on two warpgroups above; below, and without
+    it, the register kernel's tiles as before."""
+
+    def tile(rows):
+        return moe_tiles.register_config_for(rows, 128, 2048, wgmma=True)
+
+    for rows in (1, 64, 705, 1536):
+        assert tile(rows) == moe_tiles.register_config_for(rows, 128, 2048)
+        assert not tile(rows).wgmma
+    assert [tile(r) for r in (1537, 3072)] == [moe_tiles.WGMMA_TILES[0][1]] * 2
+    assert [tile(r) for r in (3073, 16384)] == [moe_tiles.WGMMA_TILES[1][1]] * 2
+    assert [tile(r) for r in (16385, 10**6)] == [moe_tiles.WGMMA_TILES[2][1]] * 2
+    assert moe_tiles.register_config_for(4096, 128) == moe_tiles.REGISTERS_WIDE_TILE
+
+
+def test_wgmma_checks_name_the_values(device):
+    from fp4rl.kernels import moe_gemm_wgmma
+
+    w = random_weights(4, 64, 64, device, seed=3)
+    counts = torch.tensor([1, 0, 0, 0], device=device)
+    x = torch.randn(1, 64, device=device).to(torch.bfloat16)
+    tile = GemmTile(16, 64, 64, 4, 2, wgmma=True)
+    if device == "cpu":
+        with pytest.raises(
+            ValueError, match=r"a wgmma tile \(x_AK.s device\) runs on a CUDA GPU only; got cpu"
+        ):
+            moe_gemm.launch(x, w, counts, config=tile, registers=True)
+    with pytest.raises(ValueError, match=r"a wgmma tile is for the register programs"):
+        moe_gemm.launch(x, w, counts, config=tile, registers=False)
+    for extra in ({"split_k": 2}, {"clamp_rows": True}):
+        with pytest.raises(ValueError, match="GemmTile.wgmma takes neither split_k nor clamp"):
+            GemmTile(16, 64, 64, 4, 2, wgmma=True, **extra)
+    check = moe_gemm_wgmma.check_tile
+    with pytest.raises(ValueError, match="num_warps must be 4 or 8 .*; got 2"):
+        check(16, 64, 64, 2, 2, 64, 64)
+    with pytest.raises(ValueError, match="block_n=64 must be a multiple of 16 x num_warps=8"):
+        check(16, 64, 64, 8, 2, 64, 64)
+    with pytest.raises(ValueError, match=r"block_m must be at most 256 .*; got 512"):
+        check(512, 64, 64, 4, 2, 64, 64)
+    with pytest.raises(ValueError, match="block_k must be at least 64; got 32"):
+        check(16, 64, 32, 4, 2, 64, 64)
+    with pytest.raises(ValueError, match="num_stages must be 2 .*; got 3"):
+        check(16, 64, 64, 4, 3, 64, 64)
+    with pytest.raises(ValueError, match=r"must divide the weight's N=96 and K=64"):
+        check(16, 64, 64, 4, 2, 96, 64)
+    check(16, 64, 64, 4, 2, 64, 64)
