@@ -167,14 +167,17 @@ REGISTERS_WIDE_TILE = GemmTile(block_m=32, block_n=128, block_k=128, num_warps=4
 
 # On Hopper, past 12 rows per expert (from 193 tokens at top-8 over 128 experts): the warpgroup
 # MMA's tiles (`moe_gemm_wgmma`), each K step's rows of x stored once into shared memory and the
-# decoded weights the MMA's register operand. Against the register kernel's wide tile (and,
-# from 1,280 tokens, `moe_gemm`'s program), us a launch at 256 / 384 / 512 / 768 / 1,024 /
-# 2,048 / 4,096 tokens: w13 133.5 / 145.5 / 171.2 / 177.9 / 252.3 / 410.2 / 662.3 against
-# 140.9 / 159.2 / 211.9 / 285.1 / 359.0 / 639.0 / 1,025.1, w2 71.7 / 76.0 / 92.8 / 98.1 /
-# 133.8 / 227.6 / 383.8 against 77.3 / 84.4 / 111.0 / 150.3 / 186.5 / 327.7 / 517.6 (one H200,
+# decoded weights the MMA's register operand. Against the register kernel's wide tile, us a
+# launch at 256 / 384 / 512 / 768 / 1,024 / 2,048 / 4,096 tokens: w13 134.0 / 142.5 / 171.8 /
+# 177.1 / 251.0 / 410.2 / 672.7 against 140.8 / 154.0 / 212.4 / 288.1 / 364.4 / 645.0 /
+# 1,225.2 (and `moe_gemm`'s program, which the launcher took from 1,280 tokens, 432.0 / 639.4 /
+# 1,031.8 at 1,024 / 2,048 / 4,096), w2 71.8 / 76.5 / 94.5 / 99.4 / 136.5 / 226.5 / 392.6
+# against 77.7 / 85.0 / 112.0 / 153.1 / 189.3 / 339.6 / 644.9 (program 221.5 / 324.5 / 522.4)
+# (one H200, `python benchmarks/moe.py --tokens 256,...,4096 --register-configs ...`,
 # BENCHMARKS.md "Routed-expert GEMM: the warpgroup MMA"). 32 rows of 128 columns up to 24 rows
-# per expert (384 tokens; at 512 the 64-row tile was ahead, 171.2 against 188.5 for w13), 64
-# rows up to 128 (2,048 tokens), then 128 rows of 256 columns on two warpgroups.
+# per expert (384 tokens; 64 rows took 166.0 there, 171.8 against 189.1 at 512), 64 rows up to
+# 128 (2,048 tokens; the 128-row tile 265.5 against 251.0 at 1,024, 408.8 against 410.2 at
+# 2,048), then 128 rows of 256 columns on two warpgroups (672.7 against 759.5 at 4,096).
 WGMMA_TILES: tuple[tuple[float, GemmTile], ...] = (
     (24.0, GemmTile(block_m=32, block_n=128, block_k=64, num_warps=4, num_stages=2, wgmma=True)),
     (128.0, GemmTile(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=2, wgmma=True)),
