@@ -281,7 +281,7 @@ def launch(
     (64 columns each). Left as None, the launcher takes the register programs for packed
     weights on a CUDA GPU, without ``config`` or ``global_scale_on_accumulator``: on Hopper,
     for N and K multiples of 64, at every batch (the tile of `register_config_for`, the
-    warpgroup MMA's above 12 rows per expert), otherwise for batches of at most
+    warpgroup MMA's above 5.5 rows per expert), otherwise for batches of at most
     `REGISTERS_MAX_ROWS_PER_EXPERT` rows per expert on average.
     """
     check_kernel_device("x_AK", x_AK)

@@ -3,7 +3,7 @@ register operand, the rows of x read by the tensor cores from shared memory.
 
 The same function as `moe_gemm_registers` (one program per ``BLOCK_N`` output columns of a
 tile of one expert's rows, found on the device from ``counts_E``; the weights decoded by byte
-tables, `fragments`), for the batches with many rows per expert. There each warp of the
+tables, `fragments`), for the batches with more rows per expert. There each warp of the
 register kernel loads the tile's rows of x into its own registers and multiplies them by
 ``mma.sync``, so a tile of 32 rows holds them four times over (166 registers a thread, three
 programs a multiprocessor) and decodes each weight once per 32 rows. Here a program is one or

@@ -165,9 +165,14 @@ REGISTERS_MEDIUM_ROWS = (5.5, 12.0)  # rows per expert on average: above the fir
 # copy of the rows); at 256 tokens 171 against 280 us (w13) and 82 against 149 (w2).
 REGISTERS_WIDE_TILE = GemmTile(block_m=32, block_n=128, block_k=128, num_warps=4, num_stages=2)
 
-# On Hopper, past 12 rows per expert (from 193 tokens at top-8 over 128 experts): the warpgroup
+# On Hopper, past 5.5 rows per expert (from 89 tokens at top-8 over 128 experts): the warpgroup
 # MMA's tiles (`moe_gemm_wgmma`), each K step's rows of x stored once into shared memory and the
-# decoded weights the MMA's register operand. Against the register kernel's wide tile, us a
+# decoded weights the MMA's register operand. Up to 12 rows per expert 16 rows of 128 columns,
+# against the register kernel's medium tile at 96 / 128 / 160 / 192 tokens: w13 113.3 / 114.3 /
+# 114.3 / 124.0 us against 117.7 / 119.2 / 119.3 / 134.2, w2 61.6 / 62.1 / 62.8 / 66.5 against
+# 61.9 / 62.4 / 63.9 / 68.5 (one H200, `python benchmarks/moe.py --tokens 8,64,96,...,192`;
+# 8-row wgmma tiles lost or tied at 8 and 64 tokens, w2 at 64 56.3 against 53.9, so the short
+# tiles stay). Past 12 rows, against the register kernel's wide tile, us a
 # launch at 256 / 384 / 512 / 768 / 1,024 / 2,048 / 4,096 tokens: w13 134.0 / 142.5 / 171.8 /
 # 177.1 / 251.0 / 410.2 / 672.7 against 140.8 / 154.0 / 212.4 / 288.1 / 364.4 / 645.0 /
 # 1,225.2 (and `moe_gemm`'s program, which the launcher took from 1,280 tokens, 432.0 / 639.4 /
@@ -179,6 +184,7 @@ REGISTERS_WIDE_TILE = GemmTile(block_m=32, block_n=128, block_k=128, num_warps=4
 # 128 (2,048 tokens; the 128-row tile 265.5 against 251.0 at 1,024, 408.8 against 410.2 at
 # 2,048), then 128 rows of 256 columns on two warpgroups (672.7 against 759.5 at 4,096).
 WGMMA_TILES: tuple[tuple[float, GemmTile], ...] = (
+    (12.0, GemmTile(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=2, wgmma=True)),
     (24.0, GemmTile(block_m=32, block_n=128, block_k=64, num_warps=4, num_stages=2, wgmma=True)),
     (128.0, GemmTile(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=2, wgmma=True)),
     (float("inf"), GemmTile(128, 256, 64, num_warps=8, num_stages=2, wgmma=True)),
@@ -219,14 +225,14 @@ def register_config_for(
     """The register kernel's tile by rows per expert on average: `REGISTERS_TILE` below half a
     row (`REGISTERS_SPLIT_TILE` where the reduction ``k`` has at least
     `REGISTERS_SPLIT_MIN_STEPS` of its steps), `REGISTERS_SHORT_TILE` up to 5.5 rows,
-    `REGISTERS_MEDIUM_TILE` up to 12 (`REGISTERS_MEDIUM_ROWS`), above that `WGMMA_TILES`' on a
-    GPU with the warpgroup MMA (``wgmma``), else `REGISTERS_WIDE_TILE` (narrowed to the
-    weight's shape by `moe_gemm.launch`, its warps cut to one per 16 columns)."""
+    `REGISTERS_MEDIUM_TILE` up to 12 (`REGISTERS_MEDIUM_ROWS`), `REGISTERS_WIDE_TILE` above
+    (narrowed to the weight's shape by `moe_gemm.launch`, its warps cut to one per 16
+    columns); on a GPU with the warpgroup MMA (``wgmma``) `WGMMA_TILES`' from 5.5 rows."""
     experts = max(num_experts, 1)
     low, high = REGISTERS_MEDIUM_ROWS
+    if wgmma and num_rows > low * experts:
+        return next(t for bound, t in WGMMA_TILES if num_rows <= bound * experts)
     if num_rows > high * experts:
-        if wgmma:
-            return next(t for bound, t in WGMMA_TILES if num_rows <= bound * experts)
         return REGISTERS_WIDE_TILE
     if num_rows > low * experts:
         return REGISTERS_MEDIUM_TILE

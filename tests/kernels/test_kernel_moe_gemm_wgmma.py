@@ -122,7 +122,8 @@ def test_wgmma_gather_poison_and_graph_on_gpu():
 
     rows_in = rows.clone()
     counts_in = counts.clone()
-    assert moe_tiles.register_config_for(tokens * top_k, 128, k, wgmma=True).wgmma
+    own = moe_tiles.register_config_for(tokens * top_k, 128, k, wgmma=True)
+    assert own.wgmma
     moe_gemm.launch(rows_in, w, counts_in)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -133,7 +134,7 @@ def test_wgmma_gather_poison_and_graph_on_gpu():
         counts_in.copy_(routed(tokens, 128, top_k, g))
         graph.replay()
         torch.cuda.synchronize()
-        want = moe_gemm.launch(rows_in, w, counts_in, config=WGMMA_TILES[0], registers=True)
+        want = moe_gemm.launch(rows_in, w, counts_in, config=own, registers=True)
         assert torch.equal(y, want)
 
 
@@ -153,19 +154,20 @@ def test_small_weights_keep_the_register_tiles_on_gpu():
 
 
 def test_wgmma_tiles_by_rows_per_expert():
-    """With the warpgroup MMA, past 12 rows per expert (192 tokens at top-8 of 128): 32 rows up
-    to 24 rows per expert, 64 up to 128, 128 rows on two warpgroups above; below, and without
-    it, the register kernel's tiles as before."""
+    """With the warpgroup MMA, past 5.5 rows per expert (88 tokens at top-8 of 128): 16 rows up
+    to 12 rows per expert, 32 up to 24, 64 up to 128, 128 rows on two warpgroups above; below,
+    and without it, the register kernel's tiles as before."""
 
     def tile(rows):
         return moe_tiles.register_config_for(rows, 128, 2048, wgmma=True)
 
-    for rows in (1, 64, 705, 1536):
+    for rows in (1, 64, 704):
         assert tile(rows) == moe_tiles.register_config_for(rows, 128, 2048)
         assert not tile(rows).wgmma
-    assert [tile(r) for r in (1537, 3072)] == [moe_tiles.WGMMA_TILES[0][1]] * 2
-    assert [tile(r) for r in (3073, 16384)] == [moe_tiles.WGMMA_TILES[1][1]] * 2
-    assert [tile(r) for r in (16385, 10**6)] == [moe_tiles.WGMMA_TILES[2][1]] * 2
+    bounds = [(705, 1536), (1537, 3072), (3073, 16384), (16385, 10**6)]
+    for (first, last), (_, want) in zip(bounds, moe_tiles.WGMMA_TILES, strict=True):
+        assert tile(first) == tile(last) == want
+    assert moe_tiles.register_config_for(1536, 128) == moe_tiles.REGISTERS_MEDIUM_TILE
     assert moe_tiles.register_config_for(4096, 128) == moe_tiles.REGISTERS_WIDE_TILE
 
 
