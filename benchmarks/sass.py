@@ -7,12 +7,14 @@ No GPU needed (Triton compiles for the target and disassembles with the tools it
 ``$OUT/sass.md`` when OUT is set.
 
 The kernels: `paged_attention_registers` (decode attention, NVFP4 pages, 32 query / 4 KV heads of
-128, pages of 16 tokens) at 16- and 32-token steps, and `moe_gemm_registers` (the expert GEMM,
-Qwen3-30B-A3B's w13 ``[1536, 2048]`` and w2 ``[2048, 768]``) at the launcher's four tiles, by
-byte-table lookup and by arithmetic per code. The loop is the longest stretch of SASS between a
-label and a branch back to it; "per value" divides its instructions by the NVFP4 values a
-thread decodes in one pass (K and V for the attention, weights for the GEMM). Shared-memory
-instructions in the loop are counted apart: the register kernels are meant to have none.
+128, pages of 16 tokens) at 16- and 32-token steps, `moe_gemm_registers` (the expert GEMM,
+Qwen3-30B-A3B's w13 ``[1536, 2048]`` and w2 ``[2048, 768]``) at the launcher's five tiles, by
+byte-table lookup and by arithmetic per code, and `moe_gemm_wgmma` (the same GEMM on Hopper's
+warpgroup MMA, sm_90 only) at the launcher's four tiles (``wgmma:w13:ROWS``). The loop is the
+longest stretch of SASS between a label and a branch back to it; "per value" divides its
+instructions by the NVFP4 values a thread decodes in one pass (K and V for the attention,
+weights for the GEMM). Shared-memory instructions in the loop are counted apart: the register
+kernels are meant to have none, the wgmma kernel only the stores of x's rows.
 A figure holds for the Triton printed in the header; the GPU machine's may allocate registers
 differently.
 """
@@ -41,11 +43,11 @@ class Case:
     """One compilation: a kernel, its constexprs and launch options, and how many NVFP4 values
     a thread decodes per pass of the loop."""
 
-    kernel: str  # "attention" or "gemm"
+    kernel: str  # "attention", "gemm" or "wgmma"
     constexprs: dict
     num_warps: int
     values_per_thread: int
-    mma: int  # m16n8k16 products one warp must issue per pass
+    mma: int  # m16n8k16 products (wgmma: m64nNk16 instructions) one warp must issue per pass
     label: str
 
 
@@ -101,6 +103,25 @@ def gemm_case(weight: str, tile_name: str, lookup: bool) -> Case:
     )
 
 
+def wgmma_case(weight: str, index: int) -> Case:
+    """`moe_gemm_wgmma` at the launcher's tile ``moe_tiles.WGMMA_TILES[index]``."""
+    from fp4rl.kernels import moe_tiles
+
+    n, k = {"w13": (1536, 2048), "w2": (2048, 768)}[weight]
+    tile = moe_tiles.WGMMA_TILES[index][1].fitted(n, k)
+    warps = tile.num_warps
+    return Case(
+        "wgmma",
+        dict(N=n, K=k, GATHER=False, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+             BLOCK_K=tile.block_k, BLOCK_E=128, WARPS=warps, PDL=True),
+        warps,
+        tile.block_n * tile.block_k // (32 * warps),
+        # K steps of 16 x the warp's m64 instructions (its warpgroup's 64 rows at a time)
+        (tile.block_k // 16) * (tile.block_n // (16 * warps)),
+        f"{weight} {tile.block_m}:{tile.block_n}:{tile.block_k}:{warps} wgmma",
+    )  # fmt: skip
+
+
 CASES = {
     "attention:16": lambda: attention_case(16),
     "attention:32": lambda: attention_case(32),
@@ -109,6 +130,11 @@ CASES = {
         for w in ("w13", "w2")
         for t in ("narrow", "short", "medium", "wide", "split")
         for lut in (True, False)
+    },
+    **{
+        f"wgmma:{w}:{rows}": (lambda w=w, i=i: wgmma_case(w, i))
+        for w in ("w13", "w2")
+        for i, rows in enumerate((16, 32, 64, 128))
     },
 }
 
@@ -127,6 +153,7 @@ SIGNATURES = {
         "rows_per_group": "i32", "top_k": "i32",
     },
 }  # fmt: skip
+SIGNATURES["wgmma"] = SIGNATURES["gemm"]
 
 
 def compile_case(case: Case, arch: int):
@@ -135,11 +162,12 @@ def compile_case(case: Case, arch: int):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from fp4rl.kernels import moe_gemm_registers, paged_attention_registers
+    from fp4rl.kernels import moe_gemm_registers, moe_gemm_wgmma, paged_attention_registers
 
     fn = {
         "attention": paged_attention_registers._paged_decode_registers_kernel,
         "gemm": moe_gemm_registers._moe_gemm_registers_kernel,
+        "wgmma": moe_gemm_wgmma._moe_gemm_wgmma_kernel,
     }[case.kernel]
     signature = dict(SIGNATURES[case.kernel])
     signature.update({name: "constexpr" for name in case.constexprs})
@@ -185,7 +213,8 @@ def loop_opcodes(sass: str) -> collections.Counter:
     ops = collections.Counter()
     if best is not None:
         for line in lines[best[0] : best[1] + 1]:
-            m = re.match(r"^\s*(?:\S+\s+)?(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)\s", line)
+            # (wgmma's opcodes carry their shape in lower case: HGMMA.64x64x16.F32.BF16)
+            m = re.match(r"^\s*(?:\S+\s+)?(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]+)\s", line)
             if m and not m.group(1).endswith(":"):
                 ops[m.group(1)] += 1
     return ops
@@ -206,7 +235,7 @@ def table_row(name: str, case: Case, arch: int) -> str:
     ops = loop_opcodes(compiled.asm["sass"])
     total = sum(ops.values())
     shared = sum(n for op, n in ops.items() if op.startswith(("LDS", "STS", "LDSM", "STSM")))
-    mma = sum(n for op, n in ops.items() if op.startswith("HMMA"))
+    mma = sum(n for op, n in ops.items() if op.startswith(("HMMA", "HGMMA")))
     alu = sum(n for op, n in ops.items() if op.split(".")[0] in ALU_PIPE)
     top = ", ".join(f"{op} {n}" for op, n in ops.most_common(6))
     return (
@@ -231,11 +260,11 @@ def main() -> None:
         f"Compiled for sm_{args.arch} without a GPU. Registers and stack bytes (spills) per "
         "thread, shared memory per program; the loop's SASS instructions, per NVFP4 value a "
         "thread decodes in a pass and those the ALU pipe issues (`ALU_PIPE`) per value, its "
-        "mma.sync against the products a pass needs, and how many of its instructions touch "
-        "shared memory.",
+        "MMA instructions (mma.sync, or wgmma) against those a pass needs, and how many of its "
+        "instructions touch shared memory.",
         "",
         "| case | kernel | registers | stack B | shared B | loop instructions | per value | "
-        "ALU pipe per value | mma.sync in loop (products needed) | shared-memory ops in loop | "
+        "ALU pipe per value | MMA in loop (needed) | shared-memory ops in loop | "
         "most frequent |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]

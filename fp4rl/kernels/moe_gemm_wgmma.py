@@ -38,6 +38,10 @@ from fp4rl.kernels import dependent_launch, fragments
 from fp4rl.kernels.moe_gemm_registers import blocks_layout, expert_tile, rows_of, words_layout
 from fp4rl.kernels.numerics import GLOBAL_SCALE_BIAS
 
+# A barrier of all of a program's threads: Gluon's `thread_barrier` up to Triton 3.6, `barrier`
+# in later releases.
+_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+
 
 @gluon.constexpr_function
 def _x_layout(block_k, warps):
@@ -133,7 +137,7 @@ def _moe_gemm_wgmma_kernel(
         )
         # Every warp's rows stored before any warp's wgmma reads them.
         fence_async_shared()
-        gl.thread_barrier()
+        _barrier()
         acc = warpgroup_mma(w, rows_smem.permute((1, 0)), acc)
         word_ptrs += BLOCK_K // 8
         scale_ptrs += BLOCK_K // 16

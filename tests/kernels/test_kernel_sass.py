@@ -1,8 +1,9 @@
 """The Gluon register kernels compiled for sm_90 on any machine (`benchmarks/sass.py`, through
 ``fp4rl bench sass``): what the GPU tests cannot show off the GPU. Compiling checks every
 layout change the kernels assert to be a register renaming; the SASS shows their loops free of
-shared memory, as designed (but for a few bytes of the attention's row scales), issuing exactly
-the mma.sync products a pass needs, and the launchers' default tiles free of spills."""
+shared memory, as designed (but for a few bytes of the attention's row scales, and the wgmma
+kernel's stores of x's rows), issuing exactly the MMA instructions a pass needs, and the
+launchers' default tiles free of spills."""
 
 import re
 
@@ -19,16 +20,30 @@ CASES = [
     "gemm:w13:medium",  # rows clamped (GemmTile.clamp_rows)
     "gemm:w2:wide",
     "gemm:w13:narrow:arith",
+    "wgmma:w13:16",
+    "wgmma:w13:32",
+    "wgmma:w2:64",
+    "wgmma:w13:128",
 ]
 NO_SPILLS = {
     "attention:16",
     "gemm:w13:narrow",
     "gemm:w13:short",
-}  # the launchers' tiles at decode batches
+    "wgmma:w13:16",
+    "wgmma:w13:32",
+    "wgmma:w2:64",
+}  # the launchers' tiles at decode batches and the 512-sequence steps
 # Shared-memory instructions a loop may hold: none, but for the attention's V row scales (one
 # FP32 value a row, computed by one lane and moved to the 8 lanes that hold the row's block:
-# one store and one load a step, as Triton lowers that move).
-SHARED_OPS = {"attention:16": 2}
+# one store and one load a step, as Triton lowers that move), and the wgmma kernel's stores of
+# a step's rows of x, a pair of values each (block_m * block_k / (32 * warps) / 2).
+SHARED_OPS = {
+    "attention:16": 2,
+    "wgmma:w13:16": 16 * 128 // 128 // 2,
+    "wgmma:w13:32": 32 * 64 // 128 // 2,
+    "wgmma:w2:64": 64 * 64 // 128 // 2,
+    "wgmma:w13:128": 128 * 64 // 256 // 2,
+}
 
 
 def test_register_kernels_compile_for_sm90_without_shared_memory_in_their_loops(capfd):
@@ -47,6 +62,6 @@ def test_register_kernels_compile_for_sm90_without_shared_memory_in_their_loops(
         assert int(loop) > 0 and float(per_value) > 0, (case, loop)
         assert 0 < float(alu) < float(per_value), (case, alu, per_value)
         issued, needed = re.fullmatch(r"(\d+) \((\d+)\)", mma).groups()
-        assert issued == needed, f"{case}: {issued} mma.sync in the loop, {needed} products"
+        assert issued == needed, f"{case}: {issued} MMA instructions in the loop, {needed} needed"
         if case in NO_SPILLS:
             assert int(stack) == 0, f"{case} spills {stack} bytes"
