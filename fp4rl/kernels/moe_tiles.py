@@ -1,7 +1,8 @@
 """The routed-expert GEMM's tiles (`moe_gemm.launch`): what one program computes (`GemmTile`)
-and which tile a launch takes, by rows per expert on average, for each of the two programs
+and which tile a launch takes, by rows per expert on average, for each of the three programs
 (`moe_gemm`'s Triton program over packed or BF16 weights, `moe_gemm_registers`' Gluon
-program over packed weights). Every choice below was measured on one H200 at Qwen3-30B-A3B's
+program over packed weights, and on Hopper `moe_gemm_wgmma`'s, the same decode on the
+warpgroup MMA). Every choice below was measured on one H200 at Qwen3-30B-A3B's
 expert shapes (`python benchmarks/moe.py`, BENCHMARKS.md "Routed-expert GEMM" and the
 sections after it); no tile changes a bit of the product, only the order of its FP32 sums.
 """
@@ -116,7 +117,8 @@ BF16_CONFIGS: tuple[tuple[float, GemmTile], ...] = (
 # and from 1,536 the Triton program was ahead, also against a 64-row register tile (w13 440.8
 # against 483.8 at 1,536) (`python benchmarks/moe.py --tokens 512,...,4096`, BENCHMARKS.md
 # "Routed-expert GEMM: prefill chunks"). From 1,024 tokens both NVFP4 programs are slower than
-# the BF16 kernel (0.67x and 0.56x for w13 there).
+# the BF16 kernel (0.67x and 0.56x for w13 there). On Hopper the bound does not apply: the
+# warpgroup MMA's tiles (`WGMMA_TILES`) take every batch past 5.5 rows per expert.
 REGISTERS_MAX_ROWS_PER_EXPERT = 64.0
 # Below half a row per expert (one token): 16 rows, 64 columns, 256-wide K steps, the tile once
 # taken up to 8 rows (there w13 at 8 / 64 tokens 53.3 / 117.5 us against 57.5 / 123.8 for the
