@@ -378,25 +378,21 @@ def launch(
     if tile.wgmma:
         if (refusal := wgmma_refusal(x_AK.device)) is not None:
             raise ValueError(f"a wgmma tile (x_AK's device) {refusal}")
-        from fp4rl.kernels import moe_gemm_wgmma
+        from fp4rl.kernels import moe_gemm_wgmma as program
 
+        # Whole warpgroups, each over 64 of the tile's columns at least (wgmma's m64).
         tile = dataclasses.replace(tile, num_warps=max(4, min(tile.num_warps, tile.block_n // 16)))
-        with device_of(x_AK):
-            moe_gemm_wgmma.launch_kernel(
-                grid, x_AK, members, counts_E, y_AN, order_A, A=A, E=E, N=N, K=K,
-                rows_per_group=rows_per_group, top_k=top_k, tile=tile,
-            )  # fmt: skip
-        return y_AN
-    if registers:
+    elif registers:
         if (refusal := register_kernels_refusal(x_AK.device)) is not None:
             raise ValueError(f"registers (x_AK's device) {refusal}")
-        from fp4rl.kernels import moe_gemm_registers
+        from fp4rl.kernels import moe_gemm_registers as program
 
         # Each warp takes 16 of the tile's columns at least (the MMA's m16).
         warps_n = min(tile.num_warps // tile.split_k, tile.block_n // 16)
         tile = dataclasses.replace(tile, num_warps=warps_n * tile.split_k)
+    if registers:
         with device_of(x_AK):
-            moe_gemm_registers.launch_kernel(
+            program.launch_kernel(
                 grid, x_AK, members, counts_E, y_AN, order_A, A=A, E=E, N=N, K=K,
                 rows_per_group=rows_per_group, top_k=top_k, tile=tile,
             )  # fmt: skip

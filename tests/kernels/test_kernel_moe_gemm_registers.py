@@ -126,6 +126,21 @@ def dispatched(tokens, top_k, seed):
     return g, w, x, order, counts
 
 
+def assert_poison_reaches_exactly_its_outputs(rows, w: NVFP4Tensor, counts, config=None):
+    """With a NaN global scale (the first expert with rows) and a NaN block scale (column 5 of
+    every later expert), the register programs' NaN outputs are exactly `moe_gemm`'s program's:
+    the first expert's rows and column 5."""
+    global_scale = w.global_scale.clone()
+    block_scale = w.block_scale.clone()
+    first = int(torch.nonzero(counts)[0])
+    global_scale[first] = math.nan
+    block_scale.view(torch.uint8)[first + 1 :, 5, 3] = 0x7F
+    poisoned = NVFP4Tensor(w.codes, block_scale, global_scale)
+    y = moe_gemm.launch(rows, poisoned, counts, config=config, registers=True)
+    assert torch.equal(y.isnan(), moe_gemm.launch(rows, poisoned, counts, registers=False).isnan())
+    assert y[: int(counts[first])].isnan().all() and y[:, 5].isnan().all()
+
+
 @pytest.mark.gpu
 @DECODES
 def test_registers_gather_poison_and_graph_on_gpu(decode):
@@ -141,16 +156,8 @@ def test_registers_gather_poison_and_graph_on_gpu(decode):
         want = moe_gemm.launch(rows, w, counts, config=tile, registers=True)
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), tile
 
-    global_scale = w.global_scale.clone()
-    block_scale = w.block_scale.clone()
-    first = int(torch.nonzero(counts)[0])
-    global_scale[first] = math.nan
-    block_scale.view(torch.uint8)[first + 1 :, 5, 3] = 0x7F  # column 5 of every later expert
-    poisoned = NVFP4Tensor(w.codes, block_scale, global_scale)
     rows = x[order // top_k].contiguous()
-    y = moe_gemm.launch(rows, poisoned, counts, registers=True)
-    assert torch.equal(y.isnan(), moe_gemm.launch(rows, poisoned, counts).isnan())
-    assert y[: int(counts[first])].isnan().all() and y[:, 5].isnan().all()
+    assert_poison_reaches_exactly_its_outputs(rows, w, counts)
 
     rows_in = torch.zeros(tokens * top_k, k, dtype=torch.bfloat16, device="cuda")
     counts_in = torch.zeros(128, dtype=torch.int64, device="cuda")

@@ -6,8 +6,6 @@ their outputs, and a CUDA-graph replay. The kernel is Gluon for Hopper, compiled
 tests run on an sm_90 GPU; on the CPU the checks and tile rules run.
 """
 
-import math
-
 import pytest
 import torch
 
@@ -22,9 +20,12 @@ from test_kernel_moe_gemm import (  # noqa: E402
     random_weights,
     routed,
 )
-from test_kernel_moe_gemm_registers import EDGE_GLOBAL_SCALES, dispatched  # noqa: E402
+from test_kernel_moe_gemm_registers import (  # noqa: E402
+    EDGE_GLOBAL_SCALES,
+    assert_poison_reaches_exactly_its_outputs,
+    dispatched,
+)
 
-from fp4rl.fp4.tensor import NVFP4Tensor  # noqa: E402
 from fp4rl.kernels import moe_gemm, moe_tiles  # noqa: E402
 from fp4rl.kernels.moe_tiles import GemmTile  # noqa: E402
 
@@ -110,15 +111,8 @@ def test_wgmma_gather_poison_and_graph_on_gpu():
         want = moe_gemm.launch(rows, w, counts, config=tile, registers=True)
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), tile
 
-    global_scale = w.global_scale.clone()
-    block_scale = w.block_scale.clone()
-    first = int(torch.nonzero(counts)[0])
-    global_scale[first] = math.nan
-    block_scale.view(torch.uint8)[first + 1 :, 5, 3] = 0x7F  # column 5 of every later expert
-    poisoned = NVFP4Tensor(w.codes, block_scale, global_scale)
-    y = moe_gemm.launch(rows, poisoned, counts, config=WGMMA_TILES[0], registers=True)
-    assert torch.equal(y.isnan(), moe_gemm.launch(rows, poisoned, counts, registers=False).isnan())
-    assert y[: int(counts[first])].isnan().all() and y[:, 5].isnan().all()
+    for tile in WGMMA_TILES:
+        assert_poison_reaches_exactly_its_outputs(rows, w, counts, tile)
 
     rows_in = rows.clone()
     counts_in = counts.clone()
