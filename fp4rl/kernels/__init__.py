@@ -43,6 +43,7 @@ __all__ = [
     "draw_in_token_order",
     "fake_quantize",
     "grouped_mm",
+    "grouped_mm_on_warpgroup_mma",
     "norm_rope_rows",
     "paged_decode_attention",
     "paged_prefill_attention",
@@ -134,6 +135,11 @@ def grouped_mm(
     """`moe_gemm.reference_gemm`: expert-grouped rows (or tokens gathered by ``order_A //
     top_k`` as they are read) times packed NVFP4 weights, decoded in registers."""
     return moe_gemm.launch(x_AK, w, counts_E, order_A=order_A, top_k=top_k)
+
+
+def grouped_mm_on_warpgroup_mma(x_AK: torch.Tensor, w: NVFP4Tensor) -> bool:
+    """Whether `grouped_mm` runs on Hopper's warpgroup MMA for rows like ``x_AK``."""
+    return moe_gemm.on_warpgroup_mma(x_AK.device, w.shape[1], w.shape[2])
 
 
 def combine_rows(

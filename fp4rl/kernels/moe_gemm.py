@@ -246,6 +246,13 @@ def _moe_gemm_kernel(
     tl.store(y_ptrs, round_to(acc_NM, tl.bfloat16), mask=row_ok_M[None, :])
 
 
+def on_warpgroup_mma(device: torch.device, N: int, K: int) -> bool:
+    """Whether `launch` sends packed ``[E, N, K]`` weights on ``device`` to `moe_gemm_wgmma`'s
+    warpgroup MMA (by default, whatever the rows): a Hopper GPU, and N and K multiples of 64 (its
+    tiles take whole warpgroups of 64 columns and K steps of 64)."""
+    return N % 64 == 0 and K % 64 == 0 and wgmma_refusal(device) is None
+
+
 def launch(
     x_AK: torch.Tensor,
     w: NVFP4Tensor | torch.Tensor,
@@ -344,8 +351,7 @@ def launch(
     y_AN = torch.empty((A, N), dtype=torch.bfloat16, device=x_AK.device)
     if A == 0 or E == 0:
         return y_AN
-    # The warpgroup MMA's tiles take whole warpgroups of 64 columns and K steps of 64.
-    wgmma = packed and N % 64 == 0 and K % 64 == 0 and wgmma_refusal(x_AK.device) is None
+    wgmma = packed and on_warpgroup_mma(x_AK.device, N, K)
     if registers is None:
         registers = (
             packed

@@ -140,6 +140,10 @@ def quantize_guided(
 # and 1.16x (w2) at 24,576, slower at 32,768 -- long prefills; BENCHMARKS.md "Routed-expert
 # GEMM: prefill chunks").
 FUSED_GEMM_MAX_ROWS = 24576
+# The same bound where the fused GEMM runs on Hopper's warpgroup MMA (`moe_gemm_wgmma`): 1.23x
+# (w13) and 1.26x (w2) faster than the dequantization at 32,768 rows, 1.04x and 1.01x at 49,152,
+# slower at 65,536 (BENCHMARKS.md "Routed-expert GEMM: the warpgroup MMA past 3,072 tokens").
+FUSED_GEMM_MAX_ROWS_WGMMA = 49152
 # Row counts up to which the same kernel over BF16 weights replaces `torch._grouped_mm` in
 # inference: it was faster at every size measured from 1 to 2,048 tokens of top-8 (one H200,
 # `python benchmarks/moe.py`, "Routed-expert GEMM" and "Routed-expert GEMM: prefill chunks" in
@@ -176,10 +180,11 @@ def grouped_mm(
     if _bf16_kernel_runs(x_AK, w_ENK, rows):
         return _kernels(x_AK).grouped_mm(x_AK.contiguous(), w_ENK, counts_E, order_A, top_k)
     if isinstance(w_ENK, NVFP4Tensor):
-        fused = x_AK.dtype == torch.bfloat16 and rows <= FUSED_GEMM_MAX_ROWS
         kernels = _kernels(x_AK)
-        if kernels is not None and fused:
-            return kernels.grouped_mm(x_AK.contiguous(), w_ENK, counts_E, order_A, top_k)
+        if kernels is not None and x_AK.dtype == torch.bfloat16:
+            wgmma = kernels.grouped_mm_on_warpgroup_mma(x_AK, w_ENK)
+            if rows <= (FUSED_GEMM_MAX_ROWS_WGMMA if wgmma else FUSED_GEMM_MAX_ROWS):
+                return kernels.grouped_mm(x_AK.contiguous(), w_ENK, counts_E, order_A, top_k)
         w_ENK = dequantize(w_ENK, x_AK.dtype)
     if order_A is not None:
         x_AK = x_AK[order_A // top_k]
@@ -351,6 +356,7 @@ from fp4rl.ops.glue import (  # noqa: E402
 
 __all__ = [
     "FUSED_GEMM_MAX_ROWS",
+    "FUSED_GEMM_MAX_ROWS_WGMMA",
     "BF16_KERNEL_MAX_ROWS",
     "Guidance",
     "SiteRecord",

@@ -382,6 +382,34 @@ def test_bf16_experts_take_the_kernel_in_inference_mode_only_on_gpu():
 
 
 @pytest.mark.gpu
+def test_packed_experts_take_the_fused_kernel_up_to_the_devices_bound_on_gpu():
+    """`ops.grouped_mm` on packed weights: the fused kernel's bits up to FUSED_GEMM_MAX_ROWS rows
+    (FUSED_GEMM_MAX_ROWS_WGMMA where it runs on Hopper's warpgroup MMA), past it every expert
+    dequantized and `torch._grouped_mm`'s bits."""
+    from fp4rl import ops
+
+    n, k = QWEN3_SHAPES["w2"]
+    g = torch.Generator().manual_seed(22)
+    w = random_weights(128, n, k, "cuda", seed=22)
+    probe = torch.empty(0, k, dtype=torch.bfloat16, device="cuda")
+    wgmma = kernels.grouped_mm_on_warpgroup_mma(probe, w)
+    bound = ops.FUSED_GEMM_MAX_ROWS_WGMMA if wgmma else ops.FUSED_GEMM_MAX_ROWS
+    dequantized = kernels.dequantize(w, torch.bfloat16).transpose(-2, -1)
+    for tokens in sorted({ops.FUSED_GEMM_MAX_ROWS // 8 + 1, bound // 8, bound // 8 + 1}):
+        counts = routed(tokens, 128, 8, g).cuda()
+        x = torch.randn(tokens * 8, k, generator=g).to(torch.bfloat16).cuda()
+        offsets = counts.cumsum(0).to(torch.int32)
+        fused = tokens * 8 <= bound
+        if fused:
+            want = moe_gemm.launch(x, w, counts)
+        else:
+            want = torch._grouped_mm(x, dequantized, offs=offsets)
+        with torch.inference_mode():
+            got = ops.grouped_mm(x, w, counts)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (tokens, fused)
+
+
+@pytest.mark.gpu
 @SCALE_PLACES
 @pytest.mark.parametrize("shape", list(QWEN3_SHAPES), ids=str)
 def test_qwen3_weights_bitwise_on_gpu(shape, acc):
