@@ -20,7 +20,7 @@ block, those 8 BF16 values and splits them into byte tables (`byte_tables`: four
 contract's products, and the other four as exact doublings of two of them); a word's 8 values
 are then table lookups, sign flips and pairings by PRMT, 15 instructions for 8 values, 13 for
 KV pages, whose sign bits sit where the flips take them (`look_up`). Each value is
-``round_bf16((e2m1 * sf) * s)``, the bits `numerics` defines (a negative code flips the sign
+``round_bf16((e2m1 * sf) * s)``, the bits `packed_words` defines (a negative code flips the sign
 bit, as the symmetric rounding does).
 
 Compiled only (sm_89 and newer): Triton's interpreter runs no Gluon.

@@ -28,7 +28,7 @@ from triton.experimental.gluon import language as gl
 
 from fp4rl.fp4.format import GLOBAL_SCALE_DIVISOR, MIN_GLOBAL_SCALE
 from fp4rl.kernels import fragments
-from fp4rl.kernels.numerics import GLOBAL_SCALE_BIAS
+from fp4rl.kernels.packed_words import GLOBAL_SCALE_BIAS
 
 _DIVISOR = gl.constexpr(GLOBAL_SCALE_DIVISOR)
 _MIN_SCALE = gl.constexpr(MIN_GLOBAL_SCALE)

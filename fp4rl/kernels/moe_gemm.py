@@ -52,20 +52,18 @@ from fp4rl.kernels.moe_tiles import (
     config_for,
     register_config_for,
 )
-from fp4rl.kernels.numerics import (
+from fp4rl.kernels.numerics import dot, e4m3_value, round_to
+from fp4rl.kernels.packed_words import (
     BLOCK_SCALE_BIAS,
     GLOBAL_SCALE_BIAS,
     PAIRS,
     bf16x2_bits,
     bf16x2_halves,
-    dot,
-    e4m3_value,
     packed_code,
     packed_pair,
-    round_to,
 )
 
-# How a packed code becomes its value exactly (the biases, the bit trick): `numerics.py`.
+# How a packed code becomes its value exactly (the biases, the bit trick): `packed_words.py`.
 
 
 @triton.jit
@@ -134,7 +132,7 @@ def _decode_tile(words_NW, scale_NW, s_N, SCALE_AFTER: tl.constexpr):
 @triton.jit
 def _decode_tile_paired(words_NW, scale_pair_NW):
     """`_decode_tile` with the global scale left out (SCALE_AFTER), two codes per instruction:
-    ``scale_pair_NW`` holds each word's biased block scale as BF16x2 (`numerics.packed_pair`).
+    ``scale_pair_NW`` holds each word's biased block scale as BF16x2 (`packed_words.packed_pair`).
     The weights are the same BF16 values, ``e2m1 * sf * 2**-8``."""
     lo0, hi0 = bf16x2_halves(packed_pair(words_NW, 0), scale_pair_NW)  # codes 0 and 4
     lo1, hi1 = bf16x2_halves(packed_pair(words_NW, 1), scale_pair_NW)

@@ -26,7 +26,7 @@ Decode: by byte-table lookup (`fragments.byte_tables`, `fragments.look_up`: 15 i
 8 weights) against about 40 for the arithmetic per code (`_decode`, kept for 32-wide K steps
 and as the lookup's reference in the tests). See `LOOKUP`.
 
-Numerics: each weight entering a product is ``round_bf16((e2m1 * sf) * s)`` from `numerics`'
+Numerics: each weight entering a product is ``round_bf16((e2m1 * sf) * s)`` from `packed_words`'
 pieces, the bits `moe_gemm` decodes (the lookup's tables hold exactly those values for the 8
 magnitudes, and a negative code flips the sign bit, as the symmetric rounding does); products
 of BF16 values are exact in FP32 and accumulate in FP32 (in the tensor cores' own order over a
@@ -51,12 +51,12 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from fp4rl.kernels import dependent_launch, fragments, numerics
-from fp4rl.kernels.numerics import BLOCK_SCALE_BIAS, GLOBAL_SCALE_BIAS
+from fp4rl.kernels import dependent_launch, fragments, packed_words
+from fp4rl.kernels.packed_words import BLOCK_SCALE_BIAS, GLOBAL_SCALE_BIAS
 
 # The recipe's code decode as a Gluon function: the same Python body. (A block scale byte
 # becomes FP32 through the GPU's E4M3 conversion, as `numerics.e4m3_value` does when compiled.)
-_packed_code = gluon.jit(numerics.packed_code.fn)
+_packed_code = gluon.jit(packed_words.packed_code.fn)
 
 
 @gluon.jit

@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from fp4rl.kernels import dependent_launch, fragments
 from fp4rl.kernels.moe_gemm_registers import blocks_layout, expert_tile, rows_of, words_layout
-from fp4rl.kernels.numerics import GLOBAL_SCALE_BIAS
+from fp4rl.kernels.packed_words import GLOBAL_SCALE_BIAS
 
 # A barrier of all of a program's threads: Gluon's `thread_barrier` up to Triton 3.6, `barrier`
 # in later releases.

@@ -25,16 +25,8 @@ import triton.language as tl
 from fp4rl.fp4 import reference
 from fp4rl.fp4.tensor import NVFP4Rows
 from fp4rl.kernels.launch import check_contiguous, check_kernel_device
-from fp4rl.kernels.numerics import (
-    BLOCK_SCALE_BIAS,
-    GLOBAL_SCALE_BIAS,
-    dot,
-    e4m3_value,
-    global_scale_from_amax,
-    is_finite,
-    page_code,
-    round_to,
-)
+from fp4rl.kernels.numerics import dot, e4m3_value, global_scale_from_amax, is_finite, round_to
+from fp4rl.kernels.packed_words import BLOCK_SCALE_BIAS, GLOBAL_SCALE_BIAS, page_code
 
 KVPages = torch.Tensor | NVFP4Rows  # [num_blocks, P, K, D] values, or the NVFP4 members
 

@@ -34,12 +34,12 @@ from fp4rl.kernels.numerics import (
     is_finite,
     max_nan,
     nan_like,
-    page_words,
     ratio_divisor,
     round_to,
     scale_back,
     with_sign_of,
 )
+from fp4rl.kernels.packed_words import page_words
 
 
 @triton.jit
@@ -185,7 +185,7 @@ def store_codes(
     (`launch.word_view`): a half block's four bytes are summed into one word by multiplies,
     which the GPU runs on its multiply-add units, rather than assembled with byte permutes; a
     block's two words go out as one 8-byte store. With PAGE_SIGNS the words' sign bits go where
-    KV pages keep them (`numerics.page_words`)."""
+    KV pages keep them (`packed_words.page_words`)."""
     first, second = split_halves(packed.to(tl.int32))  # [BLOCK_R, NB, 4] bytes of each half
     weight = (1 << (8 * tl.arange(0, 4)))[None, None, :]
     words = tl.join(tl.sum(first * weight, axis=2), tl.sum(second * weight, axis=2))

@@ -14,7 +14,7 @@ from fp4rl.fp4 import reference as R
 from fp4rl.fp4.format import MIN_GLOBAL_SCALE
 from fp4rl.fp4.tensor import NVFP4Tensor
 
-GLOBAL_SCALE_BIAS = 2.0**8  # `numerics.GLOBAL_SCALE_BIAS`, as the kernels pass the global scale
+GLOBAL_SCALE_BIAS = 2.0**8  # `packed_words.GLOBAL_SCALE_BIAS`, as the kernels pass the global scale
 LARGEST_FROM_FINITE_INPUT = torch.finfo(torch.float32).max / 2688
 
 

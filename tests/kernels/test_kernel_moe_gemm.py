@@ -137,7 +137,7 @@ def test_tiles_narrow_only_where_the_grid_leaves_sms_idle():
 
 # With the global scale on the accumulator, a one-hot row's sum is one exact product
 # e2m1 * sf, and times the global scale it rounds as the contract's weight does: the same bits.
-# (Compiled, that path decodes two codes per instruction: `numerics.packed_pair`.)
+# (Compiled, that path decodes two codes per instruction: `packed_words.packed_pair`.)
 SCALE_PLACES = pytest.mark.parametrize("acc", [False, True], ids=["contract", "on_accumulator"])
 
 
