@@ -1,6 +1,6 @@
-"""Int32 words of 8 packed E2M1 codes decoded in registers, exactly: the Triton programs'
-pieces for the expert GEMM (`moe_gemm`, `moe_gemm_registers`) and the paged attention's KV
-pages (`paged_kv`, `tiles`).
+"""Int32 words of 8 packed E2M1 codes decoded in registers, exactly: the pieces the expert
+GEMMs' programs and the paged attention's share, and the KV pages' layout of the sign bits
+(which `tiles` writes).
 
 A code's magnitude index moved to FP32 bits 22-24 is exactly e2m1 * 2**-126 (0.5 lands on a
 subnormal). The 2**126 comes back split between the two scales: block scales times 2**118
