@@ -3,20 +3,21 @@ shared memory and the main loop's instructions by opcode.
 
 No GPU needed (Triton compiles for the target and disassembles with the tools its wheel ships):
 ``python benchmarks/sass.py`` for sm_90, ``--arch 80`` for an A100. ``--cases`` picks some of
-`CASES` (e.g. ``attention:16,gemm:w13:narrow``). Prints a markdown table, written to
+`CASES` (e.g. ``attention:16,gemm:w13:short``). Prints a markdown table, written to
 ``$OUT/sass.md`` when OUT is set.
 
 The kernels: `paged_attention_registers` (decode attention, NVFP4 pages, 32 query / 4 KV heads of
 128, pages of 16 tokens) at 16- and 32-token steps, `moe_gemm_registers` (the expert GEMM,
-Qwen3-30B-A3B's w13 ``[1536, 2048]`` and w2 ``[2048, 768]``) at the launcher's five tiles, by
+Qwen3-30B-A3B's w13 ``[1536, 2048]`` and w2 ``[2048, 768]``) at the launcher's four tiles, by
 byte-table lookup and by arithmetic per code, and `moe_gemm_wgmma` (the same GEMM on Hopper's
 warpgroup MMA, sm_90 only) at the launcher's four tiles (``wgmma:w13:ROWS``). The loop is the
-longest stretch of SASS between a label and a branch back to it; "per value" divides its
-instructions by the NVFP4 values a thread decodes in one pass (K and V for the attention,
-weights for the GEMM). Shared-memory instructions in the loop are counted apart: the register
-kernels are meant to have none, the wgmma kernel only the stores of x's rows.
-A figure holds for the Triton printed in the header; the GPU machine's may allocate registers
-differently.
+longest stretch of SASS between a label and a branch back to it; `moe_gemm_registers` unrolls
+its K loop at compile time, so for it the whole kernel is counted and divided by its steps
+(the prologue and the store included). "per value" divides a pass's instructions by the NVFP4
+values a thread decodes in one pass (K and V for the attention, weights for the GEMM).
+Shared-memory instructions in the loop are counted apart: the register kernels are meant to
+have none, the wgmma kernel only the stores of x's rows. A figure holds for the Triton printed
+in the header; the GPU machine's may allocate registers differently.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class Case:
     values_per_thread: int
     mma: int  # m16n8k16 products (wgmma: m64nNk16 instructions) one warp must issue per pass
     label: str
+    steps: int = 0  # passes of a loop unrolled at compile time; 0: the SASS has the loop
 
 
 def attention_case(block_n: int) -> Case:
@@ -67,7 +69,6 @@ def gemm_case(weight: str, tile_name: str, lookup: bool) -> Case:
 
     n, k = {"w13": (1536, 2048), "w2": (2048, 768)}[weight]
     tile = {
-        "narrow": moe_tiles.REGISTERS_TILE,
         "short": moe_tiles.REGISTERS_SHORT_TILE,
         "medium": moe_tiles.REGISTERS_MEDIUM_TILE,
         "wide": moe_tiles.REGISTERS_WIDE_TILE,
@@ -100,6 +101,7 @@ def gemm_case(weight: str, tile_name: str, lookup: bool) -> Case:
         f"{weight} {tile.block_m}:{tile.block_n}:{tile.block_k}:{warps}"
         f"{f':split {tile.split_k}' if tile.split_k > 1 else ''} "
         f"{'lookup' if lookup else 'arithmetic'}",
+        steps=k // (tile.block_k * tile.split_k),
     )
 
 
@@ -128,7 +130,7 @@ CASES = {
     **{
         f"gemm:{w}:{t}{'' if lut else ':arith'}": (lambda w=w, t=t, lut=lut: gemm_case(w, t, lut))
         for w in ("w13", "w2")
-        for t in ("narrow", "short", "medium", "wide", "split")
+        for t in ("short", "medium", "wide", "split")
         for lut in (True, False)
     },
     **{
@@ -199,6 +201,25 @@ def resources(cubin: bytes) -> dict[str, int]:
     return {k: int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED):(\d+)", out)}
 
 
+def kernel_opcodes(cubin: bytes) -> collections.Counter:
+    """Opcodes of the whole kernel in ``cubin`` (NOPs left out), from cuobjdump's listing, which
+    has every instruction (Triton's own listing stops at an address of four hex digits)."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True,
+                             check=True).stdout  # fmt: skip
+    ops = collections.Counter()
+    for line in out.splitlines():
+        m = re.match(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]+)", line)
+        if m and m.group(1) != "NOP":
+            ops[m.group(1)] += 1
+    return ops
+
+
 def loop_opcodes(sass: str) -> collections.Counter:
     """Opcodes of the longest stretch between a label and a branch back to it."""
     lines = sass.splitlines()
@@ -232,7 +253,11 @@ ALU_PIPE = ("PRMT", "LOP3", "SHF", "LEA", "IADD3", "ISETP", "FSETP", "FMNMX", "S
 def table_row(name: str, case: Case, arch: int) -> str:
     compiled = compile_case(case, arch)
     res = resources(compiled.asm["cubin"])
-    ops = loop_opcodes(compiled.asm["sass"])
+    if case.steps:  # unrolled: the whole kernel, a step's share
+        whole = kernel_opcodes(compiled.asm["cubin"])
+        ops = collections.Counter({op: round(n / case.steps) for op, n in whole.items()})
+    else:
+        ops = loop_opcodes(compiled.asm["sass"])
     total = sum(ops.values())
     shared = sum(n for op, n in ops.items() if op.startswith(("LDS", "STS", "LDSM", "STSM")))
     mma = sum(n for op, n in ops.items() if op.startswith(("HMMA", "HGMMA")))
@@ -259,7 +284,8 @@ def main() -> None:
         "",
         f"Compiled for sm_{args.arch} without a GPU. Registers and stack bytes (spills) per "
         "thread, shared memory per program; the loop's SASS instructions, per NVFP4 value a "
-        "thread decodes in a pass and those the ALU pipe issues (`ALU_PIPE`) per value, its "
+        "thread decodes in a pass and those the ALU pipe issues (`ALU_PIPE`) per value (a "
+        "kernel unrolled at compile time: the whole kernel over its steps), its "
         "MMA instructions (mma.sync, or wgmma) against those a pass needs, and how many of its "
         "instructions touch shared memory.",
         "",

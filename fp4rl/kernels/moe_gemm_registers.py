@@ -292,11 +292,14 @@ def _moe_gemm_registers_kernel(
     acc = gl.zeros(_stacked_shape(SPLIT, [BLOCK_N, BLOCK_M]), gl.float32, layout=mma)
     words = gl.load(word_ptrs)
     scales = gl.load(scale_ptrs)
-    for k in range(0, K, STEP):
-        if PREFETCH:  # the next step's words in flight while this step decodes
-            more = k + STEP < K
-            next_words = gl.load(word_ptrs + STEP // 8, mask=more, other=0)
-            next_scales = gl.load(scale_ptrs + STEP // 16, mask=more, other=0)
+    # K is known at compile time and the loop is unrolled there (3 to 16 steps at the shapes
+    # served): each step's prefetched words land in registers of their own, not copied into
+    # the last step's at the end of a pass, the increments become constant offsets, and the
+    # steps' loads and decodes interleave. The same products in the same order.
+    for k in gl.static_range(0, K, STEP):
+        if PREFETCH and k + STEP < K:  # the next step's words in flight while this step decodes
+            next_words = gl.load(word_ptrs + STEP // 8)
+            next_scales = gl.load(scale_ptrs + STEP // 16)
         sf = scales.to(gl.float8e4nv, bitcast=True).to(gl.float32)
         if LOOKUP:
             w_VK = fragments.looked_up(
@@ -309,14 +312,14 @@ def _moe_gemm_registers_kernel(
         x_UK = rows_of(x_ptrs, row_ok_U[:, None], 0.0, CLAMP_ROWS)
         x = _stacked_t(fragments.hardware_order(x_UK, SPLIT * BLOCK_M, BLOCK_K), SPLIT)
         acc = mma_v2(w, gl.convert_layout(x, rows_l, assert_trivial=True), acc)
-        word_ptrs += STEP // 8
-        scale_ptrs += STEP // 16
-        x_ptrs += STEP
-        if PREFETCH:
-            words = next_words
-            scales = next_scales
-        else:
-            if k + STEP < K:
+        if k + STEP < K:
+            word_ptrs += STEP // 8
+            scale_ptrs += STEP // 16
+            x_ptrs += STEP
+            if PREFETCH:
+                words = next_words
+                scales = next_scales
+            else:
                 words = gl.load(word_ptrs)
                 scales = gl.load(scale_ptrs)
 
@@ -333,8 +336,8 @@ def _moe_gemm_registers_kernel(
 
 
 # Decode by byte-table lookup (`fragments`; tiles with BLOCK_K >= 64) rather than by arithmetic
-# per code (`_decode`): 4.5 against 7.0 loop instructions per weight at the launcher's narrow
-# tile (SASS for sm_90, `python benchmarks/sass.py`); 1.04-1.18x faster from 1 to 256 tokens
+# per code (`_decode`): 4.5 against 7.0 loop instructions per weight at a 16:64:256 tile
+# (SASS for sm_90, `python benchmarks/sass.py`); 1.04-1.18x faster from 1 to 256 tokens
 # even before its tables were built by doubling (one H200, `python benchmarks/moe.py`,
 # BENCHMARKS.md "Routed-expert GEMM: the register kernel"). Both are the contract's bits; the
 # arithmetic decode stays for 32-wide K steps, whose blocks span two threads, and as the

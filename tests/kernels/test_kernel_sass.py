@@ -15,11 +15,11 @@ from fp4rl.cli import main  # noqa: E402
 
 CASES = [
     "attention:16",
-    "gemm:w13:narrow",
     "gemm:w13:short",
+    "gemm:w2:short",
     "gemm:w13:medium",  # rows clamped (GemmTile.clamp_rows)
     "gemm:w2:wide",
-    "gemm:w13:narrow:arith",
+    "gemm:w13:short:arith",
     "wgmma:w13:16",
     "wgmma:w13:32",
     "wgmma:w2:64",
@@ -27,8 +27,8 @@ CASES = [
 ]
 NO_SPILLS = {
     "attention:16",
-    "gemm:w13:narrow",
     "gemm:w13:short",
+    "gemm:w2:short",
     "wgmma:w13:16",
     "wgmma:w13:32",
     "wgmma:w2:64",
