@@ -120,21 +120,22 @@ BF16_CONFIGS: tuple[tuple[float, GemmTile], ...] = (
 # the BF16 kernel (0.67x and 0.56x for w13 there). On Hopper the bound does not apply: the
 # warpgroup MMA's tiles (`WGMMA_TILES`) take every batch past 5.5 rows per expert.
 REGISTERS_MAX_ROWS_PER_EXPERT = 64.0
-# Below half a row per expert (one token): 16 rows, 64 columns, 256-wide K steps, the tile once
-# taken up to 8 rows (there w13 at 8 / 64 tokens 53.3 / 117.5 us against 57.5 / 123.8 for the
-# bucket's tile, w2 30.7 / 67.8 against 33.0 / 69.1).
-REGISTERS_TILE = GemmTile(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=2)
-# From half a row per expert on average (8 tokens at top-8 over 128 experts) to 5.5: the same
-# tile with 8 rows, half the rows of x loaded and multiplied (w13 at 8 / 64 tokens 48.5 / 101.7
-# us against 50.2 / 110.2 for 16 rows, w2 26.3 / 57.8 against 29.2 / 64.8). Below half a row
-# (one token) 16 rows measured faster: 14.0 against 17.0 us (w13), 7.5 against 7.9 (w2).
+# Up to 5.5 rows per expert on average (88 tokens at top-8 over 128 experts): 8 rows, 64
+# columns, 256-wide K steps (w13 at 8 / 64 tokens 48.5 / 101.7 us against 50.2 / 110.2 for 16
+# rows, w2 26.3 / 57.8 against 29.2 / 64.8). Below half a row (under 8 tokens) 16 rows were once
+# faster (14.0 against 17.0 us for w13 at one token, 7.5 against 7.9 for w2); with the K loop
+# unrolled at compile time the 8-row tile took w2 there too: 6.5 / 9.5 / 14.6 / 18.4 us at 1 /
+# 2 / 4 / 6 tokens against 7.2 / 10.3 / 16.2 / 20.2 for 16 rows (one H200, `python
+# benchmarks/moe.py --tokens 1,2,4,6,... --register-configs auto,8:64:256:4:2`, BENCHMARKS.md
+# "Routed-expert GEMM: the K loop unrolled at compile time").
 REGISTERS_SHORT_TILE = GemmTile(block_m=8, block_n=64, block_k=256, num_warps=4, num_stages=2)
-# Below half a row per expert, a long reduction (at least 8 of REGISTERS_TILE's K steps: w13's
-# K = 2048, not w2's 768) is split between two warps per column: 8 rows, 32 columns, each warp
-# its own 256 of a 512-wide step. A lone token's warps then each walk half as many steps: w13
-# at 1 / 4 tokens 11.8 / 29.3 us against 14.0 / 30.9 unsplit, while w2's three steps gain
-# nothing (8.1 against 7.7 us at one token) (one H200, `python benchmarks/moe.py`, BENCHMARKS.md
-# "Routed-expert GEMM: K split across warps").
+# Below half a row per expert, a long reduction (at least 8 of REGISTERS_SHORT_TILE's K steps:
+# w13's K = 2048, not w2's 768) is split between two warps per column: 8 rows, 32 columns, each
+# warp its own 256 of a 512-wide step. A lone token's warps then each walk half as many steps:
+# w13 at 1 / 4 tokens 11.8 / 29.3 us against 14.0 / 30.9 unsplit (16 rows), while w2's three
+# steps gain nothing (8.1 against 7.7 us at one token) (one H200, `python benchmarks/moe.py`,
+# BENCHMARKS.md "Routed-expert GEMM: K split across warps"); unrolled, 9.7 / 25.3 us against
+# 12.3 / 26.2 for the 8-row tile unsplit.
 REGISTERS_SPLIT_TILE = GemmTile(block_m=8, block_n=32, block_k=256, num_warps=4, num_stages=2,
                                 split_k=2)  # fmt: skip
 REGISTERS_SPLIT_MIN_STEPS = 8
@@ -224,12 +225,12 @@ def config_for(
 def register_config_for(
     num_rows: int, num_experts: int, k: int = 0, *, wgmma: bool = False
 ) -> GemmTile:
-    """The register kernel's tile by rows per expert on average: `REGISTERS_TILE` below half a
-    row (`REGISTERS_SPLIT_TILE` where the reduction ``k`` has at least
-    `REGISTERS_SPLIT_MIN_STEPS` of its steps), `REGISTERS_SHORT_TILE` up to 5.5 rows,
-    `REGISTERS_MEDIUM_TILE` up to 12 (`REGISTERS_MEDIUM_ROWS`), `REGISTERS_WIDE_TILE` above
-    (narrowed to the weight's shape by `moe_gemm.launch`, its warps cut to one per 16
-    columns); on a GPU with the warpgroup MMA (``wgmma``) `WGMMA_TILES`' from 5.5 rows."""
+    """The register kernel's tile by rows per expert on average: `REGISTERS_SHORT_TILE` up to
+    5.5 rows (`REGISTERS_SPLIT_TILE` below half a row where the reduction ``k`` has at least
+    `REGISTERS_SPLIT_MIN_STEPS` of its steps), `REGISTERS_MEDIUM_TILE` up to 12
+    (`REGISTERS_MEDIUM_ROWS`), `REGISTERS_WIDE_TILE` above (narrowed to the weight's shape by
+    `moe_gemm.launch`, its warps cut to one per 16 columns); on a GPU with the warpgroup MMA
+    (``wgmma``) `WGMMA_TILES`' from 5.5 rows."""
     experts = max(num_experts, 1)
     low, high = REGISTERS_MEDIUM_ROWS
     if wgmma and num_rows > low * experts:
@@ -238,8 +239,6 @@ def register_config_for(
         return REGISTERS_WIDE_TILE
     if num_rows > low * experts:
         return REGISTERS_MEDIUM_TILE
-    if num_rows >= 0.5 * experts:
-        return REGISTERS_SHORT_TILE
-    if k >= REGISTERS_SPLIT_MIN_STEPS * REGISTERS_TILE.block_k:
+    if num_rows < 0.5 * experts and k >= REGISTERS_SPLIT_MIN_STEPS * REGISTERS_SHORT_TILE.block_k:
         return REGISTERS_SPLIT_TILE
-    return REGISTERS_TILE
+    return REGISTERS_SHORT_TILE

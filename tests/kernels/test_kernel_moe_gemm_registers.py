@@ -220,13 +220,13 @@ def test_decode_batches_take_the_register_kernel_on_gpu():
 
 
 def test_register_tiles_by_rows_per_expert():
-    """The register kernel's tile: 16 rows below half a row per expert (one token at top-8 of
-    128), split across two warps per column for w13's long K, 8 rows up to 5.5 rows per
-    expert, 16 rows and 128 columns up to 12, then the wide tile; the launcher's own choice
-    reaches as far as REGISTERS_MAX_ROWS_PER_EXPERT."""
+    """The register kernel's tile: 8 rows up to 5.5 rows per expert, below half a row (one
+    token at top-8 of 128) split across two warps per column for w13's long K; 16 rows and 128
+    columns up to 12, then the wide tile; the launcher's own choice reaches as far as
+    REGISTERS_MAX_ROWS_PER_EXPERT."""
     for rows in (1, 8, 63):
-        assert moe_tiles.register_config_for(rows, 128) == moe_tiles.REGISTERS_TILE
-        assert moe_tiles.register_config_for(rows, 128, k=768) == moe_tiles.REGISTERS_TILE
+        assert moe_tiles.register_config_for(rows, 128) == moe_tiles.REGISTERS_SHORT_TILE
+        assert moe_tiles.register_config_for(rows, 128, k=768) == moe_tiles.REGISTERS_SHORT_TILE
         assert moe_tiles.register_config_for(rows, 128, k=2048) == moe_tiles.REGISTERS_SPLIT_TILE
     assert moe_tiles.register_config_for(64, 128, k=2048) == moe_tiles.REGISTERS_SHORT_TILE
     for rows in (64, 512, 704):  # 8 to 88 tokens
