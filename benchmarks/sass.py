@@ -107,20 +107,23 @@ def gemm_case(weight: str, tile_name: str, lookup: bool) -> Case:
 
 def wgmma_case(weight: str, index: int) -> Case:
     """`moe_gemm_wgmma` at the launcher's tile ``moe_tiles.WGMMA_TILES[index]``."""
-    from fp4rl.kernels import moe_tiles
+    from fp4rl.kernels import moe_gemm_wgmma, moe_tiles
 
     n, k = {"w13": (1536, 2048), "w2": (2048, 768)}[weight]
     tile = moe_tiles.WGMMA_TILES[index][1].fitted(n, k)
     warps = tile.num_warps
+    unroll = tile.block_m <= moe_gemm_wgmma.UNROLL_MAX_ROWS
     return Case(
         "wgmma",
         dict(N=n, K=k, GATHER=False, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-             BLOCK_K=tile.block_k, BLOCK_E=128, WARPS=warps, PDL=True),
+             BLOCK_K=tile.block_k, BLOCK_E=128, WARPS=warps,
+             UNROLL=unroll, PDL=True),
         warps,
         tile.block_n * tile.block_k // (32 * warps),
         # K steps of 16 x the warp's m64 instructions (its warpgroup's 64 rows at a time)
         (tile.block_k // 16) * (tile.block_n // (16 * warps)),
         f"{weight} {tile.block_m}:{tile.block_n}:{tile.block_k}:{warps} wgmma",
+        steps=k // tile.block_k if unroll else 0,
     )  # fmt: skip
 
 

@@ -38,6 +38,14 @@ from fp4rl.kernels import dependent_launch, fragments
 from fp4rl.kernels.moe_gemm_registers import blocks_layout, expert_tile, rows_of, words_layout
 from fp4rl.kernels.packed_words import GLOBAL_SCALE_BIAS
 
+# Tiles of at most this many rows unroll their K loop at compile time (`_k_step`, bitwise the
+# loop's): the 16-row tile's w13 / w2 at 96 / 128 / 192 tokens took 107.1 / 108.1 / 120.3 and
+# 57.9 / 58.9 / 63.0 us against 113.1 / 114.5 / 129.0 and 61.0 / 62.1 / 67.0 looped, while
+# the 32- and 64-row tiles lost up to 2.3x (w13 at 256 / 512 tokens 193.1 / 399.1 against
+# 134.9 / 170.8), their registers grown from 128 to 159 and from 176 to 193 (one H200, `python
+# benchmarks/moe.py`, BENCHMARKS.md "Routed-expert GEMM: the K loop unrolled at compile
+# time").
+UNROLL_MAX_ROWS = 16
 # A barrier of all of a program's threads: Gluon's `thread_barrier` up to Triton 3.6, `barrier`
 # in later releases.
 _barrier = getattr(gl, "barrier", None) or gl.thread_barrier
@@ -49,6 +57,35 @@ def _x_layout(block_k, warps):
     the warps over the rows."""
     along_k = min(32, block_k // 8)
     return gl.BlockedLayout([1, 8], [32 // along_k, along_k], [warps, 1], [1, 0])
+
+
+@gluon.jit
+def _k_step(acc, words, scales, x_MK, word_ptrs, scale_ptrs, x_ptrs, more, x_smem, buffer,
+            row_ok_M, s_B, words_l: gl.constexpr, weights_l: gl.constexpr,
+            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):  # fmt: skip
+    """One K step of the product: the accumulator, this step's words, scales and rows of x as
+    loaded, and the three pointers -> the same for the next step, ``more`` saying whether there
+    is one. The next step's words, scales and rows go in flight while this one decodes; this
+    step's rows go to shared memory (``x_smem``'s ``buffer``, in the permuted K order) before
+    the next step's are loaded, so that two steps' rows are never held at once."""
+    next_words = gl.load(word_ptrs + BLOCK_K // 8, mask=more, other=0)
+    next_scales = gl.load(scale_ptrs + BLOCK_K // 16, mask=more, other=0)
+    rows_smem = x_smem.index(buffer)
+    rows_smem.store(fragments.hardware_order(x_MK, BLOCK_M, BLOCK_K))
+    x_ptrs += BLOCK_K
+    x_MK = gl.load(x_ptrs, mask=row_ok_M[:, None] & more, other=0.0)
+    sf = scales.to(gl.float8e4nv, bitcast=True).to(gl.float32)
+    w_NK = fragments.looked_up(words, sf, s_B[:, None], BLOCK_N, BLOCK_K, words_l, PAGE_SIGNS=False)
+    w = gl.convert_layout(
+        fragments.hardware_order(w_NK, BLOCK_N, BLOCK_K), weights_l, assert_trivial=True
+    )
+    # Every warp's rows stored before any warp's wgmma reads them.
+    fence_async_shared()
+    _barrier()
+    acc = warpgroup_mma(w, rows_smem.permute((1, 0)), acc)
+    word_ptrs += BLOCK_K // 8
+    scale_ptrs += BLOCK_K // 16
+    return acc, next_words, next_scales, x_MK, word_ptrs, scale_ptrs, x_ptrs
 
 
 # Batch and row counts change with every step: no recompiling for each.
@@ -73,6 +110,7 @@ def _moe_gemm_wgmma_kernel(
     BLOCK_K: gl.constexpr,
     BLOCK_E: gl.constexpr,
     WARPS: gl.constexpr,
+    UNROLL: gl.constexpr,
     PDL: gl.constexpr,
 ):
     dependent_launch.gluon_wait_for_prior(PDL)
@@ -116,36 +154,26 @@ def _moe_gemm_wgmma_kernel(
     words = gl.load(word_ptrs)
     scales = gl.load(scale_ptrs)
     x_MK = gl.load(x_ptrs, mask=row_ok_M[:, None], other=0.0)
-    step = 0
-    for k in range(0, K, BLOCK_K):
-        # The next step's words, scales and rows in flight while this one decodes; this
-        # step's rows go to shared memory, in the permuted K order, before the next step's
-        # are loaded, so that two steps' rows are never held at once.
-        more = k + BLOCK_K < K
-        next_words = gl.load(word_ptrs + BLOCK_K // 8, mask=more, other=0)
-        next_scales = gl.load(scale_ptrs + BLOCK_K // 16, mask=more, other=0)
-        rows_smem = x_smem.index(step % 2)
-        rows_smem.store(fragments.hardware_order(x_MK, BLOCK_M, BLOCK_K))
-        x_ptrs += BLOCK_K
-        x_MK = gl.load(x_ptrs, mask=row_ok_M[:, None] & more, other=0.0)
-        sf = scales.to(gl.float8e4nv, bitcast=True).to(gl.float32)
-        w_NK = fragments.looked_up(
-            words, sf, s_B[:, None], BLOCK_N, BLOCK_K, words_l, PAGE_SIGNS=False
-        )
-        w = gl.convert_layout(
-            fragments.hardware_order(w_NK, BLOCK_N, BLOCK_K), weights_l, assert_trivial=True
-        )
-        # Every warp's rows stored before any warp's wgmma reads them.
-        fence_async_shared()
-        _barrier()
-        acc = warpgroup_mma(w, rows_smem.permute((1, 0)), acc)
-        word_ptrs += BLOCK_K // 8
-        scale_ptrs += BLOCK_K // 16
-        words = next_words
-        scales = next_scales
-        # A counter of its own (Gluon has no enumerate): the buffer from ``k // BLOCK_K``
-        # compiled to more instructions and registers.
-        step += 1  # noqa: SIM113
+    # The loop carries its values by name, in this order: carried as one tuple, the same steps
+    # compiled to other registers for the 32- to 128-row tiles, 4-5 % slower at 256 and 2,048
+    # tokens (one H200).
+    if UNROLL:  # K known at compile time: the steps unrolled there
+        for k in gl.static_range(0, K, BLOCK_K):
+            acc, words, scales, x_MK, word_ptrs, scale_ptrs, x_ptrs = _k_step(
+                acc, words, scales, x_MK, word_ptrs, scale_ptrs, x_ptrs, k + BLOCK_K < K,
+                x_smem, (k // BLOCK_K) % 2, row_ok_M, s_B, words_l, weights_l,
+                BLOCK_M, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
+    else:
+        step = 0
+        for k in range(0, K, BLOCK_K):
+            acc, words, scales, x_MK, word_ptrs, scale_ptrs, x_ptrs = _k_step(
+                acc, words, scales, x_MK, word_ptrs, scale_ptrs, x_ptrs, k + BLOCK_K < K,
+                x_smem, step % 2, row_ok_M, s_B, words_l, weights_l, BLOCK_M, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
+            # A counter of its own (Gluon has no enumerate): the buffer from ``k // BLOCK_K``
+            # compiled to more instructions and registers.
+            step += 1  # noqa: SIM113
 
     cols_out = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
     rows_out = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
@@ -187,7 +215,8 @@ def launch_kernel(grid, x_AK, members, counts_E, y_AN, order_A, *, A, E, N, K, r
         A, E, rows_per_group, top_k,
         N=N, K=K, GATHER=order_A is not None,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        BLOCK_E=triton.next_power_of_2(E), WARPS=tile.num_warps, num_warps=tile.num_warps,
+        BLOCK_E=triton.next_power_of_2(E), WARPS=tile.num_warps,
+        UNROLL=tile.block_m <= UNROLL_MAX_ROWS, num_warps=tile.num_warps,
         # Products feed additions only inside the MMA; no FMA may merge the two scalings.
         enable_fp_fusion=False,
         **dependent_launch.keywords(x_AK.device),
