@@ -67,8 +67,8 @@ from fp4rl.rollout.kv_cache import KVCache
 from fp4rl.rollout.rows import HostRows
 from fp4rl.rollout.sequence import resolve_placeholders
 
-# Batch sizes a graph is captured for: every size up to 8, then multiples of 8 up to 64, then
-# of 32: at most 1/8 of a step's rows is padding once past 8.
+# Batch sizes a graph is captured for: 1, 2, 4 and 8, then multiples of 8 up to 64, then of 32
+# (padding rows copy a real row: `pad_rows`).
 MAX_GRAPH_BATCH = 512
 BUCKETS = (1, 2, 4, 8, *range(16, 65, 8), *range(96, MAX_GRAPH_BATCH + 1, 32))
 TOKEN, POSITION, SLOT, CONTEXT, TABLE = 0, 1, 2, 3, 4  # columns of the input rows
