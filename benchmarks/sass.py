@@ -12,9 +12,10 @@ Qwen3-30B-A3B's w13 ``[1536, 2048]`` and w2 ``[2048, 768]``) at the launcher's f
 byte-table lookup and by arithmetic per code, and `moe_gemm_wgmma` (the same GEMM on Hopper's
 warpgroup MMA, sm_90 only) at the launcher's four tiles (``wgmma:w13:ROWS``). The loop is the
 longest stretch of SASS between a label and a branch back to it; `moe_gemm_registers` unrolls
-its K loop at compile time, so for it the whole kernel is counted and divided by its steps
-(the prologue and the store included). "per value" divides a pass's instructions by the NVFP4
-values a thread decodes in one pass (K and V for the attention, weights for the GEMM).
+its K loop at compile time (up to `UNROLL_MAX_STEPS` steps), and there the whole kernel is
+counted and divided by its steps (the prologue and the store included). "per value" divides a
+pass's instructions by the NVFP4 values a thread decodes in one pass (K and V for the
+attention, weights for the GEMM).
 Shared-memory instructions in the loop are counted apart: the register kernels are meant to
 have none, the wgmma kernel only the stores of x's rows. A figure holds for the Triton printed
 in the header; the GPU machine's may allocate registers differently.
@@ -65,7 +66,7 @@ def attention_case(block_n: int) -> Case:
 
 
 def gemm_case(weight: str, tile_name: str, lookup: bool) -> Case:
-    from fp4rl.kernels import moe_tiles
+    from fp4rl.kernels import moe_gemm_registers, moe_tiles
 
     n, k = {"w13": (1536, 2048), "w2": (2048, 768)}[weight]
     tile = {
@@ -77,6 +78,8 @@ def gemm_case(weight: str, tile_name: str, lookup: bool) -> Case:
     tile = tile.fitted(n, k)
     warps_n = min(tile.num_warps // tile.split_k, tile.block_n // 16)
     warps = warps_n * tile.split_k
+    steps = k // (tile.block_k * tile.split_k)
+    unroll = steps <= moe_gemm_registers.UNROLL_MAX_STEPS
     return Case(
         "gemm",
         dict(
@@ -92,6 +95,7 @@ def gemm_case(weight: str, tile_name: str, lookup: bool) -> Case:
             WARPS_N=warps_n,
             SPLIT=tile.split_k,
             CLAMP_ROWS=tile.clamp_rows,
+            UNROLL=unroll,
             PDL=True,
         ),  # fmt: skip
         warps,
@@ -101,7 +105,7 @@ def gemm_case(weight: str, tile_name: str, lookup: bool) -> Case:
         f"{weight} {tile.block_m}:{tile.block_n}:{tile.block_k}:{warps}"
         f"{f':split {tile.split_k}' if tile.split_k > 1 else ''} "
         f"{'lookup' if lookup else 'arithmetic'}",
-        steps=k // (tile.block_k * tile.split_k),
+        steps=steps if unroll else 0,
     )
 
 

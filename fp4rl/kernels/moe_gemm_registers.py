@@ -211,6 +211,45 @@ def expert_tile(counts_E, tile, num_rows, E, BLOCK_M: gl.constexpr, BLOCK_E: gl.
     )
 
 
+@gluon.jit
+def _k_step(acc, words, scales, word_ptrs, scale_ptrs, x_ptrs, more, row_ok_U, s_rows,
+            weights_l: gl.constexpr, rows_l: gl.constexpr, words_l: gl.constexpr,
+            BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, SPLIT: gl.constexpr,
+            PREFETCH: gl.constexpr, LOOKUP: gl.constexpr, CLAMP_ROWS: gl.constexpr):  # fmt: skip
+    """One K step of the product: the accumulator, this step's words and block scales as loaded
+    and the three pointers -> the same for the next step, ``more`` saying whether there is
+    one (with ``PREFETCH`` its words are loaded before this step decodes, else after).
+    ``s_rows``: the rows' biased global scales, in the blocks' layout (LOOKUP) or the words'."""
+    STEP: gl.constexpr = SPLIT * BLOCK_K
+    if PREFETCH:  # the next step's words in flight while this step decodes
+        next_words = gl.load(word_ptrs + STEP // 8, mask=more, other=0)
+        next_scales = gl.load(scale_ptrs + STEP // 16, mask=more, other=0)
+    sf = scales.to(gl.float8e4nv, bitcast=True).to(gl.float32)
+    if LOOKUP:
+        w_VK = fragments.looked_up(
+            words, sf, s_rows[:, None], SPLIT * BLOCK_N, BLOCK_K, words_l, PAGE_SIGNS=False
+        )
+    else:
+        w_VK = _decode(words, sf * BLOCK_SCALE_BIAS, s_rows[:, None], SPLIT * BLOCK_N, BLOCK_K)
+    w = fragments.hardware_order(w_VK, SPLIT * BLOCK_N, BLOCK_K)
+    w = gl.convert_layout(_stacked(w, SPLIT), weights_l, assert_trivial=True)
+    x_UK = rows_of(x_ptrs, row_ok_U[:, None], 0.0, CLAMP_ROWS)
+    BLOCK_M: gl.constexpr = x_UK.shape[0] // SPLIT
+    x = _stacked_t(fragments.hardware_order(x_UK, SPLIT * BLOCK_M, BLOCK_K), SPLIT)
+    acc = mma_v2(w, gl.convert_layout(x, rows_l, assert_trivial=True), acc)
+    word_ptrs += STEP // 8
+    scale_ptrs += STEP // 16
+    x_ptrs += STEP
+    if PREFETCH:
+        words = next_words
+        scales = next_scales
+    else:
+        if more:
+            words = gl.load(word_ptrs)
+            scales = gl.load(scale_ptrs)
+    return acc, words, scales, word_ptrs, scale_ptrs, x_ptrs
+
+
 @gluon.jit(do_not_specialize=["A", "top_k"])
 def _moe_gemm_registers_kernel(
     x_AK,
@@ -236,6 +275,7 @@ def _moe_gemm_registers_kernel(
     WARPS_N: gl.constexpr,
     SPLIT: gl.constexpr,
     CLAMP_ROWS: gl.constexpr,
+    UNROLL: gl.constexpr,
     PDL: gl.constexpr,
 ):
     dependent_launch.gluon_wait_for_prior(PDL)
@@ -277,13 +317,14 @@ def _moe_gemm_registers_kernel(
         v_B = gl.arange(0, SPLIT * BLOCK_N, layout=gl.SliceLayout(1, blocks_l))
         n_B, slice_B = _unstacked(v_B, BLOCK_N, SPLIT)
         w_rows_B = expert.to(gl.int64) * N + (gl.program_id(0) * BLOCK_N + n_B)
-        s_B = gl.load(scale_G + w_rows_B // rows_per_group) * GLOBAL_SCALE_BIAS
+        s_rows = gl.load(scale_G + w_rows_B // rows_per_group) * GLOBAL_SCALE_BIAS
         block_B = gl.arange(0, BLOCK_K // 16, layout=gl.SliceLayout(0, blocks_l))
         scale_ptrs = block_scale_ENB + w_rows_B[:, None] * (K // 16) + block_B[None, :]
         slice_S = slice_B
     else:  # a word's block scale: one byte per two words (a block is 16 codes)
         scale_ptrs = block_scale_ENB + w_rows_V[:, None] * (K // 16) + (word_W // 2)[None, :]
         slice_S = slice_V
+        s_rows = s_V
     if SPLIT > 1:  # slice s starts s * BLOCK_K into each step
         x_ptrs += (slice_U * BLOCK_K)[:, None]
         word_ptrs += (slice_V * (BLOCK_K // 8))[:, None]
@@ -292,36 +333,20 @@ def _moe_gemm_registers_kernel(
     acc = gl.zeros(_stacked_shape(SPLIT, [BLOCK_N, BLOCK_M]), gl.float32, layout=mma)
     words = gl.load(word_ptrs)
     scales = gl.load(scale_ptrs)
-    # K is known at compile time and the loop is unrolled there (3 to 16 steps at the shapes
-    # served): each step's prefetched words land in registers of their own, not copied into
-    # the last step's at the end of a pass, the increments become constant offsets, and the
-    # steps' loads and decodes interleave. The same products in the same order.
-    for k in gl.static_range(0, K, STEP):
-        if PREFETCH and k + STEP < K:  # the next step's words in flight while this step decodes
-            next_words = gl.load(word_ptrs + STEP // 8)
-            next_scales = gl.load(scale_ptrs + STEP // 16)
-        sf = scales.to(gl.float8e4nv, bitcast=True).to(gl.float32)
-        if LOOKUP:
-            w_VK = fragments.looked_up(
-                words, sf, s_B[:, None], SPLIT * BLOCK_N, BLOCK_K, words_l, PAGE_SIGNS=False
-            )
-        else:
-            w_VK = _decode(words, sf * BLOCK_SCALE_BIAS, s_V[:, None], SPLIT * BLOCK_N, BLOCK_K)
-        w = fragments.hardware_order(w_VK, SPLIT * BLOCK_N, BLOCK_K)
-        w = gl.convert_layout(_stacked(w, SPLIT), weights_l, assert_trivial=True)
-        x_UK = rows_of(x_ptrs, row_ok_U[:, None], 0.0, CLAMP_ROWS)
-        x = _stacked_t(fragments.hardware_order(x_UK, SPLIT * BLOCK_M, BLOCK_K), SPLIT)
-        acc = mma_v2(w, gl.convert_layout(x, rows_l, assert_trivial=True), acc)
-        if k + STEP < K:
-            word_ptrs += STEP // 8
-            scale_ptrs += STEP // 16
-            x_ptrs += STEP
-            if PREFETCH:
-                words = next_words
-                scales = next_scales
-            else:
-                words = gl.load(word_ptrs)
-                scales = gl.load(scale_ptrs)
+    if UNROLL:  # K known at compile time: the steps unrolled there (`UNROLL_MAX_STEPS`)
+        for k in gl.static_range(0, K, STEP):
+            acc, words, scales, word_ptrs, scale_ptrs, x_ptrs = _k_step(
+                acc, words, scales, word_ptrs, scale_ptrs, x_ptrs, k + STEP < K, row_ok_U,
+                s_rows, weights_l, rows_l, words_l, BLOCK_N, BLOCK_K, SPLIT, PREFETCH, LOOKUP,
+                CLAMP_ROWS,
+            )  # fmt: skip
+    else:
+        for k in range(0, K, STEP):
+            acc, words, scales, word_ptrs, scale_ptrs, x_ptrs = _k_step(
+                acc, words, scales, word_ptrs, scale_ptrs, x_ptrs, k + STEP < K, row_ok_U,
+                s_rows, weights_l, rows_l, words_l, BLOCK_N, BLOCK_K, SPLIT, PREFETCH, LOOKUP,
+                CLAMP_ROWS,
+            )  # fmt: skip
 
     if SPLIT > 1:  # the slices' sums added in a fixed order (across warps: shared memory)
         acc_NM = gl.sum(acc, 0)
@@ -343,6 +368,17 @@ def _moe_gemm_registers_kernel(
 # arithmetic decode stays for 32-wide K steps, whose blocks span two threads, and as the
 # lookup's reference in the GPU tests.
 LOOKUP = True
+
+# Reductions of at most this many K steps unroll their loop at compile time (`_k_step`, the same
+# products in the same order): each step's prefetched words land in registers of their own
+# instead of being copied over the last step's, the increments become constant offsets, and
+# ptxas interleaves one step's loads with the last one's decode. On one H200 the 8-row tile ran
+# 1.02-1.17x faster from 1 to 64 tokens (w13's 8 steps, w2's 3), bitwise the loop's; the
+# unrolled w13 is about 62 KB of code, whose fetch its warps already wait on (`python
+# benchmarks/moe.py`, ncu; BENCHMARKS.md "Routed-expert GEMM: the K loop unrolled at compile
+# time"). The 16-step reductions of the 128-wide K steps (w13 under the medium and wide tiles,
+# which other GPUs than Hopper take) keep the loop: twice that code, not measured.
+UNROLL_MAX_STEPS = 8
 
 
 def check_tile(
@@ -385,7 +421,8 @@ def launch_kernel(grid, x_AK, members, counts_E, y_AN, order_A, *, A, E, N, K, r
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         BLOCK_E=triton.next_power_of_2(E), PREFETCH=tile.num_stages >= 2,
         LOOKUP=LOOKUP and tile.block_k >= 64, WARPS_N=tile.num_warps // tile.split_k,
-        SPLIT=tile.split_k, CLAMP_ROWS=tile.clamp_rows, num_warps=tile.num_warps,
+        SPLIT=tile.split_k, CLAMP_ROWS=tile.clamp_rows,
+        UNROLL=K // (tile.block_k * tile.split_k) <= UNROLL_MAX_STEPS, num_warps=tile.num_warps,
         # Products feed additions only inside the MMA; no FMA may merge the two scalings.
         enable_fp_fusion=False,
         **dependent_launch.keywords(x_AK.device),
