@@ -234,8 +234,7 @@ def _k_step(acc, words, scales, word_ptrs, scale_ptrs, x_ptrs, more, row_ok_U, s
     w = fragments.hardware_order(w_VK, SPLIT * BLOCK_N, BLOCK_K)
     w = gl.convert_layout(_stacked(w, SPLIT), weights_l, assert_trivial=True)
     x_UK = rows_of(x_ptrs, row_ok_U[:, None], 0.0, CLAMP_ROWS)
-    BLOCK_M: gl.constexpr = x_UK.shape[0] // SPLIT
-    x = _stacked_t(fragments.hardware_order(x_UK, SPLIT * BLOCK_M, BLOCK_K), SPLIT)
+    x = _stacked_t(fragments.hardware_order(x_UK, x_UK.shape[0], BLOCK_K), SPLIT)
     acc = mma_v2(w, gl.convert_layout(x, rows_l, assert_trivial=True), acc)
     word_ptrs += STEP // 8
     scale_ptrs += STEP // 16

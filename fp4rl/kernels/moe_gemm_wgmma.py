@@ -46,6 +46,7 @@ from fp4rl.kernels.packed_words import GLOBAL_SCALE_BIAS
 # benchmarks/moe.py`, BENCHMARKS.md "Routed-expert GEMM: the K loop unrolled at compile
 # time").
 UNROLL_MAX_ROWS = 16
+
 # A barrier of all of a program's threads: Gluon's `thread_barrier` up to Triton 3.6, `barrier`
 # in later releases.
 _barrier = getattr(gl, "barrier", None) or gl.thread_barrier
