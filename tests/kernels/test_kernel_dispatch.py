@@ -17,13 +17,17 @@ from tiny_models import packed_twin, qat_model, tiny_config, tiny_precision
 
 pytest.importorskip("triton", reason="the kernels need triton (pip install 'fp4rl[kernels]')")
 
-from conftest import ON_GPU  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 
 from fp4rl import kernels, ops  # noqa: E402
 from fp4rl.rollout.attention import AttentionMetadata, PagedAttention, Segment  # noqa: E402
 from fp4rl.rollout.kv_cache import KVCache  # noqa: E402
 from fp4rl.rollout.model_layout import ModelLayout  # noqa: E402
+
+# Not imported from this directory's conftest: which module `import conftest` finds depends on
+# which conftest the run collected first (tests/rollout's, for one, in `pytest -n 2 tests/kernels
+# tests/rollout/test_graphs_gpu.py`).
+ON_GPU = torch.cuda.is_available()
 
 # The kernels one prefill and one decode step launch, by (module, kernel).
 FORWARD_KERNELS = {
