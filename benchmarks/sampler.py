@@ -7,10 +7,11 @@ One H200 (about a minute): ``python benchmarks/sampler.py``; a CPU smoke check:
 markdown table and writes it to ``$OUT/sampler.md`` when OUT is set; exits 1 if any output
 differs.
 
-V = 151936 tokens, B in (1, 8, 64, 256, 512) rows, seven settings (temperature 1, and the same
+V = 151936 tokens, B in (1, 8, 64, 256, 512) rows, nine settings (temperature 1, and the same
 with torch's sort and float64 passes in place of the sorted draw's kernels, their baseline; the
 same in token order, by the fused kernel on a GPU and by torch's float64 scan, its baseline;
-top_k 50; top_p 0.95; greedy) over three kinds of logits: randn (flat) and randn * 4 (peaked,
+top_k 50 by the path the sampler picks, and by partial selection or by the sort whatever the
+batch; top_p 0.95; greedy) over three kinds of logits: randn (flat) and randn * 4 (peaked,
 closer to a trained LM's) in FP32, and randn * 4 in BF16, as the engine passes its lm_head's
 logits (both samplers get the same BF16 tensor; temperature-1 rows of the new one sort it as
 given, or on a GPU from 64 rows count its values instead). "today" is the
@@ -38,6 +39,7 @@ from fp4rl.rollout import sampler as sampler_module
 from fp4rl.rollout.config import SamplingParams
 from fp4rl.rollout.sampler import make_generator, sample
 
+SELECTS_TOP_K = sampler_module._selects_top_k  # the sampler's own rule
 REFERENCE = Path(__file__).resolve().parents[1] / "tests" / "rollout" / "test_sampler.py"
 SETTINGS = {
     "temperature 1": SamplingParams(),
@@ -45,6 +47,8 @@ SETTINGS = {
     "temperature 1, token order": SamplingParams(cdf_order="token"),
     "temperature 1, token order, torch scan": SamplingParams(cdf_order="token"),
     "top_k 50": SamplingParams(top_k=50),
+    "top_k 50, selection": SamplingParams(top_k=50),
+    "top_k 50, sort": SamplingParams(top_k=50),
     "top_p 0.95": SamplingParams(top_p=0.95),
     "greedy": SamplingParams(temperature=0),
 }
@@ -98,6 +102,11 @@ def main() -> int:
                 # the sorted draw's kernels, or (the baseline) torch's sort and passes.
                 sampler_module.TOKEN_DRAW_KERNEL = not name.endswith("torch scan")
                 sampler_module.SORTED_DRAW_KERNELS = not name.endswith("torch sort")
+                # Top-k rows by the path the sampler picks, or by the one named.
+                forced = {"top_k 50, selection": True, "top_k 50, sort": False}.get(name)
+                sampler_module._selects_top_k = (
+                    SELECTS_TOP_K if forced is None else lambda rows, device, narrow, f=forced: f
+                )
                 times = {k: time_ms(fn, inputs, params, args.repeats) for k, fn in samplers.items()}
                 verdict = compare(samplers, inputs[0], params)
                 all_equal &= verdict in ("bitwise equal", "logprobs exact")

@@ -20,13 +20,16 @@ CDF (`_draw_sorted`, `_walk`). Sorting the whole vocabulary is the expensive par
 kinds of rows do without it, with results bitwise equal to the definition's:
 
 - greedy rows: an argmax, whose ties go to the lowest id as the stable sort's rank 0 does;
-- top-k rows: the k largest values by partial selection (``torch.topk``), ordered as the sort
-  would order them, ties included (`_candidates`), fill the definition's masked sorted row
-  (which holds -inf past rank k), and `_walk` runs on it. Same operations on the same row, so
-  the same bits on any device (given, as the reproducibility above already does, that torch's
-  kernels compute a row alike whatever other rows share the tensor).
+- top-k rows (on a GPU only FP32 rows in batches of at least `TOP_K_SELECTION_MIN_ROWS`): the
+  k largest values by partial selection (``torch.topk``), ordered as the sort would order them,
+  ties included (`_candidates`), fill the definition's masked sorted row (which holds -inf past
+  rank k), and `_walk` runs on it. Same operations on the same row, so the same bits on any
+  device (given, as the reproducibility above already does, that torch's kernels compute a row
+  alike whatever other rows share the tensor). Elsewhere on a GPU the selection and the passes
+  that keep its bits cost more than the sort, and top-k rows sort like the others
+  (`_selects_top_k`); which path a batch takes changes no bit.
 
-Rows without top-k keep the sort; when none of them cuts by top-p either (the plain temperature
+The other rows keep the sort; when none of them cuts by top-k or top-p (the plain temperature
 draw), their masks would keep every token and are not computed. Their top-p masses and logprobs
 are normalized by a float32 sum over the sorted vocabulary, whose rounding depends on that
 order: summed in any other order (without a sort), the normalizer differs in its last bits,
@@ -81,6 +84,11 @@ TOKEN_DRAW_KERNEL = True
 # "The sorted draw by counting").
 SORTED_DRAW_KERNELS = True
 SORTED_DRAW_MIN_ROWS = 64
+# On a GPU, top-k rows of FP32 values skip the sort (partial selection, `_draw_top_k`) in batches
+# of at least this many rows; in smaller ones, and where they sort 16-bit values (BF16 logits at
+# temperature 1: the engine's), the sort was faster (one H200, `python benchmarks/sampler.py`,
+# BENCHMARKS.md "The sampler without a full-vocabulary sort").
+TOP_K_SELECTION_MIN_ROWS = 128
 
 
 def _splitmix64(x: int) -> int:
@@ -152,19 +160,24 @@ def sample(
     device = logits_BV.device
     given_BV, logits_BV = logits_BV, logits_BV.float()
     top_k = [min(p.top_k or V, V) for p in params]
-    by_top_k = [b for b, p in enumerate(params) if not p.greedy and top_k[b] < V]
+    temperature = [1.0 if p.greedy else p.temperature for p in params]
+    # Top-k rows by partial selection, or sorted (16-bit values where all are at temperature 1).
+    top_k_narrow = given_BV.dtype != torch.float32 and all(
+        temperature[b] == 1.0 for b in range(B) if top_k[b] < V
+    )
+    selecting = _selects_top_k(B, device, top_k_narrow)
+    by_top_k = [b for b, p in enumerate(params) if not p.greedy and top_k[b] < V and selecting]
     by_token = [b for b, p in enumerate(params) if not p.greedy and p.cdf_order == "token"]
     by_sort = [
         b
         for b, p in enumerate(params)
-        if not p.greedy and top_k[b] == V and p.cdf_order == "probability"
+        if not p.greedy and (top_k[b] == V or not selecting) and p.cdf_order == "probability"
     ]
     drawing = by_top_k + by_sort + by_token
     # One draw per row from its own generator, in float64 so tokens of tiny probability keep
     # their chance; drawn on the CPU. What the rows need crosses to the device in one float64
     # copy (it holds the integers exactly) that nothing waits for (`to_device`).
     u = [_uniform(g) for g in generators]
-    temperature = [1.0 if p.greedy else p.temperature for p in params]
     rest = [p.top_p for p in params] + [float(p.greedy) for p in params] + top_k
     host = torch.tensor(u + temperature + rest + drawing, dtype=torch.float64)
     values = to_device(host, device)
@@ -195,7 +208,7 @@ def sample(
         pick = _pick(sort_rows, B)
         # Rows without top-k whose top_p keeps every token (the plain temperature draw) mask
         # nothing: their walk skips computing masks that would keep all.
-        masked = any(params[b].top_p < 1.0 for b in by_sort)
+        masked = any(params[b].top_p < 1.0 or top_k[b] < V for b in by_sort)
         # At temperature 1 the scaled rows are the logits: 16-bit ones sort as given.
         narrow = given_BV.dtype != torch.float32 and all(temperature[b] == 1.0 for b in by_sort)
         rows_BV = (given_BV if narrow else scaled_BV)[pick]
@@ -225,6 +238,14 @@ def sample(
         logprobs_B=torch.where(greedy_B, raw_B, processed_B),
         raw_logprobs_B=raw_B,
     )
+
+
+def _selects_top_k(rows: int, device: torch.device, narrow: bool) -> bool:
+    """Whether a batch of ``rows`` on ``device`` draws its top-k rows by partial selection
+    (`_draw_top_k`) rather than by the sort: on a GPU from `TOP_K_SELECTION_MIN_ROWS` rows
+    unless they would sort 16-bit values (``narrow``), elsewhere always (a CPU sorts a
+    vocabulary slowly). Both give the definition's bits; the tests and the benchmark run both."""
+    return device.type != "cuda" or (rows >= TOP_K_SELECTION_MIN_ROWS and not narrow)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -194,6 +194,37 @@ def test_mismatched_lengths_raise():
 
 # --- The sort-free paths equal the full sort bitwise ---------------------------------------
 
+
+@pytest.fixture(params=["selection", "sort"])
+def top_k_path(request, monkeypatch):
+    """Each test that uses it runs twice: top-k rows by partial selection whatever the batch
+    and device, then sorted (`sampler._selects_top_k` picks by batch size and device)."""
+    selects = request.param == "selection"
+    monkeypatch.setattr(sampler, "_selects_top_k", lambda rows, device, narrow: selects)
+    return request.param
+
+
+def test_top_k_rows_sort_on_a_gpu_but_fp32_rows_of_large_batches(monkeypatch):
+    bound = sampler.TOP_K_SELECTION_MIN_ROWS
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    sizes = (1, bound - 1, bound, 4 * bound)
+    assert [sampler._selects_top_k(b, gpu, False) for b in sizes] == [False, False, True, True]
+    assert not any(sampler._selects_top_k(b, gpu, True) for b in sizes)
+    assert all(sampler._selects_top_k(b, cpu, narrow) for b in sizes for narrow in (False, True))
+    # What `sample` calls it with: 16-bit values when every top-k row is at temperature 1.
+    seen = []
+    monkeypatch.setattr(
+        sampler, "_selects_top_k", lambda rows, device, narrow: seen.append(narrow) or True
+    )
+    logits = _logits("peaked", 4, 256, 0)
+    hot = [SamplingParams(top_k=5), SamplingParams(temperature=0.7)] * 2
+    warm_top_k = [SamplingParams(top_k=5, temperature=0.7), SamplingParams()] * 2
+    for given, params in ((logits.bfloat16(), hot), (logits.bfloat16(), warm_top_k),
+                          (logits, hot)):  # fmt: skip
+        sample(given, params, _gens(4))
+    assert seen == [True, False, False]
+
+
 _SETTINGS = [
     SamplingParams(),
     SamplingParams(temperature=0.7),
@@ -231,7 +262,7 @@ def _assert_same(out, ref):
 
 
 @pytest.mark.parametrize("kind", ["flat", "peaked", "tiny", "ties", "-inf"])
-def test_results_equal_the_full_sort_bitwise_for_mixed_settings_in_one_batch(kind):
+def test_results_equal_the_full_sort_bitwise_for_mixed_settings_in_one_batch(kind, top_k_path):
     B, V = 48, 4096
     for seed in range(6):
         logits = _logits(kind, B, V, seed)
@@ -252,7 +283,7 @@ _UNMASKED = [
 
 
 @pytest.mark.parametrize("kind", ["flat", "peaked", "tiny", "ties", "-inf"])
-def test_results_equal_the_full_sort_bitwise_without_a_top_p_cut(kind):
+def test_results_equal_the_full_sort_bitwise_without_a_top_p_cut(kind, top_k_path):
     B, V = 40, 4096
     for seed in range(4):
         logits = _logits(kind, B, V, seed)
@@ -266,7 +297,7 @@ def test_results_equal_the_full_sort_bitwise_without_a_top_p_cut(kind):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("kind", ["flat", "peaked", "ties", "-inf"])
-def test_16_bit_logits_sample_as_their_fp32_copies_bitwise(kind, dtype):
+def test_16_bit_logits_sample_as_their_fp32_copies_bitwise(kind, dtype, top_k_path):
     """The engine passes the lm_head's BF16 logits: temperature-1 rows sort those 16-bit values
     (many ties at this width), every other row the FP32 copies, and nothing differs from the
     definition on the FP32 copies."""
@@ -298,14 +329,14 @@ def test_16_bit_logits_sort_as_given_only_at_temperature_1(monkeypatch):
     assert sorted_dtypes == [torch.bfloat16, torch.float32, torch.float32]
 
 
-def test_results_equal_the_full_sort_at_qwen3s_vocabulary():
+def test_results_equal_the_full_sort_at_qwen3s_vocabulary(top_k_path):
     B, V = 12, 151936
     logits = _logits("peaked", B, V, 7)
     out = sample(logits, _SETTINGS, _gens(B, 7))
     _assert_same(out, reference_sample(logits, _SETTINGS, _gens(B, 7)))
 
 
-def test_a_top_k_of_tied_values_takes_the_lowest_ids_as_the_stable_sort():
+def test_a_top_k_of_tied_values_takes_the_lowest_ids_as_the_stable_sort(top_k_path):
     # Row 0: every logit equal, so any 3 of them are the 3 largest; the sort's are ids 0-2.
     # Row 1: the 2nd largest value is shared by ids 5 and 900-999; top-k 30 keeps 5, 900-927.
     logits = torch.zeros(2, 1000)
@@ -331,7 +362,7 @@ def test_candidates_are_the_stable_sorts_prefix_values_and_ids():
         assert torch.equal(values, sorted_values[:, :K]) and torch.equal(ids, order[:, :K])
 
 
-def test_a_rows_result_does_not_depend_on_the_other_rows_top_k():
+def test_a_rows_result_does_not_depend_on_the_other_rows_top_k(top_k_path):
     """The top-k path selects as many candidates as the batch's largest top-k."""
     logits = _logits("peaked", 3, 2000, 5)
     params = [SamplingParams(top_k=7), SamplingParams(top_k=1500), SamplingParams()]
@@ -378,14 +409,14 @@ def test_the_benchmark_smoke_run_finds_equal_outputs():
     run = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
     rows = [line for line in run.stdout.splitlines() if line.startswith("| rand")]
-    assert len(rows) == 3 * 2 * 7  # logits kinds x batches x settings
+    assert len(rows) == 3 * 2 * 9  # logits kinds x batches x settings
     for row in rows:  # the token-order draw picks other tokens: its logprobs are checked
         verdict = "logprobs exact" if "token order" in row else "bitwise equal"
         assert row.endswith(f"| {verdict} |"), run.stdout
 
 
 @pytest.mark.parametrize("params", [SamplingParams(top_k=5), SamplingParams()])
-def test_a_token_of_small_probability_is_drawn_where_the_full_sort_draws_it(params):
+def test_a_token_of_small_probability_is_drawn_where_the_full_sort_draws_it(params, top_k_path):
     """Token 77 holds ~8e-5 of the mass, the last sliver of the CDF: of 40000 sample streams,
     the few whose draw lands at the top must pick it, as the reference does, and its neighbours
     by the draw must not."""
