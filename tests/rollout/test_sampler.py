@@ -217,10 +217,10 @@ def test_top_k_rows_sort_on_a_gpu_but_fp32_rows_of_large_batches(monkeypatch):
         sampler, "_selects_top_k", lambda rows, device, narrow: seen.append(narrow) or True
     )
     logits = _logits("peaked", 4, 256, 0)
-    hot = [SamplingParams(top_k=5), SamplingParams(temperature=0.7)] * 2
-    warm_top_k = [SamplingParams(top_k=5, temperature=0.7), SamplingParams()] * 2
-    for given, params in ((logits.bfloat16(), hot), (logits.bfloat16(), warm_top_k),
-                          (logits, hot)):  # fmt: skip
+    top_k_at_1 = [SamplingParams(top_k=5), SamplingParams(temperature=0.7)] * 2
+    top_k_scaled = [SamplingParams(top_k=5, temperature=0.7), SamplingParams()] * 2
+    for given, params in ((logits.bfloat16(), top_k_at_1), (logits.bfloat16(), top_k_scaled),
+                          (logits, top_k_at_1)):  # fmt: skip
         sample(given, params, _gens(4))
     assert seen == [True, False, False]
 
