@@ -75,10 +75,11 @@ def main() -> None:
         "--register-configs",
         default="auto,16:64:128:4:2,16:64:128:4:1,16:128:128:4:2,8:64:256:4:2,16:64:64:4:2,"
         "32:64:128:4:2,16:128:64:8:2",
-        help="tiles for (e), BLOCK_M:BLOCK_N:BLOCK_K:WARPS:STAGES[:SPLIT_K[:CLAMP[:WGMMA]]] or "
-        "auto (STAGES >= 2: the next step's words loaded ahead; SPLIT_K of the warps share each "
-        "column, each with its own BLOCK_K of a step; CLAMP 1: GemmTile.clamp_rows; WGMMA 1: "
-        "the warpgroup MMA's program, Hopper only), "
+        help="tiles for (e), BLOCK_M:BLOCK_N:BLOCK_K:WARPS:STAGES[:SPLIT_K[:CLAMP[:WGMMA"
+        "[:DECODERS]]]] or auto (STAGES >= 2: the next step's words loaded ahead; SPLIT_K of the "
+        "warps share each column, each with its own BLOCK_K of a step; CLAMP 1: "
+        "GemmTile.clamp_rows; WGMMA 1: the warpgroup MMA's program, Hopper only; DECODERS 4 or "
+        "8: its warp-specialized program, STAGES its ring's buffers), "
         "comma-separated; suffix '+lut' decodes by byte-table "
         "lookup, '+arith' by arithmetic per code (moe_gemm_registers.LOOKUP; no suffix: its "
         "default); ignored without a GPU",
@@ -261,9 +262,10 @@ def measure(
 
 
 def register_tile(spec: str) -> GemmTile:
-    """A register tile from BLOCK_M:BLOCK_N:BLOCK_K:WARPS:STAGES[:SPLIT_K[:CLAMP[:WGMMA]]]."""
+    """A register tile from
+    BLOCK_M:BLOCK_N:BLOCK_K:WARPS:STAGES[:SPLIT_K[:CLAMP[:WGMMA[:DECODERS]]]]."""
     ints = [int(v) for v in spec.split(":")]
-    return GemmTile(*ints[:6], *(bool(v) for v in ints[6:]))
+    return GemmTile(*ints[:6], *(bool(v) for v in ints[6:8]), *ints[8:])
 
 
 def register_launch(s, tile: GemmTile | None, lookup: bool | None) -> torch.Tensor:

@@ -10,7 +10,9 @@ The kernels: `paged_attention_registers` (decode attention, NVFP4 pages, 32 quer
 128, pages of 16 tokens) at 16- and 32-token steps, `moe_gemm_registers` (the expert GEMM,
 Qwen3-30B-A3B's w13 ``[1536, 2048]`` and w2 ``[2048, 768]``) at the launcher's four tiles, by
 byte-table lookup and by arithmetic per code, and `moe_gemm_wgmma` (the same GEMM on Hopper's
-warpgroup MMA, sm_90 only) at the launcher's four tiles (``wgmma:w13:ROWS``). The loop is the
+warpgroup MMA, sm_90 only) at the launcher's four tiles (``wgmma:w13:ROWS``), and
+`moe_gemm_specialized` (its warp-specialized form, sm_90 only: ``specialized:w13``, the
+16:128:128 tile with 8 decoder warps; the loop counted is the decoders'). The loop is the
 longest stretch of SASS between a label and a branch back to it; `moe_gemm_registers` unrolls
 its K loop at compile time (up to `UNROLL_MAX_STEPS` steps), and there the whole kernel is
 counted and divided by its steps (the prologue and the store included). "per value" divides a
@@ -45,13 +47,14 @@ class Case:
     """One compilation: a kernel, its constexprs and launch options, and how many NVFP4 values
     a thread decodes per pass of the loop."""
 
-    kernel: str  # "attention", "gemm" or "wgmma"
+    kernel: str  # "attention", "gemm", "wgmma" or "specialized"
     constexprs: dict
     num_warps: int
     values_per_thread: int
     mma: int  # m16n8k16 products (wgmma: m64nNk16 instructions) one warp must issue per pass
     label: str
     steps: int = 0  # passes of a loop unrolled at compile time; 0: the SASS has the loop
+    maxnreg: int = 0  # the launch's register cap, where it sets one
 
 
 def attention_case(block_n: int) -> Case:
@@ -131,6 +134,24 @@ def wgmma_case(weight: str, index: int) -> Case:
     )  # fmt: skip
 
 
+def specialized_case(weight: str) -> Case:
+    """`moe_gemm_specialized` at the 16:128:128 tile with 8 decoder warps and 2 buffers."""
+    from fp4rl.kernels import moe_gemm_specialized as ws
+
+    n, k = {"w13": (1536, 2048), "w2": (2048, 768)}[weight]
+    decoders = 8
+    return Case(
+        "specialized",
+        dict(N=n, K=k, GATHER=False, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, BLOCK_E=128,
+             STAGES=2, LOADS=ws.LOADS, DECODERS=decoders, REGISTERS=ws.REGISTERS, PDL=True),
+        ws.MMA_WARPS.value,
+        128 * 128 // (32 * decoders),
+        0,  # the decoders' loop has no MMA
+        f"{weight} 16:128:128, {decoders} decoders, 2 buffers, {ws.LOADS} slots",
+        maxnreg=ws.REGISTERS,
+    )  # fmt: skip
+
+
 CASES = {
     "attention:16": lambda: attention_case(16),
     "attention:32": lambda: attention_case(32),
@@ -145,6 +166,8 @@ CASES = {
         for w in ("w13", "w2")
         for i, rows in enumerate((16, 32, 64, 128))
     },
+    "specialized:w13": lambda: specialized_case("w13"),
+    "specialized:w2": lambda: specialized_case("w2"),
 }
 
 # Pointer arguments (all 16-byte aligned, as the launchers' tensors are) and scalars, by kernel.
@@ -162,7 +185,7 @@ SIGNATURES = {
         "rows_per_group": "i32", "top_k": "i32",
     },
 }  # fmt: skip
-SIGNATURES["wgmma"] = SIGNATURES["gemm"]
+SIGNATURES["wgmma"] = SIGNATURES["specialized"] = SIGNATURES["gemm"]
 
 
 def compile_case(case: Case, arch: int):
@@ -171,12 +194,18 @@ def compile_case(case: Case, arch: int):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from fp4rl.kernels import moe_gemm_registers, moe_gemm_wgmma, paged_attention_registers
+    from fp4rl.kernels import (
+        moe_gemm_registers,
+        moe_gemm_specialized,
+        moe_gemm_wgmma,
+        paged_attention_registers,
+    )
 
     fn = {
         "attention": paged_attention_registers._paged_decode_registers_kernel,
         "gemm": moe_gemm_registers._moe_gemm_registers_kernel,
         "wgmma": moe_gemm_wgmma._moe_gemm_wgmma_kernel,
+        "specialized": moe_gemm_specialized._moe_gemm_specialized_kernel,
     }[case.kernel]
     signature = dict(SIGNATURES[case.kernel])
     signature.update({name: "constexpr" for name in case.constexprs})
@@ -192,6 +221,8 @@ def compile_case(case: Case, arch: int):
         },  # fmt: skip
     )
     options = dict(num_warps=case.num_warps, enable_fp_fusion=False, launch_pdl=True)
+    if case.maxnreg:
+        options["maxnreg"] = case.maxnreg
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
 
 
@@ -228,12 +259,13 @@ def kernel_opcodes(cubin: bytes) -> collections.Counter:
 
 
 def loop_opcodes(sass: str) -> collections.Counter:
-    """Opcodes of the longest stretch between a label and a branch back to it."""
+    """Opcodes of the longest stretch between a label and a conditional branch back to it (an
+    unconditional one is the retry of a wait placed out of line, not a loop's back edge)."""
     lines = sass.splitlines()
     labels = {m.group(1): i for i, l in enumerate(lines) if (m := re.match(r"^(\.?L\w+):", l))}
     best = None
     for i, line in enumerate(lines):
-        m = re.search(r"\bBRA\s+`?\(?(\.?L\w+)", line)
+        m = re.search(r"@!?U?P\w+\s+BRA\s+`?\(?(\.?L\w+)", line)
         if m and m.group(1) in labels and labels[m.group(1)] < i:
             span = (labels[m.group(1)], i)
             if best is None or span[1] - span[0] > best[1] - best[0]:

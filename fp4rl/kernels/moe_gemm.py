@@ -283,11 +283,12 @@ def launch(
     (compiled only): the weights decoded straight into the tensor cores' register operands. Its
     tile keeps at most ``block_n // 16`` warps. A ``wgmma`` tile runs `moe_gemm_wgmma`'s
     program instead (Hopper only), its warps cut to as many warpgroups as ``block_n`` holds
-    (64 columns each). Left as None, the launcher takes the register programs for packed
-    weights on a CUDA GPU, without ``config`` or ``global_scale_on_accumulator``: on Hopper,
-    for N and K multiples of 64, at every batch (the tile of `register_config_for`, the
-    warpgroup MMA's above 5.5 rows per expert), otherwise for batches of at most
-    `REGISTERS_MAX_ROWS_PER_EXPERT` rows per expert on average.
+    (64 columns each); with ``decoders`` too, `moe_gemm_specialized`'s warp-specialized
+    program (opt-in; its decoder warps cut to ``block_n // 16``). Left as None, the launcher
+    takes the register programs for packed weights on a CUDA GPU, without ``config`` or
+    ``global_scale_on_accumulator``: on Hopper, for N and K multiples of 64, at every batch (the
+    tile of `register_config_for`, the warpgroup MMA's above 5.5 rows per expert), otherwise for
+    batches of at most `REGISTERS_MAX_ROWS_PER_EXPERT` rows per expert on average.
     """
     check_kernel_device("x_AK", x_AK)
     if x_AK.dtype != torch.bfloat16 or x_AK.dim() != 2:
@@ -382,10 +383,17 @@ def launch(
     if tile.wgmma:
         if (refusal := wgmma_refusal(x_AK.device)) is not None:
             raise ValueError(f"a wgmma tile (x_AK's device) {refusal}")
-        from fp4rl.kernels import moe_gemm_wgmma as program
+        if tile.decoders:
+            from fp4rl.kernels import moe_gemm_specialized as program
 
-        # Whole warpgroups, each over 64 of the tile's columns at least (wgmma's m64).
-        tile = dataclasses.replace(tile, num_warps=max(4, min(tile.num_warps, tile.block_n // 16)))
+            # Each decoder warp over 16 of the tile's columns at least, as narrowed to N.
+            tile = dataclasses.replace(tile, decoders=min(tile.decoders, tile.block_n // 16))
+        else:
+            from fp4rl.kernels import moe_gemm_wgmma as program
+
+            # Whole warpgroups, each over 64 of the tile's columns at least (wgmma's m64).
+            warps = max(4, min(tile.num_warps, tile.block_n // 16))
+            tile = dataclasses.replace(tile, num_warps=warps)
     elif registers:
         if (refusal := register_kernels_refusal(x_AK.device)) is not None:
             raise ValueError(f"registers (x_AK's device) {refusal}")

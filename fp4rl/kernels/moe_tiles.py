@@ -26,7 +26,9 @@ class GemmTile:
     instructions, another register allocation), so it is set where it measured faster.
     ``wgmma`` (packed weights on Hopper): the tile runs on `moe_gemm_wgmma`'s warpgroup MMA, x's
     rows read by the tensor cores from shared memory, instead of the register kernel's
-    ``mma.sync``."""
+    ``mma.sync``. ``decoders`` (a wgmma tile): the program is warp-specialized
+    (`moe_gemm_specialized`): that many warps decode each K step into a ring of ``num_stages``
+    shared-memory buffers, and ``num_warps`` (one warpgroup) run the MMA from there."""
 
     block_m: int
     block_n: int
@@ -36,6 +38,7 @@ class GemmTile:
     split_k: int = 1
     clamp_rows: bool = False
     wgmma: bool = False
+    decoders: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -47,6 +50,8 @@ class GemmTile:
                 f"GemmTile.wgmma takes neither split_k nor clamp_rows; got split_k="
                 f"{self.split_k}, clamp_rows={self.clamp_rows}"
             )
+        if self.decoders and not self.wgmma:
+            raise ValueError(f"GemmTile.decoders is for wgmma tiles; got {self.decoders}")
         if self.split_k < 1 or self.split_k & (self.split_k - 1) or self.num_warps % self.split_k:
             raise ValueError(
                 f"GemmTile.split_k must be a power of two dividing num_warps={self.num_warps}; "

@@ -1,5 +1,6 @@
-"""The warpgroup-MMA expert GEMM (`moe_gemm_wgmma`, a ``wgmma`` `GemmTile` through
-`moe_gemm.launch(registers=...)`) against the register kernel's checks: the weights entering
+"""The warpgroup-MMA expert GEMMs (`moe_gemm_wgmma`, a ``wgmma`` `GemmTile` through
+`moe_gemm.launch(registers=...)`, and its warp-specialized form `moe_gemm_specialized`, a tile
+with ``decoders``) against the register kernel's checks: the weights entering
 the products bitwise through one-hot rows (every code and scale byte too), general rows within
 the float64 bound, gathered rows bitwise the gathered product, NaN scales poisoning exactly
 their outputs, and a CUDA-graph replay. The kernel is Gluon for Hopper, compiled only: its
@@ -34,6 +35,10 @@ WGMMA_TILES = [
     GemmTile(block_m=8, block_n=64, block_k=64, num_warps=4, num_stages=2, wgmma=True),
     GemmTile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=2, wgmma=True),
     GemmTile(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=2, wgmma=True),
+    # Warp-specialized: 8 decoder warps (a 2- and a 3-buffer ring), and 4.
+    GemmTile(16, 128, 128, num_warps=4, num_stages=2, wgmma=True, decoders=8),
+    GemmTile(32, 128, 64, num_warps=4, num_stages=3, wgmma=True, decoders=8),
+    GemmTile(16, 64, 128, num_warps=4, num_stages=2, wgmma=True, decoders=4),
 ]
 
 
@@ -196,3 +201,28 @@ def test_wgmma_checks_name_the_values(device):
     with pytest.raises(ValueError, match=r"must divide the weight's N=96 and K=64"):
         check(16, 64, 64, 4, 2, 96, 64)
     check(16, 64, 64, 4, 2, 64, 64)
+
+
+def test_specialized_checks_name_the_values():
+    from fp4rl.kernels import moe_gemm_specialized
+
+    with pytest.raises(ValueError, match="GemmTile.decoders is for wgmma tiles; got 8"):
+        GemmTile(16, 128, 128, 4, 2, decoders=8)
+    check = moe_gemm_specialized.check_tile
+    with pytest.raises(ValueError, match=r"num_warps must be 4 \(the MMA warpgroup\); got 8"):
+        check(16, 128, 128, 8, 2, 8, 128, 128)
+    with pytest.raises(ValueError, match="decoders must be 4 or 8, .*block_n=64.*; got 8"):
+        check(16, 64, 128, 4, 2, 8, 64, 128)
+    with pytest.raises(ValueError, match="decoders must be 4 or 8.*; got 2"):
+        check(16, 128, 128, 4, 2, 2, 128, 128)
+    with pytest.raises(ValueError, match="block_n x block_m must be at most 4096 .*; got 128x64"):
+        check(64, 128, 64, 4, 2, 8, 128, 64)
+    with pytest.raises(ValueError, match="block_k must be at least 64; got 32"):
+        check(16, 128, 32, 4, 2, 8, 128, 64)
+    with pytest.raises(ValueError, match=r"num_stages=1 must be 2 or more"):
+        check(16, 128, 128, 4, 1, 8, 128, 128)
+    with pytest.raises(ValueError, match=r"num_stages=7 .*ring \(\d+ bytes\) fit"):
+        check(16, 128, 128, 4, 7, 8, 128, 128)
+    with pytest.raises(ValueError, match=r"must divide the weight's N=192 and K=128"):
+        check(16, 128, 128, 4, 2, 8, 192, 128)
+    check(16, 128, 128, 4, 2, 8, 128, 128)
