@@ -47,8 +47,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from fp4rl.kernels import dependent_launch, fragments
-from fp4rl.kernels.moe_gemm_registers import expert_tile, rows_of
-from fp4rl.kernels.moe_gemm_wgmma import _barrier, _x_layout
+from fp4rl.kernels.moe_gemm_registers import expert_tile
+from fp4rl.kernels.moe_gemm_wgmma import _barrier, _x_layout, store_tile, x_rows
 from fp4rl.kernels.packed_words import GLOBAL_SCALE_BIAS
 
 # The MMA warpgroup: the program's own warps (Gluon's default partition).
@@ -214,13 +214,8 @@ def _mma(x_AK, order_A, w_smem, x_smem, ready, empty, row0, rows_end, top_k, K: 
     )
     x_l: gl.constexpr = _x_layout(BLOCK_K, MMA_WARPS)
     STEPS: gl.constexpr = K // BLOCK_K
-    rows_M = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_l))
-    row_ok_M = rows_M < rows_end
-    x_rows_M = rows_M.to(gl.int64)
-    if GATHER:  # x holds tokens: row a of the product is token order[a] // top_k
-        x_rows_M = rows_of(order_A + rows_M, row_ok_M, 0, False).to(gl.int64) // top_k
-    k_K = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, x_l))
-    x_ptrs = x_AK + x_rows_M[:, None] * K + k_K[None, :]
+    x_ptrs, row_ok_M = x_rows(x_AK, order_A, row0, rows_end, top_k, K, GATHER, BLOCK_M, BLOCK_K,
+                              x_l)  # fmt: skip
     for j in gl.static_range(LOADS - 1):
         if j < STEPS:
             _load_async(x_smem.index(j), x_ptrs + j * BLOCK_K, mask=row_ok_M[:, None])
@@ -304,12 +299,7 @@ def _moe_gemm_specialized_kernel(
         [DECODERS],
         [REGISTERS],
     )  # fmt: skip
-    acc = results[0]
-    mma: gl.constexpr = acc.type.layout
-    cols_out = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
-    rows_out = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
-    y_ptrs = y_AN + rows_out.to(gl.int64)[None, :] * N + cols_out[:, None]
-    gl.store(y_ptrs, acc.to(gl.bfloat16), mask=(rows_out < rows_end)[None, :])
+    store_tile(y_AN, results[0], row0, rows_end, N, BLOCK_M, BLOCK_N)
 
 
 # Shared memory a program may take (sm_90: 227 KiB).

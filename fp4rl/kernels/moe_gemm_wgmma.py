@@ -61,6 +61,32 @@ def _x_layout(block_k, warps):
 
 
 @gluon.jit
+def x_rows(x_AK, order_A, row0, rows_end, top_k, K: gl.constexpr, GATHER: gl.constexpr,
+           BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, x_l: gl.constexpr):  # fmt: skip
+    """(pointers to the first K step of the tile's ``BLOCK_M`` rows of x in ``x_l``, which of
+    those rows are the expert's)."""
+    rows_M = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_l))
+    row_ok_M = rows_M < rows_end
+    x_rows_M = rows_M.to(gl.int64)
+    if GATHER:  # x holds tokens: row a of the product is token order[a] // top_k
+        x_rows_M = rows_of(order_A + rows_M, row_ok_M, 0, False).to(gl.int64) // top_k
+    k_K = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, x_l))
+    return x_AK + x_rows_M[:, None] * K + k_K[None, :], row_ok_M
+
+
+@gluon.jit
+def store_tile(y_AN, acc, row0, rows_end, N: gl.constexpr, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr):  # fmt: skip
+    """The tile's FP32 sums ``[BLOCK_N, BLOCK_M]`` (the MMA's layout) as BF16 into its rows of y
+    that are the expert's."""
+    mma: gl.constexpr = acc.type.layout
+    cols_out = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
+    rows_out = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
+    y_ptrs = y_AN + rows_out.to(gl.int64)[None, :] * N + cols_out[:, None]
+    gl.store(y_ptrs, acc.to(gl.bfloat16), mask=(rows_out < rows_end)[None, :])
+
+
+@gluon.jit
 def _k_step(acc, words, scales, x_MK, word_ptrs, scale_ptrs, x_ptrs, more, x_smem, buffer,
             row_ok_M, s_B, words_l: gl.constexpr, weights_l: gl.constexpr,
             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):  # fmt: skip
@@ -131,13 +157,8 @@ def _moe_gemm_wgmma_kernel(
     if gl.program_id(1) >= num_tiles:
         return
 
-    rows_M = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_l))
-    row_ok_M = rows_M < rows_end
-    x_rows_M = rows_M.to(gl.int64)
-    if GATHER:  # x holds tokens: row a of the product is token order[a] // top_k
-        x_rows_M = rows_of(order_A + rows_M, row_ok_M, 0, False).to(gl.int64) // top_k
-    k_K = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, x_l))
-    x_ptrs = x_AK + x_rows_M[:, None] * K + k_K[None, :]
+    x_ptrs, row_ok_M = x_rows(x_AK, order_A, row0, rows_end, top_k, K, GATHER, BLOCK_M, BLOCK_K,
+                              x_l)  # fmt: skip
 
     n_B = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, blocks_l))
     w_rows_B = expert.to(gl.int64) * N + n_B
@@ -176,10 +197,7 @@ def _moe_gemm_wgmma_kernel(
             # compiled to more instructions and registers.
             step += 1  # noqa: SIM113
 
-    cols_out = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
-    rows_out = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
-    y_ptrs = y_AN + rows_out.to(gl.int64)[None, :] * N + cols_out[:, None]
-    gl.store(y_ptrs, acc.to(gl.bfloat16), mask=(rows_out < rows_end)[None, :])
+    store_tile(y_AN, acc, row0, rows_end, N, BLOCK_M, BLOCK_N)
 
 
 def check_tile(block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int,
