@@ -135,19 +135,20 @@ def wgmma_case(weight: str, index: int) -> Case:
 
 
 def specialized_case(weight: str) -> Case:
-    """`moe_gemm_specialized` at the 16:128:128 tile with 8 decoder warps and 2 buffers."""
+    """`moe_gemm_specialized` at the 16:128:128 tile with 8 decoder warps and 2 stages."""
     from fp4rl.kernels import moe_gemm_specialized as ws
 
     n, k = {"w13": (1536, 2048), "w2": (2048, 768)}[weight]
-    decoders = 8
+    decoders, stages = 8, 2
     return Case(
         "specialized",
         dict(N=n, K=k, GATHER=False, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, BLOCK_E=128,
-             STAGES=2, LOADS=ws.LOADS, DECODERS=decoders, REGISTERS=ws.REGISTERS, PDL=True),
+             STAGES=stages, DECODERS=decoders, REGISTERS=ws.REGISTERS, PDL=True),
         ws.MMA_WARPS.value,
-        128 * 128 // (32 * decoders),
+        # a pass of the decoders' loop: one step per stage
+        stages * 128 * 128 // (32 * decoders),
         0,  # the decoders' loop has no MMA
-        f"{weight} 16:128:128, {decoders} decoders, 2 buffers, {ws.LOADS} slots",
+        f"{weight} 16:128:128, {decoders} decoders, {stages} stages",
         maxnreg=ws.REGISTERS,
     )  # fmt: skip
 

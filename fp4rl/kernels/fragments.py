@@ -84,58 +84,61 @@ def byte_tables(sf, s):
     )
 
 
+@gluon.constexpr_function
+def _look_up_asm(page_signs, packed):
+    """`look_up`'s PTX: (template, constraints). Inputs follow the outputs (8 BF16 halves, or
+    with ``packed`` 4 words of two)."""
+    w = 4 if packed else 8  # the packed word's operand number
+    if page_signs:
+        signs_lo = f"lop3.b32 h0, h0, ${w}, 0x80808080, 0x78;"
+        signs_hi = "lop3.b32 h1, h1, w4, 0x80808080, 0x78;"
+    else:
+        signs_lo = f"prmt.b32 sg, w4, ${w}, 0xD9C8; lop3.b32 h0, h0, sg, 0x80808080, 0x78;"
+        signs_hi = f"prmt.b32 sg, w4, ${w}, 0xFBEA; lop3.b32 h1, h1, sg, 0x80808080, 0x78;"
+    t = [f"${w + 1 + i}" for i in range(4)]  # lo0, lo1, hi0, hi1
+    pairs = [("l0", "h0", "0x5140"), ("l0", "h0", "0x7362"), ("l1", "h1", "0x5140"),
+             ("l1", "h1", "0x7362")]  # fmt: skip
+    if packed:
+        out = " ".join(f"prmt.b32 ${i}, {a}, {b}, {sel};" for i, (a, b, sel) in enumerate(pairs))
+    else:
+        out = " ".join(
+            f"prmt.b32 q, {lo}, {hi}, {sel}; mov.b32 {{${2 * i}, ${2 * i + 1}}}, q;"
+            for i, (lo, hi, sel) in enumerate(pairs)
+        )
+    template = (
+        "{ .reg .b32 m, mh, w4, l0, h0, l1, h1, sg, q; "
+        f"and.b32 m, ${w}, 0x77777777; mul.hi.u32 mh, m, 65536; shl.b32 w4, ${w}, 4; "
+        f"prmt.b32 l0, {t[0]}, {t[1]}, m; prmt.b32 h0, {t[2]}, {t[3]}, m; {signs_lo} "
+        f"prmt.b32 l1, {t[0]}, {t[1]}, mh; prmt.b32 h1, {t[2]}, {t[3]}, mh; {signs_hi} "
+        f"{out} }}"
+    )
+    outputs = "=r," * 4 if packed else "=h," * 8
+    return template, outputs + "r,r,r,r,r"
+
+
 @gluon.jit
-def look_up(words, lo0, lo1, hi0, hi1, PAGE_SIGNS: gl.constexpr):
-    """The 8 BF16 weights of each word, codes 0..7, from its block's byte tables. Per half word
-    (4 codes): a PRMT picks the 4 low bytes by the codes' magnitude indices and one the 4 high
-    bytes; the top bit of each code's sign byte flips its high byte's sign (a block scale may
-    be negative: the table then holds negative values); two PRMTs pair low and high bytes into
-    BF16x2 words. The upper half word's selectors come down by ``mul.hi`` (an IMAD on the FMA
-    pipe) rather than a shift, and ptxas writes the nibble shift as an IMAD too.
+def look_up(words, lo0, lo1, hi0, hi1, PAGE_SIGNS: gl.constexpr, PACKED: gl.constexpr = False):
+    """The 8 BF16 weights of each word, codes 0..7, from its block's byte tables (with
+    ``PACKED``, as 4 int32 words of two BF16 each, codes (0, 1), (2, 3), ..., the lower code in
+    the low half). Per half word (4 codes): a PRMT picks the 4 low bytes by the codes' magnitude
+    indices and one the 4 high bytes; the top bit of each code's sign byte flips its high byte's
+    sign (a block scale may be negative: the table then holds negative values); two PRMTs pair
+    low and high bytes into BF16x2 words. The upper half word's selectors come down by
+    ``mul.hi`` (an IMAD on the FMA pipe) rather than a shift, and ptxas writes the nibble shift
+    as an IMAD too.
 
     The sign bytes: in `pack_e2m1`'s layout a sign-replicating PRMT of the word (and of the word
     shifted by a nibble) gives 0xFF for each negative code: 15 instructions for 8 values, all
     but two on the ALU pipe, which bounds the decoding kernels. KV pages keep the signs where
     the flip takes them (PAGE_SIGNS, `reference.PAGE_SIGNS`): the word itself and the word
     shifted by a nibble are the sign bytes, 13 instructions."""
-    if PAGE_SIGNS:
-        signs_lo: gl.constexpr = "lop3.b32 h0, h0, $8, 0x80808080, 0x78;"
-        signs_hi: gl.constexpr = "lop3.b32 h1, h1, w4, 0x80808080, 0x78;"
+    asm: gl.constexpr = _look_up_asm(PAGE_SIGNS, PACKED)
+    if PACKED:
+        dtype: gl.constexpr = (gl.int32,) * 4
     else:
-        signs_lo: gl.constexpr = (
-            "prmt.b32 sg, w4, $8, 0xD9C8; lop3.b32 h0, h0, sg, 0x80808080, 0x78;"
-        )
-        signs_hi: gl.constexpr = (
-            "prmt.b32 sg, w4, $8, 0xFBEA; lop3.b32 h1, h1, sg, 0x80808080, 0x78;"
-        )
+        dtype: gl.constexpr = (gl.bfloat16,) * 8
     return gl.inline_asm_elementwise(
-        """{ .reg .b32 m, mh, w4, l0, h0, l1, h1, sg, q;
-        and.b32 m, $8, 0x77777777;
-        mul.hi.u32 mh, m, 65536;
-        shl.b32 w4, $8, 4;
-        prmt.b32 l0, $9, $10, m;
-        prmt.b32 h0, $11, $12, m;
-        """
-        + signs_lo
-        + """
-        prmt.b32 l1, $9, $10, mh;
-        prmt.b32 h1, $11, $12, mh;
-        """
-        + signs_hi
-        + """
-        prmt.b32 q, l0, h0, 0x5140;
-        mov.b32 {$0, $1}, q;
-        prmt.b32 q, l0, h0, 0x7362;
-        mov.b32 {$2, $3}, q;
-        prmt.b32 q, l1, h1, 0x5140;
-        mov.b32 {$4, $5}, q;
-        prmt.b32 q, l1, h1, 0x7362;
-        mov.b32 {$6, $7}, q; }""",
-        "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r",
-        [words, lo0, lo1, hi0, hi1],
-        dtype=(gl.bfloat16,) * 8,
-        is_pure=True,
-        pack=1,
+        asm[0], asm[1], [words, lo0, lo1, hi0, hi1], dtype=dtype, is_pure=True, pack=1
     )
 
 

@@ -6,10 +6,10 @@ decode, barrier and MMA take turns. Here a program is two partitions (Gluon's
 `warp_specialize`), which meet only at mbarriers:
 
 - **decoders** (``GemmTile.decoders`` warps): each K step's packed words and block scales are
-  copied asynchronously ``LOADS - 1`` steps ahead into shared slots, decoded by byte tables
+  copied asynchronously ``num_stages - 1`` steps ahead into shared slots, decoded by byte tables
   (the lookup of `fragments`, the same bits) and stored as BF16 into a ring of ``num_stages``
   buffers in the MMA's swizzled layout; an mbarrier says a buffer is ready;
-- **the MMA warpgroup** (the program's 4 warps): copies the tile's rows of x ``LOADS - 1``
+- **the MMA warpgroup** (the program's 4 warps): copies the tile's rows of x ``num_stages - 1``
   steps ahead into their own slots, waits for a ready buffer, issues an asynchronous
   ``wgmma`` with both operands in shared memory, and frees the buffer that the ``wgmma``
   before it read.
@@ -62,10 +62,10 @@ ACCUMULATOR_REGISTERS = 32
 # `async_load` in later releases.
 _load_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
-# Slots of words, scales and rows of x: ``LOADS - 1`` steps copied ahead. One H200, the
-# 16:128:128 tile's w13 at 128 / 256 tokens: 2 slots 147.6 / 205.6 us, 3 slots 154.7 / 216.3
-# (two programs a multiprocessor either way; 3 buffers and 2 slots, one program: 193.1 / 273.5).
-LOADS = 2
+# A tile's ``num_stages`` is both the weights' buffers and the copies' slots (words, scales and
+# rows of x, ``num_stages - 1`` steps ahead). One H200, the 16:128:128 tile's w13 at 128 / 256
+# tokens, when slots and buffers were apart: 2 slots 147.6 / 205.6 us, 3 slots 154.7 / 216.3
+# (2 buffers, two programs a multiprocessor); 2 slots and 3 buffers (one program) 193.1 / 273.5.
 
 
 @gluon.constexpr_function
@@ -93,60 +93,66 @@ def _words_layouts(block_n, block_k, warps):
     return words, blocks
 
 
+@gluon.constexpr_function
+def _at_most(a, b):
+    return min(a, b)
+
+
 @gluon.jit
 def _looked_up(words, sf, s, ROWS: gl.constexpr, BLOCK_K: gl.constexpr, words_l: gl.constexpr):
-    """`fragments.looked_up`'s values, each thread's 8 of a word in consecutive registers in K
-    order (one 16-byte store to shared memory, no moves)."""
+    """`fragments.looked_up`'s values as ``[ROWS, BLOCK_K // 2]`` int32 pairs of BF16 in K order,
+    as the lookup packs them: each thread's 4 pairs of a word in consecutive registers, one
+    16-byte store to shared memory."""
     lo0, lo1, hi0, hi1 = fragments.byte_tables(sf, s)
-    v0, v1, v2, v3, v4, v5, v6, v7 = fragments.look_up(
+    p0, p1, p2, p3 = fragments.look_up(
         words,
         fragments.per_word(lo0, ROWS, BLOCK_K, words_l),
         fragments.per_word(lo1, ROWS, BLOCK_K, words_l),
         fragments.per_word(hi0, ROWS, BLOCK_K, words_l),
         fragments.per_word(hi1, ROWS, BLOCK_K, words_l),
         False,
+        PACKED=True,
     )
-    # The last join takes the lowest register bit: code J = 4 j2 + 2 j1 + j0 as [j2, j1, j0].
-    d = gl.join(
-        gl.join(gl.join(v0, v4), gl.join(v2, v6)), gl.join(gl.join(v1, v5), gl.join(v3, v7))
-    )
-    return gl.reshape(d, [ROWS, BLOCK_K])
+    # The last join takes the lowest register bit: pair m = 2 m1 + m0 as [m1, m0].
+    return gl.reshape(gl.join(gl.join(p0, p2), gl.join(p1, p3)), [ROWS, BLOCK_K // 2])
 
 
 @gluon.jit
 def _decode_step(i, word_ptrs, scale_ptrs, words_s, scales_s, w_smem, ready, empty, s_B,
                  words_l: gl.constexpr, blocks_l: gl.constexpr, STEPS: gl.constexpr,
                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                 LOADS: gl.constexpr):  # fmt: skip
-    """Step ``i`` of the decoders: step ``i + LOADS - 1``'s words and scales copied
-    asynchronously, this step's (copied ``LOADS - 1`` steps ago) decoded and, once buffer ``i %
-    STAGES`` is free, stored there."""
-    ahead = i + LOADS - 1
-    if ahead < STEPS:  # into the slot that step i - 1 read
-        _load_async(words_s.index(ahead % LOADS), word_ptrs + ahead * (BLOCK_K // 8))
-        _load_async(scales_s.index(ahead % LOADS), scale_ptrs + ahead * (BLOCK_K // 16))
+                 SLOT: gl.constexpr):  # fmt: skip
+    """Step ``i`` of the decoders (``SLOT = i % STAGES``, known when compiling): step ``i +
+    STAGES - 1``'s words and scales copied asynchronously, this step's (copied ``STAGES - 1``
+    steps ago) decoded and, once buffer ``SLOT`` is free, stored there."""
+    AHEAD: gl.constexpr = (SLOT + STAGES - 1) % STAGES  # the slot that step i - 1 read
+    # Past the last step, the last step again into that slot (which nothing reads any more):
+    # no copy group is ever empty, which Triton 3.6's lowering cannot take.
+    ahead = gl.minimum(i + STAGES - 1, STEPS - 1)
+    _load_async(words_s.index(AHEAD), word_ptrs + ahead * (BLOCK_K // 8))
+    _load_async(scales_s.index(AHEAD), scale_ptrs + ahead * (BLOCK_K // 16))
     async_copy.commit_group()
-    async_copy.wait_group(LOADS - 1)
+    async_copy.wait_group(STAGES - 1)
     # The scales were copied by other threads than those that read them.
     _barrier()
-    words = words_s.index(i % LOADS).load(words_l)
-    scales = scales_s.index(i % LOADS).load(blocks_l)
+    words = words_s.index(SLOT).load(words_l)
+    scales = scales_s.index(SLOT).load(blocks_l)
     sf = scales.to(gl.float8e4nv, bitcast=True).to(gl.float32)
     w_NK = _looked_up(words, sf, s_B[:, None], BLOCK_N, BLOCK_K, words_l)
-    stage = i % STAGES
     # Free once the MMA of step i - STAGES has read it (a fresh barrier counts as freed once).
-    mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
-    w_smem.index(stage).store(w_NK)
+    mbarrier.wait(empty.index(SLOT), ((i // STAGES) & 1) ^ 1)
+    # The BF16 buffer's bytes as int32 pairs, swizzled alike.
+    pairs_shared: gl.constexpr = gl.NVMMASharedLayout(128, 32, rank=2)
+    w_smem.index(SLOT)._reinterpret(gl.int32, [BLOCK_N, BLOCK_K // 2], pairs_shared).store(w_NK)
     # No proxy fence here: it waits for every copy in flight (MEMBAR.ALL.CTA), which would
     # stall each step on the copies it has just issued. The MMA warpgroup fences after its wait.
-    mbarrier.arrive(ready.index(stage))
+    mbarrier.arrive(ready.index(SLOT))
 
 
 @gluon.jit
 def _decoders(codes_ENW, block_scale_ENB, scale_G, words_s, scales_s, w_smem, ready, empty,
               expert, rows_per_group, N: gl.constexpr, K: gl.constexpr, BLOCK_N: gl.constexpr,
-              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, LOADS: gl.constexpr,
-              DECODERS: gl.constexpr):  # fmt: skip
+              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, DECODERS: gl.constexpr):  # fmt: skip
     """The decoder partition: every K step of the program's weights into the ring."""
     layouts: gl.constexpr = _words_layouts(BLOCK_N, BLOCK_K, DECODERS)
     words_l: gl.constexpr = layouts[0]
@@ -168,37 +174,39 @@ def _decoders(codes_ENW, block_scale_ENB, scale_G, words_s, scales_s, w_smem, re
     word_W = gl.arange(0, BLOCK_K // 8, layout=gl.SliceLayout(0, words_l))
     word_ptrs = codes_ENW + (expert.to(gl.int64) * N + n_W)[:, None] * (K // 8) + word_W[None, :]
 
-    for j in gl.static_range(LOADS - 1):
-        if j < STEPS:
-            _load_async(words_s.index(j), word_ptrs + j * (BLOCK_K // 8))
-            _load_async(scales_s.index(j), scale_ptrs + j * (BLOCK_K // 16))
+    for j in gl.static_range(STAGES - 1):  # (past the last step, as in `_decode_step`)
+        _load_async(words_s.index(j), word_ptrs + _at_most(j, STEPS - 1) * (BLOCK_K // 8))
+        _load_async(scales_s.index(j), scale_ptrs + _at_most(j, STEPS - 1) * (BLOCK_K // 16))
         async_copy.commit_group()
-    for i in range(STEPS):
-        _decode_step(i, word_ptrs, scale_ptrs, words_s, scales_s, w_smem, ready, empty, s_B,
-                     words_l, blocks_l, STEPS, BLOCK_N, BLOCK_K, STAGES, LOADS)  # fmt: skip
+    # A pass of the loop takes STAGES steps, each with its slot known when compiling (the step
+    # itself stays a runtime value: constant ones trip Triton 3.6's lowering to LLVM).
+    for i0 in range(0, STEPS, STAGES):
+        for j in gl.static_range(STAGES):
+            if i0 + j < STEPS:
+                _decode_step(i0 + j, word_ptrs, scale_ptrs, words_s, scales_s, w_smem, ready,
+                             empty, s_B, words_l, blocks_l, STEPS, BLOCK_N, BLOCK_K, STAGES,
+                             j)  # fmt: skip
 
 
 @gluon.jit
 def _mma_step(i, acc, x_ptrs, row_ok_M, w_smem, x_smem, ready, empty, STEPS: gl.constexpr,
-              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, LOADS: gl.constexpr):  # fmt: skip
-    """Step ``i`` of the MMA warpgroup: once its rows of x (copied ``LOADS - 1`` steps ago) and
-    its weights are in, its ``wgmma``; once the one before has finished, that one's weight buffer
-    freed and its rows' slot refilled with step ``i + LOADS - 1``'s."""
-    stage = i % STAGES
-    mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
-    async_copy.wait_group(LOADS - 2)
+              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, SLOT: gl.constexpr):  # fmt: skip
+    """Step ``i`` of the MMA warpgroup (``SLOT = i % STAGES``): once its rows of x (copied
+    ``STAGES - 1`` steps ago) and its weights are in, its ``wgmma``; once the one before has
+    finished, that one's weight buffer freed and its rows' slot refilled with step ``i + STAGES
+    - 1``'s."""
+    BEFORE: gl.constexpr = (SLOT + STAGES - 1) % STAGES  # step i - 1's slot and buffer
+    mbarrier.wait(ready.index(SLOT), (i // STAGES) & 1)
+    async_copy.wait_group(STAGES - 2)
     # The decoders' stores (ordered before this by the barrier) and this warpgroup's copies,
     # made visible to the tensor cores' reads.
     fence_async_shared()
     _barrier()
-    acc = warpgroup_mma(
-        w_smem.index(stage), x_smem.index(i % LOADS).permute((1, 0)), acc, is_async=True
-    )
+    acc = warpgroup_mma(w_smem.index(SLOT), x_smem.index(SLOT).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-    mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
-    ahead = i + LOADS - 1
-    if ahead < STEPS:
-        _load_async(x_smem.index(ahead % LOADS), x_ptrs + ahead * BLOCK_K, mask=row_ok_M[:, None])
+    mbarrier.arrive(empty.index(BEFORE), pred=i > 0)
+    ahead = gl.minimum(i + STAGES - 1, STEPS - 1)  # (as in `_decode_step`)
+    _load_async(x_smem.index(BEFORE), x_ptrs + ahead * BLOCK_K, mask=row_ok_M[:, None])
     async_copy.commit_group()
     return acc
 
@@ -206,7 +214,7 @@ def _mma_step(i, acc, x_ptrs, row_ok_M, w_smem, x_smem, ready, empty, STEPS: gl.
 @gluon.jit
 def _mma(x_AK, order_A, w_smem, x_smem, ready, empty, row0, rows_end, top_k, K: gl.constexpr,
          GATHER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-         BLOCK_K: gl.constexpr, STAGES: gl.constexpr, LOADS: gl.constexpr):  # fmt: skip
+         BLOCK_K: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
     """The MMA partition: the tile's rows of x into their ring, and the tile's FP32 sums,
     ``[BLOCK_N, BLOCK_M]``."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(
@@ -216,15 +224,17 @@ def _mma(x_AK, order_A, w_smem, x_smem, ready, empty, row0, rows_end, top_k, K: 
     STEPS: gl.constexpr = K // BLOCK_K
     x_ptrs, row_ok_M = x_rows(x_AK, order_A, row0, rows_end, top_k, K, GATHER, BLOCK_M, BLOCK_K,
                               x_l)  # fmt: skip
-    for j in gl.static_range(LOADS - 1):
-        if j < STEPS:
-            _load_async(x_smem.index(j), x_ptrs + j * BLOCK_K, mask=row_ok_M[:, None])
+    for j in gl.static_range(STAGES - 1):
+        x_next = x_ptrs + _at_most(j, STEPS - 1) * BLOCK_K
+        _load_async(x_smem.index(j), x_next, mask=row_ok_M[:, None])
         async_copy.commit_group()
 
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
-    for i in range(STEPS):
-        acc = _mma_step(i, acc, x_ptrs, row_ok_M, w_smem, x_smem, ready, empty, STEPS, BLOCK_K,
-                        STAGES, LOADS)  # fmt: skip
+    for i0 in range(0, STEPS, STAGES):  # STAGES steps a pass, as the decoders'
+        for j in gl.static_range(STAGES):
+            if i0 + j < STEPS:
+                acc = _mma_step(i0 + j, acc, x_ptrs, row_ok_M, w_smem, x_smem, ready, empty,
+                                STEPS, BLOCK_K, STAGES, j)  # fmt: skip
     # A tuple: what a partition returns is flattened into the region's results.
     return (warpgroup_mma_wait(num_outstanding=0, deps=(acc,)),)
 
@@ -251,7 +261,6 @@ def _moe_gemm_specialized_kernel(
     BLOCK_K: gl.constexpr,
     BLOCK_E: gl.constexpr,
     STAGES: gl.constexpr,
-    LOADS: gl.constexpr,
     DECODERS: gl.constexpr,
     REGISTERS: gl.constexpr,
     PDL: gl.constexpr,
@@ -268,15 +277,15 @@ def _moe_gemm_specialized_kernel(
         gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.bfloat16),
     )  # fmt: skip
     x_smem = gl.allocate_shared_memory(
-        gl.bfloat16, [LOADS, BLOCK_M, BLOCK_K],
+        gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K],
         gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16),
     )  # fmt: skip
     # Words in 16-byte units, swizzled by row: the decoders' copies and loads without bank
     # conflicts for K steps of 64 to 256.
     words_shared: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
-    words_s = gl.allocate_shared_memory(gl.int32, [LOADS, BLOCK_N, BLOCK_K // 8], words_shared)
+    words_s = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, BLOCK_K // 8], words_shared)
     scales_shared: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    scales_s = gl.allocate_shared_memory(gl.uint8, [LOADS, BLOCK_N, BLOCK_K // 16], scales_shared)
+    scales_s = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, BLOCK_K // 16], scales_shared)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
@@ -288,12 +297,12 @@ def _moe_gemm_specialized_kernel(
             (
                 _mma,
                 (x_AK, order_A, w_smem, x_smem, ready, empty, row0, rows_end, top_k, K, GATHER,
-                 BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADS),
+                 BLOCK_M, BLOCK_N, BLOCK_K, STAGES),
             ),
             (
                 _decoders,
                 (codes_ENW, block_scale_ENB, scale_G, words_s, scales_s, w_smem, ready, empty,
-                 expert, rows_per_group, N, K, BLOCK_N, BLOCK_K, STAGES, LOADS, DECODERS),
+                 expert, rows_per_group, N, K, BLOCK_N, BLOCK_K, STAGES, DECODERS),
             ),
         ],
         [DECODERS],
@@ -310,8 +319,8 @@ def check_tile(block_m: int, block_n: int, block_k: int, num_warps: int, num_sta
                decoders: int, n: int, k: int) -> None:  # fmt: skip
     """Raise ValueError naming the value unless the tile fits: one MMA warpgroup, 4 or 8
     decoder warps of 16 weight rows at least, an accumulator within `ACCUMULATOR_REGISTERS`
-    (``block_m`` up to 32 at 128 columns), K steps of at least 64, a ring of 2 stages or more
-    that fits in shared memory."""
+    (``block_m`` up to 32 at 128 columns), K steps of 64 or 128, a ring of 2 stages or more
+    that fits in shared memory, and at least as many K steps as stages."""
     if num_warps != MMA_WARPS.value:
         raise ValueError(
             f"warp-specialized tile: num_warps must be {MMA_WARPS.value} (the MMA warpgroup); "
@@ -328,11 +337,10 @@ def check_tile(block_m: int, block_n: int, block_k: int, num_warps: int, num_sta
             f"{128 * ACCUMULATOR_REGISTERS} (the accumulator's registers); got "
             f"{block_n}x{block_m}"
         )
-    if block_k < 64:
-        raise ValueError(f"warp-specialized tile: block_k must be at least 64; got {block_k}")
-    # The weights' ring, then the copies' slots: rows of x, words, scales.
-    ring = num_stages * block_n * block_k * 2
-    ring += LOADS * (block_m * block_k * 2 + block_n * block_k // 2 + block_n * block_k // 16)
+    if block_k not in (64, 128):  # (Triton 3.6 fails to compile 256)
+        raise ValueError(f"warp-specialized tile: block_k must be 64 or 128; got {block_k}")
+    # Each stage: the weights' buffer, then the copies' slots (rows of x, words, scales).
+    ring = num_stages * block_k * (2 * block_n + 2 * block_m + block_n // 2 + block_n // 16)
     if num_stages < 2 or ring > SHARED_BYTES - 1024:
         raise ValueError(
             f"warp-specialized tile: num_stages={num_stages} must be 2 or more and its ring "
@@ -342,6 +350,11 @@ def check_tile(block_m: int, block_n: int, block_k: int, num_warps: int, num_sta
         raise ValueError(
             f"warp-specialized tile {block_n}x{block_k} (block_n x block_k): both must divide "
             f"the weight's N={n} and K={k}"
+        )
+    if k // block_k < num_stages:  # (fewer fail to compile under Triton 3.6)
+        raise ValueError(
+            f"warp-specialized tile: K={k} must hold num_stages={num_stages} steps of "
+            f"block_k={block_k} at least"
         )
 
 
@@ -355,7 +368,7 @@ def launch_kernel(grid, x_AK, members, counts_E, y_AN, order_A, *, A, E, N, K, r
         A, E, rows_per_group, top_k,
         N=N, K=K, GATHER=order_A is not None,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        BLOCK_E=triton.next_power_of_2(E), STAGES=tile.num_stages, LOADS=LOADS,
+        BLOCK_E=triton.next_power_of_2(E), STAGES=tile.num_stages,
         DECODERS=tile.decoders, REGISTERS=REGISTERS, num_warps=MMA_WARPS.value, maxnreg=REGISTERS,
         # Products feed additions only inside the MMA; no FMA may merge the two scalings.
         enable_fp_fusion=False,

@@ -210,19 +210,22 @@ def test_specialized_checks_name_the_values():
         GemmTile(16, 128, 128, 4, 2, decoders=8)
     check = moe_gemm_specialized.check_tile
     with pytest.raises(ValueError, match=r"num_warps must be 4 \(the MMA warpgroup\); got 8"):
-        check(16, 128, 128, 8, 2, 8, 128, 128)
+        check(16, 128, 128, 8, 2, 8, 128, 256)
     with pytest.raises(ValueError, match="decoders must be 4 or 8, .*block_n=64.*; got 8"):
-        check(16, 64, 128, 4, 2, 8, 64, 128)
+        check(16, 64, 128, 4, 2, 8, 64, 256)
     with pytest.raises(ValueError, match="decoders must be 4 or 8.*; got 2"):
-        check(16, 128, 128, 4, 2, 2, 128, 128)
+        check(16, 128, 128, 4, 2, 2, 128, 256)
     with pytest.raises(ValueError, match="block_n x block_m must be at most 4096 .*; got 128x64"):
         check(64, 128, 64, 4, 2, 8, 128, 64)
-    with pytest.raises(ValueError, match="block_k must be at least 64; got 32"):
-        check(16, 128, 32, 4, 2, 8, 128, 64)
+    for block_k in (32, 256):
+        with pytest.raises(ValueError, match=f"block_k must be 64 or 128; got {block_k}"):
+            check(16, 128, block_k, 4, 2, 8, 128, 256)
     with pytest.raises(ValueError, match=r"num_stages=1 must be 2 or more"):
-        check(16, 128, 128, 4, 1, 8, 128, 128)
+        check(16, 128, 128, 4, 1, 8, 128, 256)
     with pytest.raises(ValueError, match=r"num_stages=7 .*ring \(\d+ bytes\) fit"):
-        check(16, 128, 128, 4, 7, 8, 128, 128)
-    with pytest.raises(ValueError, match=r"must divide the weight's N=192 and K=128"):
-        check(16, 128, 128, 4, 2, 8, 192, 128)
-    check(16, 128, 128, 4, 2, 8, 128, 128)
+        check(16, 128, 128, 4, 7, 8, 128, 1024)
+    with pytest.raises(ValueError, match=r"must divide the weight's N=192 and K=256"):
+        check(16, 128, 128, 4, 2, 8, 192, 256)
+    with pytest.raises(ValueError, match=r"K=128 must hold num_stages=3 steps of block_k=64"):
+        check(16, 128, 64, 4, 3, 8, 128, 128)
+    check(16, 128, 128, 4, 2, 8, 128, 256)
