@@ -20,10 +20,10 @@ copy the thread has in flight, so in the decoders it would stall each step on th
 had just issued.
 
 Not chosen by the launcher (`moe_tiles`): a tile with ``decoders`` is opt-in. On one H200 it
-runs 1.4-1.6x slower than the launcher's tiles at 128-256 tokens (BENCHMARKS.md, "Routed-expert
-GEMM: a warp-specialized program"): its decode issues more efficiently (55 % of cycles against
-41 %), but the staging (copies, loads, stores to the ring, the barriers) costs 1.7x the
-register kernel's instructions per weight, and the decode is bound by issue.
+runs 1.14-1.32x slower than the launcher's tiles at 96-384 tokens (BENCHMARKS.md,
+"Routed-expert GEMM: a warp-specialized program"): with about as many decoder instructions a
+weight as the register kernels, it is bound by its per-step synchronization and its
+shared-memory traffic (each weight stored as BF16 and read back by the tensor cores).
 
 Numerics: each weight entering a product is ``round_bf16((e2m1 * sf) * s)``, the register
 kernels' bits; BF16 products are exact in FP32 and accumulate in FP32, in the tensor cores'
