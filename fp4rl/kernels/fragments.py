@@ -99,7 +99,9 @@ def _look_up_asm(page_signs, packed):
     pairs = [("l0", "h0", "0x5140"), ("l0", "h0", "0x7362"), ("l1", "h1", "0x5140"),
              ("l1", "h1", "0x7362")]  # fmt: skip
     if packed:
-        out = " ".join(f"prmt.b32 ${i}, {a}, {b}, {sel};" for i, (a, b, sel) in enumerate(pairs))
+        out = " ".join(
+            f"prmt.b32 ${i}, {lo}, {hi}, {sel};" for i, (lo, hi, sel) in enumerate(pairs)
+        )
     else:
         out = " ".join(
             f"prmt.b32 q, {lo}, {hi}, {sel}; mov.b32 {{${2 * i}, ${2 * i + 1}}}, q;"

@@ -15,9 +15,9 @@ decode, barrier and MMA take turns. Here a program is two partitions (Gluon's
   before it read.
 
 The proxy fence that makes the decoders' stores visible to the tensor cores is the MMA
-warpgroup's, after its wait: on sm_90 the fence is a ``MEMBAR.ALL.CTA`` that waits for every
-copy the thread has in flight, so in the decoders it would stall each step on the copies it
-had just issued.
+warpgroup's, after its wait: on sm_90 the fence compiles to a ``MEMBAR.ALL.CTA``, which waits
+for the thread's memory operations in flight, and in the decoders it stalled each step on the
+loads just issued for the next (moving it gained the most, BENCHMARKS.md).
 
 Not chosen by the launcher (`moe_tiles`): a tile with ``decoders`` is opt-in. On one H200 it
 runs 1.14-1.32x slower than the launcher's tiles at 96-384 tokens (BENCHMARKS.md,
