@@ -135,13 +135,16 @@ def look_up(words, lo0, lo1, hi0, hi1, PAGE_SIGNS: gl.constexpr, PACKED: gl.cons
     the flip takes them (PAGE_SIGNS, `reference.PAGE_SIGNS`): the word itself and the word
     shifted by a nibble are the sign bytes, 13 instructions."""
     asm: gl.constexpr = _look_up_asm(PAGE_SIGNS, PACKED)
+    operands = [words, lo0, lo1, hi0, hi1]
     if PACKED:
-        dtype: gl.constexpr = (gl.int32,) * 4
+        values = gl.inline_asm_elementwise(
+            asm[0], asm[1], operands, dtype=(gl.int32,) * 4, is_pure=True, pack=1
+        )
     else:
-        dtype: gl.constexpr = (gl.bfloat16,) * 8
-    return gl.inline_asm_elementwise(
-        asm[0], asm[1], [words, lo0, lo1, hi0, hi1], dtype=dtype, is_pure=True, pack=1
-    )
+        values = gl.inline_asm_elementwise(
+            asm[0], asm[1], operands, dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1
+        )
+    return values
 
 
 @gluon.jit

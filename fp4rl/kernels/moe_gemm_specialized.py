@@ -61,6 +61,8 @@ ACCUMULATOR_REGISTERS = 32
 # Triton's asynchronous copy to shared memory: `async_copy_global_to_shared` up to 3.6,
 # `async_load` in later releases.
 _load_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+# A shared buffer seen as another type: `_reinterpret` up to 3.6, `reinterpret` later.
+_NEW_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 
 # A tile's ``num_stages`` is both the weights' buffers and the copies' slots (words, scales and
 # rows of x, ``num_stages - 1`` steps ahead). One H200, the 16:128:128 tile's w13 at 128 / 256
@@ -143,7 +145,11 @@ def _decode_step(i, word_ptrs, scale_ptrs, words_s, scales_s, w_smem, ready, emp
     mbarrier.wait(empty.index(SLOT), ((i // STAGES) & 1) ^ 1)
     # The BF16 buffer's bytes as int32 pairs, swizzled alike.
     pairs_shared: gl.constexpr = gl.NVMMASharedLayout(128, 32, rank=2)
-    w_smem.index(SLOT)._reinterpret(gl.int32, [BLOCK_N, BLOCK_K // 2], pairs_shared).store(w_NK)
+    if _NEW_REINTERPRET:
+        pairs = w_smem.index(SLOT).reinterpret(gl.int32, [BLOCK_N, BLOCK_K // 2], pairs_shared)
+    else:
+        pairs = w_smem.index(SLOT)._reinterpret(gl.int32, [BLOCK_N, BLOCK_K // 2], pairs_shared)
+    pairs.store(w_NK)
     # No proxy fence here: it waits for every copy in flight (MEMBAR.ALL.CTA), which would
     # stall each step on the copies it has just issued. The MMA warpgroup fences after its wait.
     mbarrier.arrive(ready.index(SLOT))
