@@ -167,20 +167,27 @@ def joined(v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_N: gl.constexpr, BLOCK_K: gl.co
 @gluon.jit
 def looked_up(
     words, sf, s, ROWS: gl.constexpr, BLOCK_K: gl.constexpr, words_l: gl.constexpr,
-    PAGE_SIGNS: gl.constexpr,
+    PAGE_SIGNS: gl.constexpr, PACKED: gl.constexpr = False,
 ):  # fmt: skip
     """``[ROWS, BLOCK_K]`` BF16 values of ``[ROWS, BLOCK_K // 8]`` words in ``words_l``, real K
     order, in the threads that hold the words: each block's byte tables from its block scale
     (``sf [ROWS, BLOCK_K // 16]`` as FP32, held by the thread that holds the block's two words)
     and the biased global scale ``s`` (broadcast over the blocks), then the lookups (with
-    PAGE_SIGNS of words in KV pages' layout)."""
+    PAGE_SIGNS of words in KV pages' layout). With ``PACKED``, ``[ROWS, BLOCK_K // 2]`` int32
+    pairs of those values as `look_up` packs them, a thread's 4 pairs of a word in consecutive
+    registers in K order (one 16-byte store to shared memory)."""
     lo0, lo1, hi0, hi1 = byte_tables(sf, s)
-    v0, v1, v2, v3, v4, v5, v6, v7 = look_up(
-        words,
+    tables = (
         per_word(lo0, ROWS, BLOCK_K, words_l),
         per_word(lo1, ROWS, BLOCK_K, words_l),
         per_word(hi0, ROWS, BLOCK_K, words_l),
         per_word(hi1, ROWS, BLOCK_K, words_l),
-        PAGE_SIGNS,
     )
-    return joined(v0, v1, v2, v3, v4, v5, v6, v7, ROWS, BLOCK_K)
+    if PACKED:
+        p0, p1, p2, p3 = look_up(words, *tables, PAGE_SIGNS, PACKED=True)
+        # The last join takes the lowest register bit: pair m = 2 m1 + m0 as [m1, m0].
+        values = gl.reshape(gl.join(gl.join(p0, p2), gl.join(p1, p3)), [ROWS, BLOCK_K // 2])
+    else:
+        v0, v1, v2, v3, v4, v5, v6, v7 = look_up(words, *tables, PAGE_SIGNS)
+        values = joined(v0, v1, v2, v3, v4, v5, v6, v7, ROWS, BLOCK_K)
+    return values

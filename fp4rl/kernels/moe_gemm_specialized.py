@@ -101,25 +101,6 @@ def _at_most(a, b):
 
 
 @gluon.jit
-def _looked_up(words, sf, s, ROWS: gl.constexpr, BLOCK_K: gl.constexpr, words_l: gl.constexpr):
-    """`fragments.looked_up`'s values as ``[ROWS, BLOCK_K // 2]`` int32 pairs of BF16 in K order,
-    as the lookup packs them: each thread's 4 pairs of a word in consecutive registers, one
-    16-byte store to shared memory."""
-    lo0, lo1, hi0, hi1 = fragments.byte_tables(sf, s)
-    p0, p1, p2, p3 = fragments.look_up(
-        words,
-        fragments.per_word(lo0, ROWS, BLOCK_K, words_l),
-        fragments.per_word(lo1, ROWS, BLOCK_K, words_l),
-        fragments.per_word(hi0, ROWS, BLOCK_K, words_l),
-        fragments.per_word(hi1, ROWS, BLOCK_K, words_l),
-        False,
-        PACKED=True,
-    )
-    # The last join takes the lowest register bit: pair m = 2 m1 + m0 as [m1, m0].
-    return gl.reshape(gl.join(gl.join(p0, p2), gl.join(p1, p3)), [ROWS, BLOCK_K // 2])
-
-
-@gluon.jit
 def _decode_step(i, word_ptrs, scale_ptrs, words_s, scales_s, w_smem, ready, empty, s_B,
                  words_l: gl.constexpr, blocks_l: gl.constexpr, STEPS: gl.constexpr,
                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
@@ -140,7 +121,9 @@ def _decode_step(i, word_ptrs, scale_ptrs, words_s, scales_s, w_smem, ready, emp
     words = words_s.index(SLOT).load(words_l)
     scales = scales_s.index(SLOT).load(blocks_l)
     sf = scales.to(gl.float8e4nv, bitcast=True).to(gl.float32)
-    w_NK = _looked_up(words, sf, s_B[:, None], BLOCK_N, BLOCK_K, words_l)
+    w_NK = fragments.looked_up(
+        words, sf, s_B[:, None], BLOCK_N, BLOCK_K, words_l, PAGE_SIGNS=False, PACKED=True
+    )
     # Free once the MMA of step i - STAGES has read it (a fresh barrier counts as freed once).
     mbarrier.wait(empty.index(SLOT), ((i // STAGES) & 1) ^ 1)
     # The BF16 buffer's bytes as int32 pairs, swizzled alike.
@@ -287,7 +270,7 @@ def _moe_gemm_specialized_kernel(
         gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16),
     )  # fmt: skip
     # Words in 16-byte units, swizzled by row: the decoders' copies and loads without bank
-    # conflicts for K steps of 64 to 256.
+    # conflicts (for K steps of 64 and 128).
     words_shared: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
     words_s = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, BLOCK_K // 8], words_shared)
     scales_shared: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
