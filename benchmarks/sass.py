@@ -13,7 +13,8 @@ byte-table lookup and by arithmetic per code, and `moe_gemm_wgmma` (the same GEM
 warpgroup MMA, sm_90 only) at the launcher's four tiles (``wgmma:w13:ROWS``), and
 `moe_gemm_specialized` (its warp-specialized form, sm_90 only: ``specialized:w13``, the
 16:128:128 tile with 8 decoder warps; the loop counted is the decoders'). The loop is the
-longest stretch of SASS between a label and a branch back to it; `moe_gemm_registers` unrolls
+longest stretch of SASS between an instruction and a conditional branch back to it, read from
+cuobjdump's listing of the whole kernel; `moe_gemm_registers` unrolls
 its K loop at compile time (up to `UNROLL_MAX_STEPS` steps), and there the whole kernel is
 counted and divided by its steps (the prologue and the store included). "per value" divides a
 pass's instructions by the NVFP4 values a thread decodes in one pass (K and V for the
@@ -240,9 +241,10 @@ def resources(cubin: bytes) -> dict[str, int]:
     return {k: int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED):(\d+)", out)}
 
 
-def kernel_opcodes(cubin: bytes) -> collections.Counter:
-    """Opcodes of the whole kernel in ``cubin`` (NOPs left out), from cuobjdump's listing, which
-    has every instruction (Triton's own listing stops at an address of four hex digits)."""
+def listing(cubin: bytes) -> list[tuple[int, str]]:
+    """``(address, opcode)`` of every instruction of the one kernel in ``cubin``, predicates left
+    out, a branch's target kept (``BRA 0x1220``), from cuobjdump's listing: it has every
+    instruction, where Triton's own listing stops at an address of four hex digits."""
     import triton
 
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -251,34 +253,38 @@ def kernel_opcodes(cubin: bytes) -> collections.Counter:
         f.flush()
         out = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True,
                              check=True).stdout  # fmt: skip
-    ops = collections.Counter()
+    instructions = []
     for line in out.splitlines():
-        m = re.match(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]+)", line)
-        if m and m.group(1) != "NOP":
-            ops[m.group(1)] += 1
-    return ops
+        m = re.match(
+            r"^\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]+)\s*(\S*)", line
+        )
+        if m:
+            op = m.group(3)
+            if op == "BRA" and m.group(2):  # a conditional branch: its target, for the loops
+                op += " " + m.group(4).rstrip(";")
+            instructions.append((int(m.group(1), 16), op))
+    return instructions
 
 
-def loop_opcodes(sass: str) -> collections.Counter:
-    """Opcodes of the longest stretch between a label and a conditional branch back to it (an
-    unconditional one is the retry of a wait placed out of line, not a loop's back edge)."""
-    lines = sass.splitlines()
-    labels = {m.group(1): i for i, l in enumerate(lines) if (m := re.match(r"^(\.?L\w+):", l))}
-    best = None
-    for i, line in enumerate(lines):
-        m = re.search(r"@!?U?P\w+\s+BRA\s+`?\(?(\.?L\w+)", line)
-        if m and m.group(1) in labels and labels[m.group(1)] < i:
-            span = (labels[m.group(1)], i)
-            if best is None or span[1] - span[0] > best[1] - best[0]:
-                best = span
-    ops = collections.Counter()
-    if best is not None:
-        for line in lines[best[0] : best[1] + 1]:
-            # (wgmma's opcodes carry their shape in lower case: HGMMA.64x64x16.F32.BF16)
-            m = re.match(r"^\s*(?:\S+\s+)?(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]+)\s", line)
-            if m and not m.group(1).endswith(":"):
-                ops[m.group(1)] += 1
-    return ops
+def kernel_opcodes(instructions: list[tuple[int, str]]) -> collections.Counter:
+    """Opcodes of the whole kernel (NOPs left out)."""
+    return collections.Counter(op.split(" ")[0] for _, op in instructions if op != "NOP")
+
+
+def loop_opcodes(instructions: list[tuple[int, str]]) -> collections.Counter:
+    """Opcodes of the longest stretch between an address and a conditional branch back to it
+    (an unconditional one is the retry of a wait placed out of line, not a loop's back edge)."""
+    back_edges = [
+        (int(op[4:], 16), address)
+        for address, op in instructions
+        if op.startswith("BRA 0x") and int(op[4:], 16) < address
+    ]
+    best = max(back_edges, key=lambda edge: edge[1] - edge[0], default=None)
+    if best is None:
+        return collections.Counter()
+    return collections.Counter(
+        op.split(" ")[0] for address, op in instructions if best[0] <= address <= best[1]
+    )
 
 
 # Opcodes the ALU pipe issues (logic, shifts, PRMT, LEA, integer adds and compares, min/max,
@@ -293,11 +299,12 @@ ALU_PIPE = ("PRMT", "LOP3", "SHF", "LEA", "IADD3", "ISETP", "FSETP", "FMNMX", "S
 def table_row(name: str, case: Case, arch: int) -> str:
     compiled = compile_case(case, arch)
     res = resources(compiled.asm["cubin"])
+    instructions = listing(compiled.asm["cubin"])
     if case.steps:  # unrolled: the whole kernel, a step's share
-        whole = kernel_opcodes(compiled.asm["cubin"])
+        whole = kernel_opcodes(instructions)
         ops = collections.Counter({op: round(n / case.steps) for op, n in whole.items()})
     else:
-        ops = loop_opcodes(compiled.asm["sass"])
+        ops = loop_opcodes(instructions)
     total = sum(ops.values())
     shared = sum(n for op, n in ops.items() if op.startswith(("LDS", "STS", "LDSM", "STSM")))
     mma = sum(n for op, n in ops.items() if op.startswith(("HMMA", "HGMMA")))
