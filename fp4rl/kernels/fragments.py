@@ -131,7 +131,9 @@ def look_up(words, lo0, lo1, hi0, hi1, PAGE_SIGNS: gl.constexpr, PACKED: gl.cons
 
     The sign bytes: in `pack_e2m1`'s layout a sign-replicating PRMT of the word (and of the word
     shifted by a nibble) gives 0xFF for each negative code: 15 instructions for 8 values, all
-    but two on the ALU pipe, which bounds the decoding kernels. KV pages keep the signs where
+    but two on the ALU pipe, the decoding kernels' busiest (though not all that holds them: with
+    the decode made free, one H200 ran the decode attention 14-19 % faster and the batch-64
+    expert GEMM no faster, BENCHMARKS.md "The decode made free"). KV pages keep the signs where
     the flip takes them (PAGE_SIGNS, `reference.PAGE_SIGNS`): the word itself and the word
     shifted by a nibble are the sign bytes, 13 instructions."""
     asm: gl.constexpr = _look_up_asm(PAGE_SIGNS, PACKED)

@@ -28,7 +28,7 @@ query heads as its 8 columns (N), so no row of the MMA is padding: ``S^T = K . q
   loads, the same lanes for each row's scale), which leaves a thread pairs of consecutive
   values of one token where the product, reducing over the tokens, needs pairs of tokens; one
   ``movmatrix`` per register pair transposes each 8 x 8 tile of 8 tokens by 8 values, off the
-  ALU pipe that bounds this kernel (`_as_operand_a`). The head dim comes out permuted as the
+  ALU pipe, this kernel's busiest (`_as_operand_a`). The head dim comes out permuted as the
   output's rows and is put back when stored (`_real_order`).
 
 Against the first layout of this kernel (q as operand A, its 8 heads twice over the MMA's 16
