@@ -43,7 +43,7 @@ if not torch.cuda.is_available():  # --quick on a CPU: kernels must be decorated
 from _timing import copy_bandwidth, median_ms, report, run_header  # noqa: E402
 
 from fp4rl import ops  # noqa: E402
-from fp4rl.kernels import moe_gemm  # noqa: E402
+from fp4rl.kernels import moe_gemm, moe_tiles  # noqa: E402
 from fp4rl.kernels.moe_tiles import GemmTile  # noqa: E402
 from fp4rl.model.experts import grouped_mm  # noqa: E402
 
@@ -82,7 +82,9 @@ def main() -> None:
         "8: its warp-specialized program, STAGES its ring's buffers), "
         "comma-separated; suffix '+lut' decodes by byte-table "
         "lookup, '+arith' by arithmetic per code (moe_gemm_registers.LOOKUP; no suffix: its "
-        "default); ignored without a GPU",
+        "default); '+perm' reads x's rows stored in moe_gemm_registers.permuted_rows' order, "
+        "permuted ahead of the timing (a tile on the warpgroup MMA has no such variant: '-'); "
+        "ignored without a GPU",
     )
     args = parser.parse_args()
     if not torch.cuda.is_available() and not args.quick:
@@ -106,10 +108,14 @@ def main() -> None:
         bf16_variants[spec] = GemmTile(*(int(v) for v in spec.split(":")))
     register_variants = {}
     for spec in filter(None, args.register_configs.split(",") if cuda else []):
-        tile, _, lookup = spec.partition("+")
+        tile, *suffixes = spec.split("+")
+        unknown = set(suffixes) - {"lut", "arith", "perm"}
+        if unknown or {"lut", "arith"} <= set(suffixes):
+            sys.exit(f"--register-configs {spec}: suffixes are +lut or +arith, and +perm")
         register_variants[spec] = (
             None if tile == "auto" else register_tile(tile),
-            {"": None, "lut": True, "arith": False}[lookup],
+            True if "lut" in suffixes else False if "arith" in suffixes else None,
+            "perm" in suffixes,
         )
     torch.manual_seed(0)
 
@@ -190,7 +196,7 @@ def measure(
         logits = torch.randn(t, experts, device=device)
         counts = torch.bincount(logits.topk(TOP_K, dim=-1).indices.flatten(), minlength=experts)
         x = torch.randn(t * TOP_K, k, device=device).to(torch.bfloat16)
-        sets.append((x, p, w, counts))
+        sets.append((x, p, w, counts, {}))  # {K step: x's rows permuted} for +perm variants
     if hot:
         sets = sets[:1] * len(sets)
     rows = t * TOP_K
@@ -218,12 +224,20 @@ def measure(
         spec: (lambda s, tile=tile: moe_gemm.launch(s[0], s[2], s[3], config=tile))
         for spec, tile in bf16_variants.items()
     }  # fmt: skip
-    register_kernels = {
-        spec: (lambda s, tile=tile, lookup=lookup: register_launch(s, tile, lookup))
-        for spec, (tile, lookup) in register_variants.items()
-    }  # fmt: skip
+    # Rows in `permuted_rows`' order for the +perm variants, permuted ahead of the timing; a
+    # variant whose tile runs on the warpgroup MMA reads no such rows and is left out.
+    register_kernels = {}
+    for spec, (tile, lookup, permuted) in register_variants.items():
+        step = permuted_step(tile, t * TOP_K, experts, n, k, device) if permuted else None
+        if permuted and step is None:
+            continue
+        for s in sets if step is not None else ():
+            s[4].setdefault(step, moe_gemm_registers().permuted_rows(s[0], step))
+        register_kernels[spec] = lambda s, tile=tile, lookup=lookup, step=step: register_launch(
+            s, tile, lookup, step
+        )
     # Correct first: every variant against its twin on the first set.
-    x, p, w, counts = sets[0]
+    x, p, w, counts, _ = sets[0]
     want = moe_gemm.reference_gemm(x, p, counts)
     registers = [(f"registers {spec}", fn) for spec, fn in register_kernels.items()]
     for label, fn in [*kernels.items(), ("dequant + grouped_mm", fp4_today), *registers]:
@@ -245,7 +259,10 @@ def measure(
     best = min(register_times.values(), default=float("nan"))
     register_tiles = (
         f"| {name} | {t} | {ours:.1f} | {bf16_ours:.1f} | "
-        + "".join(f"{v:.1f} | " for v in register_times.values())
+        + "".join(
+            f"{register_times[spec]:.1f} | " if spec in register_times else "- | "
+            for spec in register_variants
+        )
         + f"{ours / best:.2f}x | {bf16_ours / best:.2f}x |"
     )
     row = (
@@ -268,19 +285,35 @@ def register_tile(spec: str) -> GemmTile:
     return GemmTile(*ints[:6], *(bool(v) for v in ints[6:8]), *ints[8:])
 
 
-def register_launch(s, tile: GemmTile | None, lookup: bool | None) -> torch.Tensor:
+def register_launch(s, tile: GemmTile | None, lookup: bool | None, step: int | None = None):
     """(e) with the decode by byte tables (``lookup``), by arithmetic per code, or (None) the
-    module's choice."""
+    module's choice; with ``step``, on x's rows permuted in K steps of that width."""
+    x, how = (s[0], {}) if step is None else (s[4][step], {"x_permuted_by": step})
+    if lookup is None:
+        return moe_gemm.launch(x, s[1], s[3], config=tile, registers=True, **how)
+    program = moe_gemm_registers()
+    before = program.LOOKUP
+    program.LOOKUP = lookup
+    try:
+        return moe_gemm.launch(x, s[1], s[3], config=tile, registers=True, **how)
+    finally:
+        program.LOOKUP = before
+
+
+def moe_gemm_registers():
+    """The register kernel's module (Gluon: imported only where a GPU runs it)."""
     from fp4rl.kernels import moe_gemm_registers
 
-    if lookup is None:
-        return moe_gemm.launch(s[0], s[1], s[3], config=tile, registers=True)
-    before = moe_gemm_registers.LOOKUP
-    moe_gemm_registers.LOOKUP = lookup
-    try:
-        return moe_gemm.launch(s[0], s[1], s[3], config=tile, registers=True)
-    finally:
-        moe_gemm_registers.LOOKUP = before
+    return moe_gemm_registers
+
+
+def permuted_step(tile: GemmTile | None, rows: int, experts: int, n: int, k: int, device):
+    """The K step x's rows are permuted in for a +perm variant of ``tile`` (None: the
+    launcher's), or None where that tile runs on the warpgroup MMA."""
+    if tile is None:
+        wgmma = moe_gemm.on_warpgroup_mma(device, n, k)
+        tile = moe_tiles.register_config_for(rows, experts, k, wgmma=wgmma)
+    return None if tile.wgmma else tile.fitted(n, k).block_k
 
 
 def bf16_twin(x_AK: torch.Tensor, w_ENK: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:

@@ -9,8 +9,9 @@ No GPU needed (Triton compiles for the target and disassembles with the tools it
 The kernels: `paged_attention_registers` (decode attention, NVFP4 pages, 32 query / 4 KV heads of
 128, pages of 16 tokens) at 16- and 32-token steps, `moe_gemm_registers` (the expert GEMM,
 Qwen3-30B-A3B's w13 ``[1536, 2048]`` and w2 ``[2048, 768]``) at the launcher's four tiles, by
-byte-table lookup and by arithmetic per code, and `moe_gemm_wgmma` (the same GEMM on Hopper's
-warpgroup MMA, sm_90 only) at the launcher's four tiles (``wgmma:w13:ROWS``), and
+byte-table lookup and by arithmetic per code (and at the short and split tiles with x's rows
+in `permuted_rows`' order: ``gemm:w13:short:permuted``), and `moe_gemm_wgmma` (the same GEMM
+on Hopper's warpgroup MMA, sm_90 only) at the launcher's four tiles (``wgmma:w13:ROWS``), and
 `moe_gemm_specialized` (its warp-specialized form, sm_90 only: ``specialized:w13``, the
 16:128:128 tile with 8 decoder warps; the loop counted is the decoders'). The loop is the
 longest stretch of SASS between an instruction and a conditional branch back to it, read from
@@ -69,7 +70,9 @@ def attention_case(block_n: int) -> Case:
     )  # fmt: skip
 
 
-def gemm_case(weight: str, tile_name: str, lookup: bool) -> Case:
+def gemm_case(weight: str, tile_name: str, lookup: bool, permuted: bool = False) -> Case:
+    """`moe_gemm_registers` at one of the launcher's tiles, decoding by byte-table lookup or by
+    arithmetic, x's rows in real order or (``permuted``) in `permuted_rows`' order."""
     from fp4rl.kernels import moe_gemm_registers, moe_tiles
 
     n, k = {"w13": (1536, 2048), "w2": (2048, 768)}[weight]
@@ -100,6 +103,7 @@ def gemm_case(weight: str, tile_name: str, lookup: bool) -> Case:
             SPLIT=tile.split_k,
             CLAMP_ROWS=tile.clamp_rows,
             UNROLL=unroll,
+            X_PERMUTED=permuted,
             PDL=True,
         ),  # fmt: skip
         warps,
@@ -108,7 +112,7 @@ def gemm_case(weight: str, tile_name: str, lookup: bool) -> Case:
         (tile.block_k // 16) * (tile.block_m // 8) * (tile.block_n // (16 * warps_n)),
         f"{weight} {tile.block_m}:{tile.block_n}:{tile.block_k}:{warps}"
         f"{f':split {tile.split_k}' if tile.split_k > 1 else ''} "
-        f"{'lookup' if lookup else 'arithmetic'}",
+        f"{'lookup' if lookup else 'arithmetic'}{', x permuted' if permuted else ''}",
         steps=steps if unroll else 0,
     )
 
@@ -162,6 +166,11 @@ CASES = {
         for w in ("w13", "w2")
         for t in ("short", "medium", "wide", "split")
         for lut in (True, False)
+    },
+    **{
+        f"gemm:{w}:{t}:permuted": (lambda w=w, t=t: gemm_case(w, t, True, permuted=True))
+        for w in ("w13", "w2")
+        for t in ("short", "split")
     },
     **{
         f"wgmma:{w}:{rows}": (lambda w=w, i=i: wgmma_case(w, i))

@@ -261,6 +261,7 @@ def launch(
     order_A: torch.Tensor | None = None,
     top_k: int = 1,
     registers: bool | None = None,
+    x_permuted_by: int | None = None,
 ) -> torch.Tensor:
     """``[A, N]`` BF16: rows ``x_AK`` sorted by expert (``counts_E[e]`` rows of expert e, in
     order) times ``dequantize(w, bf16)[e].T``, or ``w[e].T`` for a BF16 tensor ``w`` (the BF16
@@ -289,6 +290,11 @@ def launch(
     ``global_scale_on_accumulator``: on Hopper, for N and K multiples of 64, at every batch (the
     tile of `register_config_for`, the warpgroup MMA's above 5.5 rows per expert), otherwise for
     batches of at most `REGISTERS_MAX_ROWS_PER_EXPERT` rows per expert on average.
+
+    ``x_permuted_by`` (register kernel only; an alternative the engine does not take, to be timed):
+    x's rows are stored permuted within K steps of that width (`moe_gemm_registers.
+    permuted_rows`), which must be the K step of the tile the launch runs; the product and its
+    bits are those of the rows in real order.
     """
     check_kernel_device("x_AK", x_AK)
     if x_AK.dtype != torch.bfloat16 or x_AK.dim() != 2:
@@ -402,11 +408,20 @@ def launch(
         # Each warp takes 16 of the tile's columns at least (the MMA's m16).
         warps_n = min(tile.num_warps // tile.split_k, tile.block_n // 16)
         tile = dataclasses.replace(tile, num_warps=warps_n * tile.split_k)
+    if x_permuted_by is not None and (not registers or tile.wgmma or
+                                      x_permuted_by != tile.block_k):  # fmt: skip
+        program_name = "moe_gemm_wgmma" if tile.wgmma else "moe_gemm"
+        raise ValueError(
+            f"x_permuted_by={x_permuted_by!r}: rows permuted in K steps of that width need the "
+            f"register kernel with a tile of that K step; this launch runs "
+            + (f"it with {tile}" if registers and not tile.wgmma else f"{program_name}'s program")
+        )  # fmt: skip
     if registers:
         with device_of(x_AK):
             program.launch_kernel(
                 grid, x_AK, members, counts_E, y_AN, order_A, A=A, E=E, N=N, K=K,
                 rows_per_group=rows_per_group, top_k=top_k, tile=tile,
+                **({} if x_permuted_by is None else {"x_permuted": True}),
             )  # fmt: skip
         return y_AN
     with device_of(x_AK):

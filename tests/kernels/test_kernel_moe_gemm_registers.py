@@ -194,6 +194,76 @@ def test_clamped_rows_store_the_masked_tiles_bits_on_gpu(tile):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape", list(QWEN3_SHAPES), ids=str)
+def test_permuted_rows_give_the_real_orders_bits_on_gpu(shape):
+    """x's rows stored in `permuted_rows`' order (``x_permuted_by``) give bitwise the product of
+    the rows in real order, for every register tile (its own K step), gathered or not, with
+    experts' rows ending mid-tile; a captured launch follows new permuted rows."""
+    from fp4rl.kernels.moe_gemm_registers import permuted_rows
+
+    n, k = QWEN3_SHAPES[shape]
+    top_k = 8
+    g = torch.Generator().manual_seed(41)
+    w = random_weights(128, n, k, "cuda", seed=41)
+    ids = torch.randn(45, 128, generator=g).topk(top_k, dim=-1).indices
+    order = torch.argsort(ids.flatten(), stable=True).cuda()
+    counts = torch.bincount(ids.flatten(), minlength=128).cuda()
+    x = torch.randn(45, k, generator=g).to(torch.bfloat16).cuda()
+    rows = x[order // top_k].contiguous()
+    auto = moe_tiles.register_config_for(rows.shape[0], 128, k)  # the launcher's own tile
+    for tile in (auto, *(t for t in REGISTER_TILES if t is not None)):
+        step = tile.fitted(n, k).block_k
+        for rows_in, how in ((x, {"order_A": order, "top_k": top_k}), (rows, {})):
+            want = moe_gemm.launch(rows_in, w, counts, config=tile, registers=True, **how)
+            got = moe_gemm.launch(permuted_rows(rows_in, step), w, counts, config=tile,
+                                  registers=True, x_permuted_by=step, **how)  # fmt: skip
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (tile, how)
+
+    step = auto.fitted(n, k).block_k
+    rows_in = permuted_rows(rows, step)
+    moe_gemm.launch(rows_in, w, counts, x_permuted_by=step)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = moe_gemm.launch(rows_in, w, counts, x_permuted_by=step)
+    fresh = torch.randn(rows.shape, generator=g).to(torch.bfloat16).cuda()
+    rows_in.copy_(permuted_rows(fresh, step))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, moe_gemm.launch(fresh, w, counts))
+
+
+def test_permuted_rows_put_each_lanes_pieces_side_by_side():
+    """`permuted_rows`' order is the kernel's: the place the kernel reads real k from (its
+    pointer formula, restated) holds k, every step of every row, and a quad's four lanes read
+    one 64-byte stretch per piece."""
+    from fp4rl.kernels.moe_gemm_registers import permuted_rows
+
+    for block_k in (32, 64, 128, 256):
+        k = 3 * block_k
+        x = torch.arange(2 * k, dtype=torch.float32).reshape(2, k)
+        got = permuted_rows(x, block_k)
+        q = block_k // 4
+        real = torch.arange(block_k)
+        # Where the kernel reads real k from, as `_moe_gemm_registers_kernel` computes it.
+        place = 8 * (4 * ((real % q) // 8) + real // q) + real % 8
+        assert sorted(place.tolist()) == list(range(block_k)), block_k
+        for step in range(3):
+            for row in range(2):
+                want = x[row, step * block_k + real]
+                assert torch.equal(got[row, step * block_k + place], want), (block_k, step)
+        # Lane c's piece j (real k from c * q + 8 * j): the four lanes' pieces are adjacent.
+        for j in range(q // 8):
+            starts = [int(place[c * q + 8 * j]) for c in range(4)]
+            assert starts == [32 * j + 8 * c for c in range(4)], (block_k, j, starts)
+    assert permuted_rows(x[:, :32], 32).equal(x[:, :32])  # one piece a lane: the real order
+    with pytest.raises(ValueError, match="block_k must be a power of two >= 32; got 48"):
+        permuted_rows(x, 48)
+    with pytest.raises(ValueError, match="x's K=96 must be a multiple of block_k=64"):
+        permuted_rows(x[:, :96], 64)
+
+
+@pytest.mark.gpu
 def test_decode_batches_take_the_register_kernel_on_gpu():
     """Left to the launcher, packed weights take the register kernel up to
     REGISTERS_MAX_ROWS_PER_EXPERT rows per expert and `moe_gemm`'s program above, except on
@@ -256,6 +326,12 @@ def test_registers_checks_name_the_values(device):
         moe_gemm.launch(x, w, counts, registers=True, global_scale_on_accumulator=True)
     with pytest.raises(ValueError, match="block_m=8: 8 rows are for the register kernel only"):
         moe_gemm.launch(x, w, counts, config=GemmTile(8, 32, 64, 4, 2))
+    with pytest.raises(ValueError, match="x_permuted_by=64: .*; this launch runs moe_gemm's"):
+        moe_gemm.launch(x, w, counts, registers=False, x_permuted_by=64)
+    if device == "cuda":
+        tile = GemmTile(16, 32, 32, 2, 2)
+        with pytest.raises(ValueError, match=r"x_permuted_by=64: .* runs it with GemmTile\("):
+            moe_gemm.launch(x, w, counts, config=tile, registers=True, x_permuted_by=64)
     check = moe_gemm_registers.check_tile
     with pytest.raises(ValueError, match="block_m must be at least 8 .*; got 4"):
         check(4, 64, 64, 4, 64, 64)

@@ -4,7 +4,8 @@ off the GPU. Compiling checks every layout change the kernels assert to be a reg
 the SASS shows their loops free of shared memory, as designed (but for a few bytes of the
 attention's row scales, the wgmma kernel's stores of x's rows, and the warp-specialized
 decoders' handing of weights to the MMA), issuing exactly the MMA instructions a pass needs,
-and the launchers' default tiles free of spills."""
+and the launchers' default tiles free of spills; x's rows read in the permuted order as in
+the real one."""
 
 import re
 
@@ -18,6 +19,7 @@ CASES = [
     "attention:16",
     "gemm:w13:short",
     "gemm:w2:short",
+    "gemm:w13:short:permuted",  # x's rows in `moe_gemm_registers.permuted_rows`' order
     "gemm:w13:medium",  # rows clamped (GemmTile.clamp_rows)
     "gemm:w2:wide",
     "gemm:w13:short:arith",
@@ -31,6 +33,7 @@ NO_SPILLS = {
     "attention:16",
     "gemm:w13:short",
     "gemm:w2:short",
+    "gemm:w13:short:permuted",
     "wgmma:w13:16",
     "wgmma:w13:32",
     "wgmma:w2:64",
@@ -72,3 +75,6 @@ def test_register_kernels_compile_for_sm90_without_shared_memory_in_their_loops(
         assert issued == needed, f"{case}: {issued} MMA instructions in the loop, {needed} needed"
         if case in NO_SPILLS:
             assert int(stack) == 0, f"{case} spills {stack} bytes"
+    # Permuted rows are read with the same 16-byte loads (a lost alignment hint: 2-byte loads,
+    # about twice the registers): the same registers and instructions.
+    assert rows["gemm:w13:short:permuted"][2:6] == rows["gemm:w13:short"][2:6]
