@@ -197,8 +197,9 @@ def test_clamped_rows_store_the_masked_tiles_bits_on_gpu(tile):
 @pytest.mark.parametrize("shape", list(QWEN3_SHAPES), ids=str)
 def test_permuted_rows_give_the_real_orders_bits_on_gpu(shape):
     """x's rows stored in `permuted_rows`' order (``x_permuted_by``) give bitwise the product of
-    the rows in real order, for every register tile (its own K step), gathered or not, with
-    experts' rows ending mid-tile; a captured launch follows new permuted rows."""
+    the rows in real order, under register tiles of K steps from 32 to 256 (each its own), split
+    and clamped among them, gathered or not, with experts' rows ending mid-tile; a captured
+    launch follows new permuted rows."""
     from fp4rl.kernels.moe_gemm_registers import permuted_rows
 
     n, k = QWEN3_SHAPES[shape]
@@ -211,7 +212,9 @@ def test_permuted_rows_give_the_real_orders_bits_on_gpu(shape):
     x = torch.randn(45, k, generator=g).to(torch.bfloat16).cuda()
     rows = x[order // top_k].contiguous()
     auto = moe_tiles.register_config_for(rows.shape[0], 128, k)  # the launcher's own tile
-    for tile in (auto, *(t for t in REGISTER_TILES if t is not None)):
+    tiles = (REGISTER_TILES[2], REGISTER_TILES[3], REGISTER_TILES[4], SPLIT_TILE, REGISTER_TILES[7],
+             CLAMPED_TILE)  # fmt: skip
+    for tile in (auto, *tiles):
         step = tile.fitted(n, k).block_k
         for rows_in, how in ((x, {"order_A": order, "top_k": top_k}), (rows, {})):
             want = moe_gemm.launch(rows_in, w, counts, config=tile, registers=True, **how)
