@@ -43,7 +43,7 @@ if not torch.cuda.is_available():  # --quick on a CPU: kernels must be decorated
 from _timing import copy_bandwidth, median_ms, report, run_header  # noqa: E402
 
 from fp4rl import ops  # noqa: E402
-from fp4rl.kernels import moe_gemm, moe_tiles  # noqa: E402
+from fp4rl.kernels import launch, moe_gemm, moe_tiles  # noqa: E402
 from fp4rl.kernels.moe_tiles import GemmTile  # noqa: E402
 from fp4rl.model.experts import grouped_mm  # noqa: E402
 
@@ -82,7 +82,7 @@ def main() -> None:
         "8: its warp-specialized program, STAGES its ring's buffers), "
         "comma-separated; suffix '+lut' decodes by byte-table "
         "lookup, '+arith' by arithmetic per code (moe_gemm_registers.LOOKUP; no suffix: its "
-        "default); '+perm' reads x's rows stored in moe_gemm_registers.permuted_rows' order, "
+        "default); '+perm' reads x's rows stored in launch.permuted_rows' order, "
         "permuted ahead of the timing (a tile on the warpgroup MMA has no such variant: '-'); "
         "ignored without a GPU",
     )
@@ -232,7 +232,7 @@ def measure(
         if permuted and step is None:
             continue
         for s in sets if step is not None else ():
-            s[4].setdefault(step, moe_gemm_registers().permuted_rows(s[0], step))
+            s[4].setdefault(step, launch.permuted_rows(s[0], step))
         register_kernels[spec] = lambda s, tile=tile, lookup=lookup, step=step: register_launch(
             s, tile, lookup, step
         )

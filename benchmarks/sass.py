@@ -10,7 +10,7 @@ The kernels: `paged_attention_registers` (decode attention, NVFP4 pages, 32 quer
 128, pages of 16 tokens) at 16- and 32-token steps, `moe_gemm_registers` (the expert GEMM,
 Qwen3-30B-A3B's w13 ``[1536, 2048]`` and w2 ``[2048, 768]``) at the launcher's four tiles, by
 byte-table lookup and by arithmetic per code (and at the short and split tiles with x's rows
-in `permuted_rows`' order: ``gemm:w13:short:permuted``), and `moe_gemm_wgmma` (the same GEMM
+in `launch.permuted_rows`' order: ``gemm:w13:short:permuted``), and `moe_gemm_wgmma` (the same GEMM
 on Hopper's warpgroup MMA, sm_90 only) at the launcher's four tiles (``wgmma:w13:ROWS``), and
 `moe_gemm_specialized` (its warp-specialized form, sm_90 only: ``specialized:w13``, the
 16:128:128 tile with 8 decoder warps; the loop counted is the decoders'). The loop is the
@@ -72,7 +72,7 @@ def attention_case(block_n: int) -> Case:
 
 def gemm_case(weight: str, tile_name: str, lookup: bool, permuted: bool = False) -> Case:
     """`moe_gemm_registers` at one of the launcher's tiles, decoding by byte-table lookup or by
-    arithmetic, x's rows in real order or (``permuted``) in `permuted_rows`' order."""
+    arithmetic, x's rows in real order or (``permuted``) in `launch.permuted_rows`' order."""
     from fp4rl.kernels import moe_gemm_registers, moe_tiles
 
     n, k = {"w13": (1536, 2048), "w2": (2048, 768)}[weight]

@@ -138,6 +138,36 @@ def check_contiguous(name: str, t: torch.Tensor) -> None:
         )
 
 
+def permute_step(permuted_by: int | None, width: int) -> int:
+    """The K step rows of ``width`` values are permuted in (`launch.permuted_rows`'
+    order), 0 for None; raises ValueError naming the value unless it is a power of two >= 32
+    that divides the width."""
+    if permuted_by is None:
+        return 0
+    if isinstance(permuted_by, bool) or not isinstance(permuted_by, int):
+        raise ValueError(f"permuted_by must be an int or None; got {permuted_by!r}")
+    if permuted_by < 32 or permuted_by & (permuted_by - 1):
+        raise ValueError(f"permuted_by must be a power of two >= 32; got {permuted_by}")
+    if width % permuted_by:
+        raise ValueError(f"rows of {width} values cannot be permuted in steps of {permuted_by}")
+    return permuted_by
+
+
+def permuted_rows(x_RK: torch.Tensor, block_k: int) -> torch.Tensor:
+    """A copy of rows ``x_RK`` in the order `moe_gemm_registers`' kernel reads x in with
+    ``X_PERMUTED`` (`moe_gemm.launch`'s ``x_permuted_by``) for K steps of ``block_k``, and the
+    producers write with ``permuted_by``. Within a step, the 4 lanes of a quad each hold a
+    quarter of it, in pieces of 8 values; the pieces are stored one of each lane after the
+    other: place ``8 * (4 * j + c) + i`` holds real ``k = c * block_k / 4 + 8 * j + i``. In real
+    order one warp-wide 16-byte load touches 32 cache lines (a lane's quarter is 128 contiguous
+    bytes of its row); in this order, 8 (a quad's four pieces are 64 contiguous bytes). Each
+    thread holds the same values as before, so the products and their bits do not change."""
+    R, K = x_RK.shape
+    permute_step(block_k, K)
+    steps = x_RK.reshape(R, K // block_k, 4, block_k // 32, 8)
+    return steps.transpose(2, 3).contiguous().reshape(R, K)
+
+
 def pair_view(x_RK: torch.Tensor) -> torch.Tensor:
     """What the kernels load for x: bf16 as int32 pairs (unpacked by bit operations, which
     also keeps the interpreter's lossy bf16 casts out of the way), other dtypes as they are."""

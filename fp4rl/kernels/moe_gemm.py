@@ -292,9 +292,9 @@ def launch(
     batches of at most `REGISTERS_MAX_ROWS_PER_EXPERT` rows per expert on average.
 
     ``x_permuted_by`` (register kernel only; an alternative the engine does not take, to be timed):
-    x's rows are stored permuted within K steps of that width (`moe_gemm_registers.
-    permuted_rows`), which must be the K step of the tile the launch runs; the product and its
-    bits are those of the rows in real order.
+    x's rows are stored permuted within K steps of that width (`launch.permuted_rows`), which
+    must be the K step of the tile the launch runs; the product and its bits are those of the
+    rows in real order.
     """
     check_kernel_device("x_AK", x_AK)
     if x_AK.dtype != torch.bfloat16 or x_AK.dim() != 2:

@@ -13,10 +13,10 @@ What makes that possible is a permutation of K (`fragments`): within a step of `
 real k is assigned to the fragments' positions such that the 8 a thread holds per 32 values of
 K are the 8 codes of one packed word. The rows of x, the other operand, are loaded in real
 order (8 consecutive values per thread, one 16-byte load) and put in the same order; both
-reorderings are register renamings, checked at compile time. Rows stored in `permuted_rows`'
-order (``X_PERMUTED``, `moe_gemm.launch`'s ``x_permuted_by``, not taken by the engine) are
-read with the same loads from other addresses, so that a quad's loads share cache lines; each
-thread holds the same values either way.
+reorderings are register renamings, checked at compile time. Rows stored in
+`launch.permuted_rows`' order (``X_PERMUTED``: `moe_gemm.launch`'s ``x_permuted_by``) are read
+with the same loads from other addresses, so that a quad's loads share cache lines; each thread
+holds the same values either way.
 
 A split tile (``GemmTile.split_k`` > 1) lays that many warps along K instead of N: each takes
 its own ``BLOCK_K`` of a step of ``split_k * BLOCK_K``, the weights' and x's tiles hold the
@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import math
 
-import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -307,7 +306,7 @@ def _moe_gemm_registers_kernel(
     if GATHER:  # x holds tokens: row a of the product is token order[a] // top_k
         x_rows_U = rows_of(order_A + rows_U, row_ok_U, 0, CLAMP_ROWS).to(gl.int64) // top_k
     k_K = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, x_l))
-    if X_PERMUTED:  # real k of a step at its place in `permuted_rows`' order, in 8-value pieces
+    if X_PERMUTED:  # real k at its place in `launch.permuted_rows`' order, in 8-value pieces
         Q: gl.constexpr = BLOCK_K // 4  # of the step's K per lane of a quad
         k_K = 8 * (4 * ((k_K % Q) // 8) + k_K // Q) + k_K % 8
         k_K = gl.max_contiguous(gl.multiple_of(k_K, 8), 8)  # else Triton loads 2 bytes at a time
@@ -389,24 +388,6 @@ LOOKUP = True
 UNROLL_MAX_STEPS = 8
 
 
-def permuted_rows(x_AK: torch.Tensor, block_k: int) -> torch.Tensor:
-    """A copy of x's rows in the order the kernel reads them with ``X_PERMUTED``
-    (`moe_gemm.launch`'s ``x_permuted_by``) for K steps of ``block_k``. Within a step, the 4
-    lanes of a quad each hold a quarter of it, in pieces of 8 values; the pieces are stored one
-    of each lane after the other: place ``8 * (4 * j + c) + i`` holds real ``k = c * block_k /
-    4 + 8 * j + i``. In real order one warp-wide 16-byte load touches 32 cache lines (a lane's
-    quarter is 128 contiguous bytes of its row); in this order, 8 (a quad's four pieces are 64
-    contiguous bytes). Each thread holds the same values as before, so the products and their
-    bits do not change."""
-    if block_k < 32 or block_k & (block_k - 1):
-        raise ValueError(f"block_k must be a power of two >= 32; got {block_k}")
-    A, K = x_AK.shape
-    if K % block_k:
-        raise ValueError(f"x's K={K} must be a multiple of block_k={block_k}")
-    steps = x_AK.reshape(A, K // block_k, 4, block_k // 32, 8)
-    return steps.transpose(2, 3).contiguous().reshape(A, K)
-
-
 def check_tile(
     block_m: int, block_n: int, block_k: int, num_warps: int, n: int, k: int, split_k: int = 1
 ) -> None:
@@ -439,7 +420,7 @@ def launch_kernel(grid, x_AK, members, counts_E, y_AN, order_A, *, A, E, N, K, r
                   top_k, tile, x_permuted=False) -> None:  # fmt: skip
     """Launch over ``grid`` with `moe_gemm.launch`'s checked arguments (``members``: the codes
     as int32, the block scales as bytes, the global scale per group; ``x_permuted``: x's rows
-    in `permuted_rows`' order for ``tile.block_k``)."""
+    in `launch.permuted_rows`' order for ``tile.block_k``)."""
     check_tile(tile.block_m, tile.block_n, tile.block_k, tile.num_warps, N, K, tile.split_k)
     _moe_gemm_registers_kernel[grid](
         x_AK, *members, counts_E, y_AN, x_AK if order_A is None else order_A,

@@ -28,7 +28,7 @@ from fp4rl.fp4.rounding import CompactCodes
 from fp4rl.fp4.tensor import NVFP4Tensor
 from fp4rl.kernels import dependent_launch, rms_norm
 from fp4rl.kernels.dependent_launch import wait_for_prior
-from fp4rl.kernels.launch import device_of, pair_view, record_outputs
+from fp4rl.kernels.launch import device_of, pair_view, permute_step, record_outputs
 from fp4rl.kernels.tiles import fake_quantize_rows, load_pairs, program_rows
 
 DTYPES = rms_norm.DTYPES
@@ -39,7 +39,7 @@ MAX_WIDTH = 8192  # values per row held in registers (one chunk), as `nearest`'s
 def _add_rms_norm_quantize_kernel(
     x_RD, delta_RD, weight_D, s_RD, h_RD, h_pairs_RD, h_q_RD, record_RD, record_block_scale_RD,
     record_global_scale_R, R, D, inv_width, eps, RECORD: tl.constexpr, BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr,
+    PERMUTE_BY: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_prior(PDL)
     OUT: tl.constexpr = s_RD.dtype.element_ty
@@ -52,7 +52,7 @@ def _add_rms_norm_quantize_kernel(
     h_even, h_odd = load_pairs(h_pairs_RD, rows_R, row_ok_R, 0, D, BLOCK_D)
     fake_quantize_rows(
         h_even, h_odd, h_q_RD, rows_R, row_ok_R, D, record_RD, record_block_scale_RD,
-        record_global_scale_R, rows_R, RECORD, BLOCK_D,
+        record_global_scale_R, rows_R, RECORD, BLOCK_D, PERMUTE_BY,
     )  # fmt: skip
 
 
@@ -72,18 +72,22 @@ def launch(
     weight: torch.Tensor,
     eps: float,
     record: str | None = None,
+    permuted_by: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, NVFP4Tensor | CompactCodes | None]:
     """``(s, h, h_q, h_record)``: ``(s, h) = rms_norm.launch_add(x, delta, weight, eps)``, ``h_q
     = fake_quantize(h, scaling="row")`` and, with ``record`` "full" or "compact", the site's
     record of h (``quantize(h, scaling="row")`` or its `rounding.compact`; None without), bit for
     bit, in one launch, for x and delta of one shape (any leading shape, rows of D values, D a
-    multiple of 16 up to `MAX_WIDTH`) and ``weight [D]``, all of one dtype."""
+    multiple of 16 up to `MAX_WIDTH`) and ``weight [D]``, all of one dtype. With
+    ``permuted_by``, h_q's rows are stored permuted in K steps of that width, as
+    `launch.permuted_rows` permutes them (s, h and the record stay in real order)."""
     D = x.shape[-1] if x.dim() else 0
     if not 0 < D <= MAX_WIDTH or D % 16:
         raise ValueError(
             f"x must have rows of D values, D a positive multiple of 16 up to {MAX_WIDTH}; got "
             f"shape {tuple(x.shape)}"
         )
+    step = permute_step(permuted_by, D)
     rms_norm.check_add(x, delta, weight)
     s, h, h_q = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
     rec = record_outputs(record, tuple(x.shape[:-1]), D, x.device)
@@ -94,7 +98,7 @@ def launch(
     with device_of(x):
         _add_rms_norm_quantize_kernel[(rows,)](
             x, delta, weight, s, h, pair_view(h.view(rows, D)), h_q, *rec.pointers(), rows, D,
-            1.0 / D, float(eps), RECORD=rec.RECORD, BLOCK_D=block,
+            1.0 / D, float(eps), RECORD=rec.RECORD, BLOCK_D=block, PERMUTE_BY=step,
             num_warps=rms_norm.warps_for(block), enable_fp_fusion=False,
             **dependent_launch.keywords(x.device),
         )  # fmt: skip

@@ -36,6 +36,7 @@ from fp4rl.kernels.launch import (
     check_kernel_device,
     device_of,
     pair_view,
+    permute_step,
     record_outputs,
 )
 from fp4rl.kernels.numerics import (
@@ -96,6 +97,7 @@ def _swiglu_kernel(
     ROW_ORDER: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PERMUTE_BY: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_prior(PDL)
@@ -111,10 +113,10 @@ def _swiglu_kernel(
     if QUANTIZE:
         fake_quantize_rows(
             h_even, h_odd, out_AI, rows_A, ok_A, I, record_AI, record_block_scale_AI,
-            record_global_scale_A, record_rows_A, RECORD, BLOCK_K,
+            record_global_scale_A, record_rows_A, RECORD, BLOCK_K, PERMUTE_BY,
         )  # fmt: skip
     else:
-        store_values(out_AI, rows_A, ok_A, 0, I, h_even, h_odd, BLOCK_K)
+        store_values(out_AI, rows_A, ok_A, 0, I, h_even, h_odd, BLOCK_K, PERMUTE_BY)
 
 
 def supported(gate_up: torch.Tensor) -> bool:
@@ -130,24 +132,30 @@ def launch(
     quantize: bool = False,
     rows: int | None = None,
     num_warps: int | None = None,
+    permuted_by: int | None = None,
 ) -> torch.Tensor:
     """``silu(gate) * up`` ``[A, I]`` of ``gate_up [A, 2I]`` (`supported` must hold), bitwise
     the eager formulation on the GPU; with ``quantize``, its per-row NVFP4 fake quantization
     (``fake_quantize(h, scaling="row")``, bitwise). ``rows`` a program and ``num_warps`` other
     than `rows_per_program`'s and `warps_for`'s are for benchmarking variants; no bit depends
-    on them."""
-    return _launch(gate_up, quantize, None, None, rows, num_warps)[0]
+    on them. With ``permuted_by`` the rows are stored permuted in K steps of that width, as
+    `launch.permuted_rows` permutes them."""
+    return _launch(gate_up, quantize, None, None, rows, num_warps, permuted_by)[0]
 
 
 def launch_recording(
-    gate_up: torch.Tensor, form: str, row_order: torch.Tensor | None = None
+    gate_up: torch.Tensor,
+    form: str,
+    row_order: torch.Tensor | None = None,
+    permuted_by: int | None = None,
 ) -> tuple[torch.Tensor, NVFP4Tensor | CompactCodes]:
     """``(h_q, record)``: `launch` with ``quantize`` and, from the same launch, the site's
     record of it in ``form`` ("full": ``quantize(h, scaling="row")``; "compact": its
     `rounding.compact`), bit for bit. ``row_order`` (int64, any shape of A elements, e.g. the
     experts' ``[T, k]``) puts record row ``c`` from row ``row_order[c]`` of h (a permutation;
     not checked, which would need a device sync), the record's leading dims then
-    ``row_order.shape``; without it the record's rows are h's."""
+    ``row_order.shape``; without it the record's rows are h's. ``permuted_by``: h_q's rows
+    permuted as `launch`'s (the record's stay in real order)."""
     if form is None:
         raise ValueError("launch_recording needs a record form, 'full' or 'compact'; got None")
     if row_order is not None:
@@ -158,10 +166,10 @@ def launch_recording(
                 f"row_order must be int64 with one entry per row of gate_up ({gate_up.shape[0]}); "
                 f"got {row_order.dtype} of shape {tuple(row_order.shape)}"
             )
-    return _launch(gate_up, True, form, row_order, None, None)
+    return _launch(gate_up, True, form, row_order, None, None, permuted_by)
 
 
-def _launch(gate_up, quantize, form, row_order, rows, num_warps):
+def _launch(gate_up, quantize, form, row_order, rows, num_warps, permuted_by):
     check_kernel_device("gate_up", gate_up)
     if not supported(gate_up):
         raise ValueError(
@@ -171,6 +179,7 @@ def _launch(gate_up, quantize, form, row_order, rows, num_warps):
     check_contiguous("gate_up", gate_up)
     A, width = gate_up.shape
     I = width // 2  # noqa: E741 - the legend's name
+    step = permute_step(permuted_by, I)
     out = torch.empty((A, I), dtype=gate_up.dtype, device=gate_up.device)
     lead = (A,) if row_order is None else tuple(row_order.shape)
     rec = record_outputs(form, lead, I, gate_up.device)
@@ -187,7 +196,7 @@ def _launch(gate_up, quantize, form, row_order, rows, num_warps):
             pair_view(gate_up.view(2 * A, I)), out, out if row_order is None else row_order,
             *rec.pointers(), A, I, QUANTIZE=quantize,
             RECORD=rec.RECORD, ROW_ORDER=row_order is not None, BLOCK_R=block_r, BLOCK_K=block_k,
-            num_warps=warps,
+            PERMUTE_BY=step, num_warps=warps,
             # The division and the site's scale arithmetic must not fuse into FMAs.
             enable_fp_fusion=False,
             **dependent_launch.keywords(gate_up.device),

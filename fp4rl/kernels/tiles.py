@@ -105,12 +105,31 @@ def load_halves(ptr, rows_R, row_ok_R, k0, K, PER_BLOCK: tl.constexpr, BLOCK_K: 
 
 
 @triton.jit
-def store_halves(ptr, rows_R, row_ok_R, k0, K, v, BLOCK_K: tl.constexpr):
-    """Store ``[BLOCK_R, NB, PER_BLOCK]`` values held in the joined order."""
+def permuted_shift(pieces, PERMUTE_BY: tl.constexpr):
+    """How far, in values, each of ``pieces`` (indices of 8-value pieces along a row) moves in
+    `launch.permuted_rows`' order of K steps of PERMUTE_BY: within a step, piece j
+    of quarter c goes to place ``4 * j + c``."""
+    PIECES: tl.constexpr = PERMUTE_BY // 8  # a step's
+    QUARTER: tl.constexpr = PIECES // 4
+    local = pieces % PIECES
+    return 8 * (4 * (local % QUARTER) + local // QUARTER - local)
+
+
+@triton.jit
+def store_halves(ptr, rows_R, row_ok_R, k0, K, v, BLOCK_K: tl.constexpr,
+                 PERMUTE_BY: tl.constexpr = 0):  # fmt: skip
+    """Store ``[BLOCK_R, NB, PER_BLOCK]`` values held in the joined order. With PERMUTE_BY
+    (values, PER_BLOCK 16) each block's two halves, one piece of 8 each, go where
+    `launch.permuted_rows` puts them for K steps of that width."""
     first, second = split_halves(v)
     offsets, mask = half_offsets(rows_R, row_ok_R, k0, K, v.shape[2], BLOCK_K)
+    second_offsets = offsets + v.shape[2] // 2
+    if PERMUTE_BY:
+        pieces = 2 * (k0 // 16 + tl.arange(0, BLOCK_K // 16))[None, :, None]
+        offsets += permuted_shift(pieces, PERMUTE_BY)
+        second_offsets += permuted_shift(pieces + 1, PERMUTE_BY)
     tl.store(ptr + offsets, first, mask=mask)
-    tl.store(ptr + offsets + v.shape[2] // 2, second, mask=mask)
+    tl.store(ptr + second_offsets, second, mask=mask)
 
 
 @triton.jit
@@ -159,13 +178,16 @@ def load_pairs(x_RK, rows_R, row_ok_R, k0, K, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def store_values(out_RK, rows_R, row_ok_R, k0, K, even, odd, BLOCK_K: tl.constexpr):
-    """Interleave (even, odd) FP32 values back into the chunk and store them in out's dtype."""
+def store_values(out_RK, rows_R, row_ok_R, k0, K, even, odd, BLOCK_K: tl.constexpr,
+                 PERMUTE_BY: tl.constexpr = 0):  # fmt: skip
+    """Interleave (even, odd) FP32 values back into the chunk and store them in out's dtype
+    (with PERMUTE_BY in `store_halves`' permuted order)."""
     values = tl.reshape(tl.join(even, odd), [even.shape[0], even.shape[1], 4, 2, 2])
     values = tl.reshape(tl.permute(values, [0, 1, 2, 4, 3]), [even.shape[0], even.shape[1], 16])
     store_halves(
-        out_RK, rows_R, row_ok_R, k0, K, round_to(values, out_RK.dtype.element_ty), BLOCK_K
-    )
+        out_RK, rows_R, row_ok_R, k0, K, round_to(values, out_RK.dtype.element_ty), BLOCK_K,
+        PERMUTE_BY,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -245,12 +267,13 @@ def row_amax(
 def quantize_chunk(
     x_even, x_odd, block_amax_RB, s_R, scale_R, d_scaled_R, reciprocal_R, out_RK, codes_RK8,
     block_scale_RKB, rows_R, row_ok_R, k0, K, POISON_BLOCKS: tl.constexpr, FAKE: tl.constexpr,
-    BLOCK_K: tl.constexpr, PAGE_SIGNS: tl.constexpr = False,
+    BLOCK_K: tl.constexpr, PAGE_SIGNS: tl.constexpr = False, PERMUTE_BY: tl.constexpr = 0,
 ):  # fmt: skip
     """Quantize a loaded chunk (`load_pairs`, its `block_amax`) under the rows' global scales
     ``s_R`` (with ``scale_R, d_scaled_R, reciprocal_R`` from `numerics.ratio_divisor`) and store
     its codes and block-scale bytes (with PAGE_SIGNS in KV pages' layout), or with FAKE its
-    dequantized values in ``out_RK``'s dtype.
+    dequantized values in ``out_RK``'s dtype (with PERMUTE_BY in `store_halves`' permuted
+    order).
 
     A non-finite x makes its group's scale NaN, and so every block scale of the group; under a
     caller's scale (POISON_BLOCKS) the blocks holding inf/NaN are poisoned alone.
@@ -274,7 +297,7 @@ def quantize_chunk(
         sf, s = per_block(block_scale), per_row(s_R)
         store_values(
             out_RK, rows_R, row_ok_R, k0, K, scale_back(q_even, sf, s), scale_back(q_odd, sf, s),
-            BLOCK_K,
+            BLOCK_K, PERMUTE_BY,
         )  # fmt: skip
     else:
         store_codes(
@@ -318,11 +341,13 @@ def store_record(
 def fake_quantize_rows(
     x_even, x_odd, out_RK, rows_R, row_ok_R, K, record_RK, record_block_scale_RKB,
     record_global_scale_R, record_rows_R, RECORD: tl.constexpr, BLOCK_K: tl.constexpr,
+    PERMUTE_BY: tl.constexpr = 0,
 ):  # fmt: skip
     """Whole rows held as pairs (one chunk, BLOCK_K >= K) stored as their per-row
     round-to-nearest fake quantization in ``out_RK``'s dtype: each row's global scale from its
-    amax, then `quantize_chunk` with FAKE, what `nearest`'s kernel stores for such rows; with
-    RECORD also the site's record of them at rows ``record_rows_R`` (`store_record`)."""
+    amax, then `quantize_chunk` with FAKE, what `nearest`'s kernel stores for such rows (with
+    PERMUTE_BY in `store_halves`' permuted order); with RECORD also the site's record of them
+    at rows ``record_rows_R`` (`store_record`, in real order)."""
     block_amax_RB = block_amax(x_even, x_odd)
     amax_R = tl.reduce(block_amax_RB, 1, max_nan)
     s_R = global_scale_from_amax(amax_R, is_finite(amax_R))
@@ -330,6 +355,7 @@ def fake_quantize_rows(
     q_even, q_odd, block_byte = quantize_chunk(
         x_even, x_odd, block_amax_RB, s_R, scale_R, d_scaled_R, reciprocal_R, out_RK, out_RK,
         out_RK, rows_R, row_ok_R, 0, K, POISON_BLOCKS=False, FAKE=True, BLOCK_K=BLOCK_K,
+        PERMUTE_BY=PERMUTE_BY,
     )  # fmt: skip
     store_record(
         record_RK, record_block_scale_RKB, record_global_scale_R, record_rows_R, row_ok_R, 0, K,

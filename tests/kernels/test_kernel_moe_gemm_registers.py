@@ -200,7 +200,7 @@ def test_permuted_rows_give_the_real_orders_bits_on_gpu(shape):
     the rows in real order, under register tiles of K steps from 32 to 256 (each its own), split
     and clamped among them, gathered or not, with experts' rows ending mid-tile; a captured
     launch follows new permuted rows."""
-    from fp4rl.kernels.moe_gemm_registers import permuted_rows
+    from fp4rl.kernels.launch import permuted_rows
 
     n, k = QWEN3_SHAPES[shape]
     top_k = 8
@@ -240,7 +240,7 @@ def test_permuted_rows_put_each_lanes_pieces_side_by_side():
     """`permuted_rows`' order is the kernel's: the place the kernel reads real k from (its
     pointer formula, restated) holds k, every step of every row, and a quad's four lanes read
     one 64-byte stretch per piece."""
-    from fp4rl.kernels.moe_gemm_registers import permuted_rows
+    from fp4rl.kernels.launch import permuted_rows
 
     for block_k in (32, 64, 128, 256):
         k = 3 * block_k
@@ -260,9 +260,9 @@ def test_permuted_rows_put_each_lanes_pieces_side_by_side():
             starts = [int(place[c * q + 8 * j]) for c in range(4)]
             assert starts == [32 * j + 8 * c for c in range(4)], (block_k, j, starts)
     assert permuted_rows(x[:, :32], 32).equal(x[:, :32])  # one piece a lane: the real order
-    with pytest.raises(ValueError, match="block_k must be a power of two >= 32; got 48"):
+    with pytest.raises(ValueError, match="permuted_by must be a power of two >= 32; got 48"):
         permuted_rows(x, 48)
-    with pytest.raises(ValueError, match="x's K=96 must be a multiple of block_k=64"):
+    with pytest.raises(ValueError, match="rows of 96 values cannot be permuted in steps of 64"):
         permuted_rows(x[:, :96], 64)
 
 

@@ -27,6 +27,7 @@ from tiny_models import rollout_model  # noqa: E402
 from fp4rl import kernels, ops  # noqa: E402
 from fp4rl.fp4 import reference  # noqa: E402
 from fp4rl.kernels import norm_quant, rms_norm  # noqa: E402
+from fp4rl.kernels.launch import permuted_rows  # noqa: E402
 from fp4rl.model.attention import CausalAttention  # noqa: E402
 from fp4rl.rollout.capture import StepCapture  # noqa: E402
 
@@ -114,6 +115,26 @@ def test_quantizer_ties_and_edges(device, dtype):
         delta = torch.zeros(3, D, dtype=dtype)
         h = check(x, delta, w, 0.0, device, f"{dtype} weight {i}")
         assert torch.equal(h, x * w), f"weight {i}: the norm is not ±weight"
+
+
+@pytest.mark.parametrize(("shape", "step"), [((3, 256), 256), ((2, 5, 128), 32), ((4, 2048), 256)])
+def test_permuted_site_values(device, shape, step):
+    """With ``permuted_by`` the site's values are stored in `permuted_rows`' order; the sum, the
+    norm and the record stay as they were."""
+    x = rows(shape, torch.bfloat16, seed=sum(shape), scale=3.0).to(device)
+    delta = rows(shape, torch.bfloat16, seed=sum(shape) + 1, scale=0.5).to(device)
+    w = (rows(shape[-1:], torch.bfloat16, seed=2) + 1).to(device)
+    want = norm_quant.launch(x, delta, w, 1e-6, "compact")
+    got = norm_quant.launch(x, delta, w, 1e-6, "compact", permuted_by=step)
+    assert_same_values(got[0], want[0].cpu(), "the sum")
+    assert_same_values(got[1], want[1].cpu(), "the norm")
+    D = shape[-1]
+    permuted = permuted_rows(want[2].cpu().view(-1, D), step).view(shape)
+    assert_same_values(got[2], permuted, "the site's values, permuted")
+    for name in ("mantissa_bits", "block_scale", "global_scale"):
+        assert_bitwise(getattr(got[3], name).cpu(), getattr(want[3], name).cpu(), name)
+    with pytest.raises(ValueError, match="permuted_by must be a power of two >= 32; got 16"):
+        norm_quant.launch(x, delta, w, 1e-6, permuted_by=16)
 
 
 def test_checks_name_the_values(device):

@@ -19,7 +19,7 @@ CASES = [
     "attention:16",
     "gemm:w13:short",
     "gemm:w2:short",
-    "gemm:w13:short:permuted",  # x's rows in `moe_gemm_registers.permuted_rows`' order
+    "gemm:w13:short:permuted",  # x's rows in `launch.permuted_rows`' order
     "gemm:w13:medium",  # rows clamped (GemmTile.clamp_rows)
     "gemm:w2:wide",
     "gemm:w13:short:arith",

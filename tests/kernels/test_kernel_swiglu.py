@@ -10,6 +10,7 @@ from kernel_checks import assert_record_equal, assert_same_values  # noqa: E402
 
 from fp4rl.fp4 import reference as R  # noqa: E402
 from fp4rl.kernels import swiglu  # noqa: E402
+from fp4rl.kernels.launch import permuted_rows  # noqa: E402
 from fp4rl.model.experts import eager_swiglu  # noqa: E402
 
 
@@ -82,6 +83,24 @@ def test_the_record_from_the_same_launch(device, form, A, I, ordered):  # noqa: 
     h = swiglu.launch(x).cpu()
     rows = h if order is None else h[order.flatten()].view(*order.shape, I)
     assert_record_equal(record, R.quantize(rows, scaling="row"), form, f"{form} record")
+
+
+@pytest.mark.parametrize(("I", "step"), [(768, 256), (64, 32), (256, 64)])
+def test_permuted_rows_are_the_rows_permuted(device, I, step):  # noqa: E741
+    """With ``permuted_by`` the values, quantized or not, are stored in `permuted_rows`' order;
+    the record from the same launch stays in real order."""
+    x = gate_up(5, I, seed=I + step).to(device)
+    for quantize in (False, True):
+        want = permuted_rows(swiglu.launch(x, quantize=quantize).cpu(), step)
+        got = swiglu.launch(x, quantize=quantize, permuted_by=step)
+        assert_same_values(got, want, f"quantize={quantize}")
+    order = torch.arange(5, device=device).flip(0)
+    h_q, record = swiglu.launch_recording(x, "full", order, permuted_by=step)
+    want_q, want_record = swiglu.launch_recording(x, "full", order)
+    assert_same_values(h_q, permuted_rows(want_q.cpu(), step), "recorded values")
+    assert_record_equal(record, want_record, "full", "the record")
+    with pytest.raises(ValueError, match=f"rows of {I} values cannot be permuted in steps of 512"):
+        swiglu.launch(x, permuted_by=512)
 
 
 def test_the_record_checks_name_the_values(device):
