@@ -328,7 +328,17 @@ def main() -> None:
         help="override fp4rl.rollout.attention.STORE_AT_EXIT_MIN_DECODES (a large value: the "
         "K/V store early like every other kernel)",
     )
+    parser.add_argument(
+        "--permuted-rows",
+        action="store_true",
+        help="the NVFP4 experts' GEMM rows stored as their register kernel reads them "
+        "(fp4rl.kernels.moe_gemm.PERMUTED_ROWS, a trial switch)",
+    )
     args = parser.parse_args()
+    if args.permuted_rows:
+        from fp4rl.kernels import moe_gemm
+
+        moe_gemm.PERMUTED_ROWS = True
     if args.plain_launches:
         from fp4rl.kernels import dependent_launch
 
@@ -409,7 +419,9 @@ def main() -> None:
             "",
             f"{args.layers} layers, every layer FP4 in the nvfp4 engine; {args.steps} steps per "
             f"repeat, median of {args.repeats}; copy bandwidth {bandwidth / 1e9:,.0f} GB/s "
-            "(read + write)" + ("; every kernel launched plainly" if args.plain_launches else ""),
+            "(read + write)"
+            + ("; every kernel launched plainly" if args.plain_launches else "")
+            + ("; the experts' rows stored permuted (PERMUTED_ROWS)" if args.permuted_rows else ""),
             "",
             "| batch x context | engine | CDF order | GPU ms/step | engine ms/step "
             "| one at a time ms/step | tok/s | vs bf16 | GiB/step | roofline ms | GPU at roofline "

@@ -131,10 +131,21 @@ def grouped_mm(
     counts_E: torch.Tensor,
     order_A: torch.Tensor | None = None,
     top_k: int = 1,
+    x_permuted_by: int | None = None,
 ) -> torch.Tensor:
     """`moe_gemm.reference_gemm`: expert-grouped rows (or tokens gathered by ``order_A //
-    top_k`` as they are read) times packed NVFP4 weights, decoded in registers."""
-    return moe_gemm.launch(x_AK, w, counts_E, order_A=order_A, top_k=top_k)
+    top_k`` as they are read) times packed NVFP4 weights, decoded in registers; x's rows stored
+    permuted in K steps of ``x_permuted_by`` where given (`grouped_mm_rows_step`)."""
+    return moe_gemm.launch(
+        x_AK, w, counts_E, order_A=order_A, top_k=top_k, x_permuted_by=x_permuted_by
+    )
+
+
+def grouped_mm_rows_step(x_AK: torch.Tensor, w: NVFP4Tensor, rows: int) -> int | None:
+    """The K step `grouped_mm` of ``rows`` rows like ``x_AK``'s times ``w`` reads them
+    permuted in, or None (`moe_gemm.rows_step`: a trial switch, off by default)."""
+    E, N, K = w.shape
+    return moe_gemm.rows_step(x_AK.device, rows, E, N, K)
 
 
 def grouped_mm_on_warpgroup_mma(x_AK: torch.Tensor, w: NVFP4Tensor) -> bool:
@@ -175,12 +186,18 @@ def add_rms_norm_rows(
 
 
 def add_rms_norm_quantize_rows(
-    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, record=None
+    x: torch.Tensor,
+    delta: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    record=None,
+    permuted_by: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, NVFP4Tensor | CompactCodes | None]:
     """``(s, h, fake_quantize(h, scaling="row"), record)`` for ``(s, h) = add_rms_norm_rows(x,
     delta, weight, eps)`` and, in form ``record`` if given, the site's record of h, bit for bit,
-    in one launch."""
-    return norm_quant.launch(x, delta, weight, eps, record)
+    in one launch; the site's values stored in `launch.permuted_rows`' order for K steps of
+    ``permuted_by`` where given."""
+    return norm_quant.launch(x, delta, weight, eps, record, permuted_by)
 
 
 def norm_rope_rows(
@@ -224,18 +241,25 @@ def project_rows(x_MK: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.
     return skinny_gemm.launch(x_MK, weights)
 
 
-def swiglu_rows(gate_up: torch.Tensor, *, quantize: bool = False) -> torch.Tensor:
+def swiglu_rows(
+    gate_up: torch.Tensor, *, quantize: bool = False, permuted_by: int | None = None
+) -> torch.Tensor:
     """`fp4rl.model.experts.eager_swiglu` bit for bit in one launch; with ``quantize`` the
-    intermediate site's fake quantization of it in the same pass."""
-    return swiglu.launch(gate_up, quantize=quantize)
+    intermediate site's fake quantization of it in the same pass; with ``permuted_by``, stored
+    in `launch.permuted_rows`' order for K steps of that width."""
+    return swiglu.launch(gate_up, quantize=quantize, permuted_by=permuted_by)
 
 
 def swiglu_site_rows(
-    gate_up: torch.Tensor, record: str, row_order: torch.Tensor | None
+    gate_up: torch.Tensor,
+    record: str,
+    row_order: torch.Tensor | None,
+    permuted_by: int | None = None,
 ) -> tuple[torch.Tensor, NVFP4Tensor | CompactCodes]:
-    """``swiglu_rows(gate_up, quantize=True)`` and the intermediate site's record in form
-    ``record``, its rows ordered by ``row_order`` (`swiglu.launch_recording`), in one launch."""
-    return swiglu.launch_recording(gate_up, record, row_order)
+    """``swiglu_rows(gate_up, quantize=True, permuted_by=permuted_by)`` and the intermediate
+    site's record in form ``record``, its rows ordered by ``row_order``
+    (`swiglu.launch_recording`), in one launch."""
+    return swiglu.launch_recording(gate_up, record, row_order, permuted_by)
 
 
 def draw_in_token_order(

@@ -244,6 +244,34 @@ def _moe_gemm_kernel(
     tl.store(y_ptrs, round_to(acc_NM, tl.bfloat16), mask=row_ok_M[None, :])
 
 
+# The engine's experts have the producers of their GEMMs' rows (`norm_quant`, `swiglu`) store
+# them permuted where the launcher's own tile is the register kernel's (`rows_step`), and the
+# GEMMs read them so (`launch`'s ``x_permuted_by``): the same bits, with loads of x that touch a
+# quarter of the cache lines. A trial switch, off until the engine is timed with it
+# (`python benchmarks/decode.py --permuted-rows`; BENCHMARKS.md "The decode made free").
+PERMUTED_ROWS = False
+
+
+def rows_step(device: torch.device, A: int, E: int, N: int, K: int) -> int | None:
+    """The K step in which `launch`'s own choice for ``A`` rows of packed ``[E, N, K]`` weights
+    on ``device`` reads x's rows permuted under `PERMUTED_ROWS` (its register tile's), or None:
+    the switch off, or that choice the warpgroup MMA's or `moe_gemm`'s program."""
+    if not PERMUTED_ROWS or A == 0 or E == 0:
+        return None
+    wgmma = on_warpgroup_mma(device, N, K)
+    if not _registers_by_default(device, A, E, wgmma):
+        return None
+    tile = register_config_for(A, E, K, wgmma=wgmma).fitted(N, K)
+    return None if tile.wgmma else tile.block_k
+
+
+def _registers_by_default(device: torch.device, A: int, E: int, wgmma: bool) -> bool:
+    """Whether `launch` takes the register programs for packed weights left to its choice."""
+    if register_kernels_refusal(device) is not None:
+        return False
+    return wgmma or A <= REGISTERS_MAX_ROWS_PER_EXPERT * E
+
+
 def on_warpgroup_mma(device: torch.device, N: int, K: int) -> bool:
     """Whether `launch` sends packed ``[E, N, K]`` weights on ``device`` to `moe_gemm_wgmma`'s
     warpgroup MMA (by default, whatever the rows): a Hopper GPU, and N and K multiples of 64 (its
@@ -291,10 +319,10 @@ def launch(
     tile of `register_config_for`, the warpgroup MMA's above 5.5 rows per expert), otherwise for
     batches of at most `REGISTERS_MAX_ROWS_PER_EXPERT` rows per expert on average.
 
-    ``x_permuted_by`` (register kernel only; an alternative the engine does not take, to be timed):
-    x's rows are stored permuted within K steps of that width (`launch.permuted_rows`), which
-    must be the K step of the tile the launch runs; the product and its bits are those of the
-    rows in real order.
+    ``x_permuted_by`` (the register kernel only; the engine's under `PERMUTED_ROWS`): x's rows
+    are stored permuted within K steps of that width (`launch.permuted_rows`), which must be the
+    K step of the tile the launch runs (`rows_step` says which for the launcher's own choice);
+    the product and its bits are those of the rows in real order.
     """
     check_kernel_device("x_AK", x_AK)
     if x_AK.dtype != torch.bfloat16 or x_AK.dim() != 2:
@@ -362,8 +390,7 @@ def launch(
             packed
             and config is None
             and not global_scale_on_accumulator
-            and register_kernels_refusal(x_AK.device) is None
-            and (wgmma or A <= REGISTERS_MAX_ROWS_PER_EXPERT * E)
+            and _registers_by_default(x_AK.device, A, E, wgmma)
         )
     sms = multiprocessors(x_AK.device)
     if config is None:

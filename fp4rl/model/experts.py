@@ -57,13 +57,26 @@ class RoutedExperts(nn.Module):
     def keep_input(self, capture, record) -> None:
         raise RuntimeError(f"layers.{self.layer}: these experts' input has no site to record")
 
+    def input_rows_step(self, x_TH: torch.Tensor, top_k: int) -> int | None:
+        """The K step in which the gate/up GEMM reads a caller-made input site's values
+        (`forward`'s ``x_site_TH``) for tokens like ``x_TH`` stored permuted
+        (`fp4rl.ops.expert_rows_step`), for the caller to make them so; None: in real order."""
+        return self.rows_step(x_TH, "w13", x_TH.shape[0] * top_k)
+
+    def rows_step(self, x: torch.Tensor, gemm: str, rows: int) -> int | None:
+        """The K step in which GEMM ``gemm`` ("w13" or "w2") of ``rows`` rows like ``x`` reads
+        them stored permuted (`fp4rl.ops.expert_rows_step`); None here, where the weights are
+        tensors: in real order."""
+        return None
+
     def hidden_site(self, h_AI, row_order_Tk, guidance, capture):
         return h_AI
 
     def intermediate_values(self, gate_up_A2I, row_order_Tk, guidance, capture):
-        """What the down GEMM multiplies: the SwiGLU of ``gate_up``, through the intermediate
-        site."""
-        return self.hidden_site(swiglu(gate_up_A2I), row_order_Tk, guidance, capture)
+        """``(h, permuted_by)``: what the down GEMM multiplies, the SwiGLU of ``gate_up``
+        through the intermediate site, and the K step its rows are stored permuted in (None:
+        real order)."""
+        return self.hidden_site(swiglu(gate_up_A2I), row_order_Tk, guidance, capture), None
 
     def forward(
         self,
@@ -75,25 +88,31 @@ class RoutedExperts(nn.Module):
         *,
         x_site_TH: torch.Tensor | None = None,
         x_site_record=None,
+        x_site_permuted_by: int | None = None,
     ) -> torch.Tensor:
         """``x_site_TH``, where given, is ``input_site(x_TH, ...)`` made by the caller (where
         `input_on_the_way` allows, bit for bit what the site returns): it is used in its place,
-        and ``x_site_record`` (the site's record, where the capture keeps one) is kept."""
+        and ``x_site_record`` (the site's record, where the capture keeps one) is kept. Its
+        rows are stored permuted in K steps of ``x_site_permuted_by`` where given (the step
+        `input_rows_step` named)."""
         k = topk_ids_Tk.shape[1]
         w13, w2 = self.weights()
+        x_permuted_by = None
         if x_site_TH is None:
             x_TH = self.input_site(x_TH, guidance, capture)
         else:
-            x_TH = x_site_TH
+            x_TH, x_permuted_by = x_site_TH, x_site_permuted_by
             if x_site_record is not None:
                 self.keep_input(capture, x_site_record)
         # Sort the T*k assignments by expert so each expert's rows are contiguous;
         # row_order[t, j]: the sorted row that holds assignment (t, j).
         order_A, row_order_Tk, counts_E = dispatch_order(topk_ids_Tk, self.num_experts)
         # Row a of the product is token order_A[a] // k (gathered by the GEMM).
-        gate_up_A2I = grouped_mm(x_TH, w13, counts_E, order_A=order_A, top_k=k)
-        h_AI = self.intermediate_values(gate_up_A2I, row_order_Tk, guidance, capture)
-        y_AH = grouped_mm(h_AI, w2, counts_E)
+        gate_up_A2I = grouped_mm(
+            x_TH, w13, counts_E, order_A=order_A, top_k=k, x_permuted_by=x_permuted_by
+        )
+        h_AI, h_permuted_by = self.intermediate_values(gate_up_A2I, row_order_Tk, guidance, capture)
+        y_AH = grouped_mm(h_AI, w2, counts_E, x_permuted_by=h_permuted_by)
         # Weighted sum over each token's k experts, back in token order.
         return combine(y_AH, row_order_Tk, topk_weights_Tk)
 
@@ -253,19 +272,22 @@ class Fp4Sites:
     def intermediate_values(self, gate_up_A2I, row_order_Tk, guidance, capture):
         """Where no gradient is wanted (the engine) and the intermediate site rounds to nearest
         (`Fp4Site.on_the_way`), on the GPU one kernel makes the site's values from ``gate_up``
-        (`fp4rl.ops.swiglu`, the same bits as the SwiGLU then the site) and, where the capture
-        keeps it, the site's record in token order (`fp4rl.ops.swiglu_site`)."""
+        (`fp4rl.ops.swiglu`, the same bits as the SwiGLU then the site), their rows stored as
+        the down GEMM reads them (`fp4rl.ops.expert_rows_step`), and, where the capture keeps
+        it, the site's record in token order (`fp4rl.ops.swiglu_site`)."""
         form = self._hidden.on_the_way(guidance, capture)
-        if not gate_up_A2I.requires_grad and form == "":
-            h_AI = ops.swiglu(gate_up_A2I, quantize=True)
-            if h_AI is not None:
-                return h_AI
-        elif not gate_up_A2I.requires_grad and form is not None:
-            made = ops.swiglu_site(gate_up_A2I, form, row_order_Tk)
-            if made is not None:
-                h_AI, record = made
-                self._hidden.keep(capture, record)
-                return h_AI
+        if not gate_up_A2I.requires_grad and form is not None:
+            step = self.rows_step(gate_up_A2I, "w2", gate_up_A2I.shape[0])
+            if form == "":
+                h_AI = ops.swiglu(gate_up_A2I, quantize=True, permuted_by=step)
+                if h_AI is not None:
+                    return h_AI, step
+            else:
+                made = ops.swiglu_site(gate_up_A2I, form, row_order_Tk, step)
+                if made is not None:
+                    h_AI, record = made
+                    self._hidden.keep(capture, record)
+                    return h_AI, step
         return super().intermediate_values(gate_up_A2I, row_order_Tk, guidance, capture)
 
 
@@ -327,6 +349,10 @@ class PackedExperts(Fp4Sites, RoutedExperts):
             ):
                 old.copy_(new)
         self.compute_dtype = dtype
+
+    def rows_step(self, x, gemm, rows):
+        w = self.w13_packed if gemm == "w13" else self.w2_packed
+        return None if w is None else ops.expert_rows_step(x, w, rows)
 
     def weights(self):
         # Packed: the grouped GEMM decodes them (in registers on the GPU), to the same values

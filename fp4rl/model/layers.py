@@ -55,16 +55,20 @@ class RMSNorm(nn.Module):
         return s, self(s)
 
     def sum_norm_and_quantize(
-        self, x: torch.Tensor, delta: torch.Tensor, record: str | None = None
+        self,
+        x: torch.Tensor,
+        delta: torch.Tensor,
+        record: str | None = None,
+        permuted_by: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, ops.SiteRecord | None]:
         """``(s, h, h_q, h_record)``: `sum_and_norm`'s ``(s, h)``, ``h_q =
         ops.fake_quantize(h, scaling="row")`` (an FP4 site rounding to nearest) and, with
         ``record`` ("full" or "compact"), that site's record of h, all from one kernel
         (`fp4rl.ops.add_rms_norm_quantize`, bit for bit) where `sum_and_norm` would fuse and
         that kernel runs; elsewhere ``h_q`` and the record are None and the caller runs the
-        site."""
+        site. ``permuted_by``: h_q's rows stored permuted for the experts' GEMM."""
         if self._fusable(x, delta):
-            out = ops.add_rms_norm_quantize(x, delta, self.weight, self.eps, record)
+            out = ops.add_rms_norm_quantize(x, delta, self.weight, self.eps, record, permuted_by)
             if out is not None:
                 return out
         return (*self.sum_and_norm(x, delta), None, None)

@@ -98,14 +98,21 @@ class SparseMoeBlock(nn.Module):
         their record in the form returned, if any (``x_site_record``); None: it may not."""
         return self.experts.input_on_the_way(guidance, capture)
 
+    def input_rows_step(self, x_TH) -> int | None:
+        """The K step the routed experts read a caller-made input site's values (``x_site_TH``)
+        for tokens like ``x_TH`` permuted in
+        (`fp4rl.model.experts.RoutedExperts.input_rows_step`); None: in real order."""
+        return self.experts.input_rows_step(x_TH, self.router.top_k)
+
     def forward(
-        self, x_TH, *, x_site_TH=None, x_site_record=None, replay_Tk=None, guidance=None,
-        capture=None, stats=None,
+        self, x_TH, *, x_site_TH=None, x_site_record=None, x_site_permuted_by=None,
+        replay_Tk=None, guidance=None, capture=None, stats=None,
     ):  # fmt: skip
         """The routed experts' (and shared expert's) output for ``x_TH``; the router and the
         shared expert read x_TH, the routed experts ``x_site_TH`` where it is given: x_TH
         through their input site, made by the caller with its record ``x_site_record``
-        (`input_on_the_way`)."""
+        (`input_on_the_way`), its rows permuted in K steps of ``x_site_permuted_by`` where
+        given (`input_rows_step`)."""
         weights_Tk, ids_Tk, fallback = self.router(x_TH, replay_Tk)
         if capture is not None:
             capture.record_routing(self.experts.layer, ids_Tk)
@@ -113,7 +120,7 @@ class SparseMoeBlock(nn.Module):
             stats["replay_fallback_tokens"] = stats.get("replay_fallback_tokens", 0) + fallback
         y_TH = self.experts(
             x_TH, ids_Tk, weights_Tk, guidance, capture, x_site_TH=x_site_TH,
-            x_site_record=x_site_record,
+            x_site_record=x_site_record, x_site_permuted_by=x_site_permuted_by,
         )  # fmt: skip
         if self.shared_expert is not None:
             y_TH = y_TH + torch.sigmoid(self.shared_expert_gate(x_TH)) * self.shared_expert(x_TH)

@@ -53,17 +53,22 @@ class DecoderLayer(nn.Module):
         if not isinstance(self.mlp, SparseMoeBlock):
             x_TH, h_TH = norm.sum_and_norm(x_TH, attn_TH)
             return x_TH, self.mlp(h_TH)
-        # The experts' input site's values of h_TH (and record), where the norm made them.
-        site_TH = record = None
+        # The experts' input site's values of h_TH (and record), where the norm made them, their
+        # rows stored as the experts' GEMM reads them.
+        site_TH = record = step = None
         form = self.mlp.input_on_the_way(guidance, capture)
         if form is not None:
-            x_TH, h_TH, site_TH, record = norm.sum_norm_and_quantize(x_TH, attn_TH, form or None)
+            step = self.mlp.input_rows_step(attn_TH)
+            x_TH, h_TH, site_TH, record = norm.sum_norm_and_quantize(
+                x_TH, attn_TH, form or None, step
+            )
         else:
             x_TH, h_TH = norm.sum_and_norm(x_TH, attn_TH)
         h_TH = self.mlp(
             h_TH,
             x_site_TH=site_TH,
             x_site_record=record,
+            x_site_permuted_by=None if site_TH is None else step,
             replay_Tk=replay_Tk,
             guidance=guidance,
             capture=capture,

@@ -160,12 +160,16 @@ def grouped_mm(
     *,
     order_A: torch.Tensor | None = None,
     top_k: int = 1,
+    x_permuted_by: int | None = None,
 ) -> torch.Tensor:
     """Rows of ``x`` grouped by expert (``counts_E[e]`` rows each) times each expert's ``w.T``.
 
     With ``order_A`` (the MoE dispatch's assignments sorted by expert) x holds tokens and row a
     is ``x[order_A[a] // top_k]``: the fused kernel reads those rows where they lie, the other
     paths gather them first.
+
+    ``x_permuted_by``: x's rows are stored permuted in K steps of that width, the step
+    `expert_rows_step` gave for this call (a ValueError where the call cannot read them).
 
     ``w`` is a tensor, or packed NVFP4 weights: on the GPU in BF16 those are decoded in
     registers by one fused kernel (only experts with rows are read), elsewhere dequantized to
@@ -177,14 +181,20 @@ def grouped_mm(
     matmuls.
     """
     rows = x_AK.shape[0] if order_A is None else order_A.shape[0]
+    if x_permuted_by is not None:  # the fused kernel alone reads them (and checks the step)
+        kernels = _fused_nvfp4_kernels(x_AK, w_ENK, rows)
+        if kernels is None:
+            raise ValueError(
+                f"x_permuted_by={x_permuted_by}: only the fused NVFP4 kernel reads permuted "
+                f"rows, and this grouped_mm of {rows} rows does not run it"
+            )
+        return kernels.grouped_mm(x_AK.contiguous(), w_ENK, counts_E, order_A, top_k, x_permuted_by)
     if _bf16_kernel_runs(x_AK, w_ENK, rows):
         return _kernels(x_AK).grouped_mm(x_AK.contiguous(), w_ENK, counts_E, order_A, top_k)
     if isinstance(w_ENK, NVFP4Tensor):
-        kernels = _kernels(x_AK)
-        if kernels is not None and x_AK.dtype == torch.bfloat16:
-            wgmma = kernels.grouped_mm_on_warpgroup_mma(x_AK, w_ENK)
-            if rows <= (FUSED_GEMM_MAX_ROWS_WGMMA if wgmma else FUSED_GEMM_MAX_ROWS):
-                return kernels.grouped_mm(x_AK.contiguous(), w_ENK, counts_E, order_A, top_k)
+        kernels = _fused_nvfp4_kernels(x_AK, w_ENK, rows)
+        if kernels is not None:
+            return kernels.grouped_mm(x_AK.contiguous(), w_ENK, counts_E, order_A, top_k)
         w_ENK = dequantize(w_ENK, x_AK.dtype)
     if order_A is not None:
         x_AK = x_AK[order_A // top_k]
@@ -194,6 +204,29 @@ def grouped_mm(
     rows = x_AK.split(counts_E.tolist())
     outs = [x.matmul(w.t()) for x, w in zip(rows, w_ENK, strict=True) if x.numel()]
     return torch.cat(outs) if outs else x_AK.new_zeros(0, w_ENK.shape[1])
+
+
+def expert_rows_step(x_AK: torch.Tensor, w_ENK: torch.Tensor | NVFP4Tensor, rows: int):
+    """The K step in which `grouped_mm` of ``rows`` rows like ``x_AK`` times ``w_ENK`` would
+    read x's rows stored permuted (`fp4rl.kernels.launch.permuted_rows`), for their producer
+    to write them so; None where it reads them in real order: anything but the fused NVFP4
+    kernel on the GPU, and there unless its trial switch is on
+    (`fp4rl.kernels.moe_gemm.PERMUTED_ROWS`)."""
+    kernels = _fused_nvfp4_kernels(x_AK, w_ENK, rows)
+    return None if kernels is None else kernels.grouped_mm_rows_step(x_AK, w_ENK, rows)
+
+
+def _fused_nvfp4_kernels(x_AK: torch.Tensor, w_ENK, rows: int):
+    """`fp4rl.kernels` where `grouped_mm` sends packed NVFP4 weights to the fused kernel (BF16
+    rows on the GPU, at most `FUSED_GEMM_MAX_ROWS` of them, or `FUSED_GEMM_MAX_ROWS_WGMMA` on
+    the warpgroup MMA), else None."""
+    kernels = _kernels(x_AK)
+    if kernels is None or not isinstance(w_ENK, NVFP4Tensor) or x_AK.dtype != torch.bfloat16:
+        return None
+    wgmma = kernels.grouped_mm_on_warpgroup_mma(x_AK, w_ENK)
+    return (
+        kernels if rows <= (FUSED_GEMM_MAX_ROWS_WGMMA if wgmma else FUSED_GEMM_MAX_ROWS) else None
+    )
 
 
 def _bf16_kernel_runs(x_AK: torch.Tensor, w_ENK, rows: int) -> bool:

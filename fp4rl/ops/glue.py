@@ -68,7 +68,12 @@ def add_rms_norm(
 
 
 def add_rms_norm_quantize(
-    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, record=None
+    x: torch.Tensor,
+    delta: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    record=None,
+    permuted_by: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, SiteRecord | None] | None:
     """``(s, h, h_q, h_record)``: `add_rms_norm`'s ``(s, h)``, ``h_q = fake_quantize(h,
     scaling="row")`` (round to nearest, one global scale per row; no gradient) and, with
@@ -76,12 +81,13 @@ def add_rms_norm_quantize(
     it is or `compact`ed; None without), bit for bit, in one kernel on the GPU
     (`fp4rl.kernels.norm_quant`), for x, delta and weight of one float dtype, delta of x's
     shape and rows of up to 8192 values, a multiple of 16 (`norm_quant.supported`); None
-    elsewhere, where the caller runs `add_rms_norm`, then the site."""
+    elsewhere, where the caller runs `add_rms_norm`, then the site. ``permuted_by``: h_q's rows
+    stored permuted for the expert GEMM (`fp4rl.ops.expert_rows_step`)."""
     kernels = _kernels(x)
     if kernels is None or not kernels.norm_quant.supported(x, delta, weight):
         return None
     return kernels.add_rms_norm_quantize_rows(
-        x.contiguous(), delta.contiguous(), weight.contiguous(), eps, record
+        x.contiguous(), delta.contiguous(), weight.contiguous(), eps, record, permuted_by
     )
 
 
@@ -150,30 +156,37 @@ def sort_by_expert(
     return kernels.sort_expert_ids(ids.contiguous(), num_experts)
 
 
-def swiglu(gate_up_A2I: torch.Tensor, *, quantize: bool = False) -> torch.Tensor | None:
+def swiglu(
+    gate_up_A2I: torch.Tensor, *, quantize: bool = False, permuted_by: int | None = None
+) -> torch.Tensor | None:
     """The experts' ``silu(gate) * up`` of rows ``[gate | up]`` in one kernel on the GPU
     (`fp4rl.kernels.swiglu`, bitwise `fp4rl.model.experts.eager_swiglu`); with ``quantize``, the
     intermediate site's round-to-nearest values of it too (``fake_quantize(h, scaling="row")``).
-    None elsewhere or for shapes the kernel does not take; the caller then runs the eager ops."""
+    None elsewhere or for shapes the kernel does not take; the caller then runs the eager ops.
+    ``permuted_by``: the rows stored permuted for the expert GEMM (`fp4rl.ops.expert_rows_step`)."""
     kernels = _kernels(gate_up_A2I)
     if kernels is None or not kernels.swiglu.supported(gate_up_A2I):
         return None
-    return kernels.swiglu_rows(gate_up_A2I.contiguous(), quantize=quantize)
+    return kernels.swiglu_rows(gate_up_A2I.contiguous(), quantize=quantize, permuted_by=permuted_by)
 
 
 def swiglu_site(
-    gate_up_A2I: torch.Tensor, record: str, row_order: torch.Tensor | None = None
+    gate_up_A2I: torch.Tensor,
+    record: str,
+    row_order: torch.Tensor | None = None,
+    permuted_by: int | None = None,
 ) -> tuple[torch.Tensor, SiteRecord] | None:
     """``(h_q, record)``: `swiglu` with ``quantize`` and the intermediate site's record of h in
     form ``record`` ("full" or "compact"), its rows in the order ``row_order`` names (record row
     ``c`` from h's row ``row_order[c]``; the record shaped like ``row_order``, else like h's
     rows), bit for bit what quantizing h, then picking its rows gives, in one kernel on the GPU
-    (`fp4rl.kernels.swiglu`). None where `swiglu` is."""
+    (`fp4rl.kernels.swiglu`). None where `swiglu` is. ``permuted_by`` as `swiglu`'s (the
+    record's rows stay in real order)."""
     kernels = _kernels(gate_up_A2I)
     if kernels is None or not kernels.swiglu.supported(gate_up_A2I):
         return None
     order = None if row_order is None else row_order.contiguous()
-    return kernels.swiglu_site_rows(gate_up_A2I.contiguous(), record, order)
+    return kernels.swiglu_site_rows(gate_up_A2I.contiguous(), record, order, permuted_by)
 
 
 def draw_in_token_order(

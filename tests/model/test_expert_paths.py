@@ -29,14 +29,16 @@ def standins(monkeypatch, fused: bool = True) -> list:
     returns the calls: ``quantize`` of each `swiglu`, the record form of each `swiglu_site`."""
     calls = []
 
-    def swiglu(gate_up, *, quantize=False):
+    def swiglu(gate_up, *, quantize=False, permuted_by=None):
+        assert permuted_by is None  # the CPU's GEMM reads rows in real order
         calls.append(quantize)
         if not fused:
             return None
         h = eager_swiglu(gate_up)
         return ops.fake_quantize(h, scaling="row") if quantize else h
 
-    def swiglu_site(gate_up, record, row_order=None):
+    def swiglu_site(gate_up, record, row_order=None, permuted_by=None):
+        assert permuted_by is None
         calls.append(record)
         if not fused:
             return None

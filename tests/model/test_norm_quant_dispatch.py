@@ -45,12 +45,14 @@ def unfused(x, delta, weight, eps, record=None):
 @pytest.fixture
 def asked(monkeypatch):
     """``asked(answer) -> calls``: the op records each call's ``(x, record)`` and answers
-    ``answer(x, delta, weight, eps, record)``."""
+    ``answer(x, delta, weight, eps, record)``; no call asks for rows permuted for the experts'
+    GEMM (the CPU's GEMM reads them in real order)."""
 
     def use(answer):
         calls = []
 
-        def op(x, delta, weight, eps, record=None):
+        def op(x, delta, weight, eps, record=None, permuted_by=None):
+            assert permuted_by is None
             calls.append((x, record))
             return answer(x, delta, weight, eps, record)
 
