@@ -212,6 +212,9 @@ def expert_rows_step(x_AK: torch.Tensor, w_ENK: torch.Tensor | NVFP4Tensor, rows
     to write them so; None where it reads them in real order: anything but the fused NVFP4
     kernel on the GPU, and there unless its trial switch is on
     (`fp4rl.kernels.moe_gemm.PERMUTED_ROWS`)."""
+    kernels = _kernels(x_AK)
+    if kernels is None or not kernels.moe_gemm.PERMUTED_ROWS:  # nothing more to ask (hot path)
+        return None
     kernels = _fused_nvfp4_kernels(x_AK, w_ENK, rows)
     return None if kernels is None else kernels.grouped_mm_rows_step(x_AK, w_ENK, rows)
 
