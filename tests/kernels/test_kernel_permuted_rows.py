@@ -92,6 +92,17 @@ def forward(model, tokens, permute: bool, device, monkeypatch, keep=None):
 def test_each_gemm_reads_the_rows_its_producer_permuted(device, monkeypatch, kept):
     """Both GEMMs of every FP4 layer are told the step their rows were stored in; the logits
     and the records of both expert sites (full codes) keep their bits."""
+    check_each_gemm(device, monkeypatch, kept)
+
+
+@pytest.mark.gpu
+def test_each_gemm_reads_the_rows_its_producer_permuted_on_gpu(monkeypatch):
+    """The same on the GPU's kernels (the GPU suite, ``-m gpu``, runs this one)."""
+    for kept in (False, True):
+        check_each_gemm("cuda", monkeypatch, kept)
+
+
+def check_each_gemm(device, monkeypatch, kept):
     model = tiny_packed(device)
     fp4 = [p.index for p in model.plan.layers if p.fp4]
     keep = {(i, s) for i in fp4 for s in ("expert_input", "expert_hidden")} if kept else None
