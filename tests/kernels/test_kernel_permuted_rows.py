@@ -133,19 +133,16 @@ def test_a_gemm_told_a_step_it_cannot_read_refuses():
 
 
 @pytest.mark.gpu
-def test_the_switch_decides_on_gpu():
+def test_the_switch_decides_on_gpu(monkeypatch):
     """Off, no GEMM asks for permuted rows; on, the decode sizes of Qwen3-30B-A3B's experts
     read them in the register tiles' 256-wide K steps, and from 5.5 rows per expert (the
     warpgroup MMA's tiles) in real order."""
-    x = torch.zeros(1, 2048, dtype=torch.bfloat16, device="cuda")
-    assert moe_gemm.rows_step(x.device, 64 * 8, 128, 1536, 2048) is None
-    try:
-        moe_gemm.PERMUTED_ROWS = True
-        for tokens in (1, 8, 64, 88):
-            assert moe_gemm.rows_step(x.device, tokens * 8, 128, 1536, 2048) == 256, tokens
-            assert moe_gemm.rows_step(x.device, tokens * 8, 128, 2048, 768) == 256, tokens
-        hopper = moe_gemm.on_warpgroup_mma(x.device, 1536, 2048)
-        want = None if hopper else 128  # elsewhere the medium register tile
-        assert moe_gemm.rows_step(x.device, 96 * 8, 128, 1536, 2048) == want
-    finally:
-        moe_gemm.PERMUTED_ROWS = False
+    cuda = torch.device("cuda")
+    assert moe_gemm.rows_step(cuda, 64 * 8, 128, 1536, 2048) is None
+    monkeypatch.setattr(moe_gemm, "PERMUTED_ROWS", True)
+    for tokens in (1, 8, 64, 88):
+        assert moe_gemm.rows_step(cuda, tokens * 8, 128, 1536, 2048) == 256, tokens
+        assert moe_gemm.rows_step(cuda, tokens * 8, 128, 2048, 768) == 256, tokens
+    hopper = moe_gemm.on_warpgroup_mma(cuda, 1536, 2048)
+    want = None if hopper else 128  # elsewhere the medium register tile
+    assert moe_gemm.rows_step(cuda, 96 * 8, 128, 1536, 2048) == want
