@@ -81,7 +81,7 @@ FIGURES = {
         "The update: clipping, correction, entropy, gradient",
         [
             ("share of tokens", [r"clip_frac_low", r"clip_frac_high", r"correction_frac"]),
-            ("mean ratio", [r"ratio_mean", r"is_ratio_mean"]),
+            ("mean ratio", [r"ratio_mean", r"is_ratio_mean", r"is_weight_mean"]),
             ("entropy, nats", [r"entropy"]),
             ("gradient norm", [r"grad_norm"]),
         ],
@@ -176,13 +176,13 @@ ESSENTIALS = {
     "task": ("kind",),
     "run": ("steps", "seed", "eval_every", "eval_precision", "micro_batch_seqs"),
 }
-# Shown only where they act: a setting -> (the setting that turns it on, its value).
+# Shown only where they act: a setting -> (the setting that turns it on, its values that do).
 ACTS_WHEN = {
-    "engine.compact_fraction": ("engine.guidance", "compact"),
-    "engine.sparse_delta": ("engine.guidance", "sparse"),
-    "grpo.tis_cap": ("grpo.correction", "tis"),
-    "grpo.mask_low": ("grpo.correction", "mask"),
-    "grpo.mask_high": ("grpo.correction", "mask"),
+    "engine.compact_fraction": ("engine.guidance", ("compact",)),
+    "engine.sparse_delta": ("engine.guidance", ("sparse",)),
+    "grpo.tis_cap": ("grpo.correction", ("tis", "seq_tis")),
+    "grpo.mask_low": ("grpo.correction", ("mask", "seq_mask")),
+    "grpo.mask_high": ("grpo.correction", ("mask", "seq_mask")),
 }
 # config.toml leaves out a setting whose value is None (TOML has none); what that means.
 WHEN_UNSET = {
@@ -240,8 +240,8 @@ def _config_section(config: dict | None) -> list[str]:
         for key in keys:
             name = f"{section}.{key}"
             if name in ACTS_WHEN:
-                on, value = ACTS_WHEN[name]
-                if _setting(config, on) != value:
+                on, values = ACTS_WHEN[name]
+                if _setting(config, on) not in values:
                     continue
             if key in table:
                 rows.append([f"`{name}`", f"`{json.dumps(table[key])}`"])

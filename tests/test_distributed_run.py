@@ -140,6 +140,7 @@ CLOSE = (
     "entropy",
     "token_mult_prob_error",
     "is_ratio_mean",
+    "is_weight_mean",
     "ratio_mean",
     "clip_frac_low",
     "clip_frac_high",

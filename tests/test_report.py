@@ -353,6 +353,16 @@ def configuration(config: run_config.RunConfig, tmp_path) -> dict[str, list[str]
             ("engine.compact_fraction", "grpo.mask_low"),
         ),
         (
+            ["grpo.correction=seq_tis", "grpo.tis_cap=3"],  # the sequence corrections too
+            {"grpo.correction": '`"seq_tis"`', "grpo.tis_cap": "`3.0`"},
+            ("grpo.mask_low", "grpo.mask_high"),
+        ),
+        (
+            ["grpo.correction=seq_mask"],
+            {"grpo.mask_low": "`0.5`", "grpo.mask_high": "`2.0`"},
+            ("grpo.tis_cap",),
+        ),
+        (
             [],  # no guidance: the table says so rather than leaving the row out
             {"engine.guidance": "unset: no guidance recorded", "model.device": '`"auto"`'},
             ("engine.compact_fraction", "engine.sparse_delta"),

@@ -17,12 +17,15 @@ Three policies meet here, as in decoupled PPO:
 
 Per token, with ``r = exp(logp_new - logp_prox)`` and ``rho = exp(logp_prox - logp_rollout)``::
 
-    loss_t = w(rho) * -min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A) + kl_coef * k3_t
+    loss_t = w * -min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A) + kl_coef * k3_t
 
 The clip keeps several steps on one rollout near ``pi_prox``; ``w`` corrects for the sample
-having come from ``mu``, not ``pi_prox``. With one step per rollout ``logp_prox`` is left out
-and defaults to ``logp_new.detach()``: ``r`` is 1 in value and its gradient is that of
-``logp_new``, so nothing is clipped and ``w`` alone handles the FP4 rollout.
+having come from ``mu``, not ``pi_prox``: per token from its own ``rho`` ("tis", "mask"), or per
+completion from the completion's ratio ``pi_prox(y|x) / mu(y|x)``, the product of its tokens'
+``rho``, the same weight on each of its tokens ("seq_tis", "seq_mask"). With one step per
+rollout ``logp_prox`` is left out and defaults to ``logp_new.detach()``: ``r`` is 1 in value and
+its gradient is that of ``logp_new``, so nothing is clipped and ``w`` alone handles the FP4
+rollout.
 """
 
 from __future__ import annotations
@@ -35,7 +38,9 @@ import torch
 from fp4rl import checks
 
 Aggregation = Literal["token_mean", "seq_mean"]
-Correction = Literal["none", "tis", "mask"]
+Correction = Literal["none", "tis", "mask", "seq_tis", "seq_mask"]
+# The corrections weighting a completion by its own ratio (the product of its tokens' ratios).
+SEQUENCE_CORRECTIONS = ("seq_tis", "seq_mask")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -45,9 +50,13 @@ class GrpoConfig:
     clip_low: float = 0.2  # r below 1 - clip_low stops pushing a negative-advantage token down
     clip_high: float = 0.28  # larger than clip_low ("clip higher") so rare tokens can rise
     aggregation: Aggregation = "token_mean"
-    correction: Correction = "tis"  # rollout/trainer mismatch: none | tis | mask
-    tis_cap: float = 2.0  # "tis": weight = min(rho, tis_cap)
-    mask_low: float = 0.5  # "mask": tokens with rho outside [mask_low, mask_high] get weight 0
+    # Rollout/trainer mismatch: none | tis | mask (each token by its own ratio rho) | seq_tis |
+    # seq_mask (each completion by its ratio, the product of its tokens' rho).
+    correction: Correction = "tis"
+    tis_cap: float = 2.0  # "tis": weight = min(rho, tis_cap); "seq_tis": the completion's, capped
+    # "mask": tokens with rho outside [mask_low, mask_high] get weight 0; "seq_mask": every token
+    # of a completion whose ratio lies outside.
+    mask_low: float = 0.5
     mask_high: float = 2.0
     kl_coef: float = 0.0  # > 0 needs logp_ref_N (a frozen reference policy)
     # Leave samples cut off by max_tokens out of the update (they are counted either way).
@@ -143,8 +152,9 @@ def grpo_loss(
     micro-batch losses is then the whole-batch loss, however the batch was split (seq_mean
     needs each completion whole inside one micro-batch). They default to this call's counts.
     A completion with no tokens here adds 0 to the seq_mean sum but still counts in
-    ``total_seqs``. Metrics are means over this call's tokens: weight them by its token count
-    to combine micro-batches.
+    ``total_seqs``. The sequence corrections take a completion's ratio from its tokens in this
+    call, so they too need each completion whole inside one micro-batch. Metrics are means over
+    this call's tokens: weight them by its token count to combine micro-batches.
     """
     _check_tokens(
         logp_new_N, seq_index_N, logp_rollout_N=logp_rollout_N, advantages_N=advantages_N,
@@ -172,11 +182,19 @@ def grpo_loss(
     with torch.no_grad():
         log_rho_N = logp_prox_N - logp_rollout_N.to(f32)
         rho_N = torch.exp(log_rho_N)
-        if config.correction == "tis":
-            weight_N = rho_N.clamp(max=config.tis_cap)
-            touched_N = rho_N > config.tis_cap
-        elif config.correction == "mask":
-            touched_N = (rho_N < config.mask_low) | (rho_N > config.mask_high)
+        # The ratio each token is weighted by: its own, or its completion's (on each of its
+        # tokens: the sum of their log-ratios, exp'd; +inf past FP32's range, which caps to
+        # tis_cap and is masked like any ratio above mask_high).
+        weighted_N = rho_N
+        if config.correction in SEQUENCE_CORRECTIONS:
+            log_rho_Q = torch.zeros(num_seqs, dtype=f32, device=log_rho_N.device)
+            log_rho_Q = log_rho_Q.index_add(0, seq_index_N, log_rho_N)
+            weighted_N = torch.exp(log_rho_Q)[seq_index_N]
+        if config.correction in ("tis", "seq_tis"):
+            weight_N = weighted_N.clamp(max=config.tis_cap)
+            touched_N = weighted_N > config.tis_cap
+        elif config.correction in ("mask", "seq_mask"):
+            touched_N = (weighted_N < config.mask_low) | (weighted_N > config.mask_high)
             weight_N = (~touched_N).to(f32)
         else:
             weight_N = torch.ones_like(rho_N)
@@ -211,6 +229,7 @@ def grpo_loss(
             "correction_frac": mean(touched_N),
             "ratio_mean": mean(ratio_N),
             "is_ratio_mean": mean(rho_N),
+            "is_weight_mean": mean(weight_N),
             # The issue's rollout/trainer gap: mean over tokens of exp(|logp_train - logp_rollout|).
             "token_mult_prob_error": mean(torch.exp(log_rho_N.abs())),
         }

@@ -152,6 +152,72 @@ def test_mask_drops_tokens_but_keeps_them_in_the_token_count():
     assert float(m["correction_frac"]) == 0.5
 
 
+def test_sequence_tis_weights_each_completion_by_its_capped_ratio():
+    logp = leaf(-1.0, -1.0, -1.0, -1.0, -1.0)
+    seq = torch.tensor([0, 0, 1, 1, 2])
+    rollout = -1 - t(2, 1.5, 3, 0.5, 0.5).log()  # rho per token
+    loss, grad, m = loss_and_grad(
+        logp, logp_rollout_N=rollout, advantages_N=t(1, 1, 1, 1, -1), seq_index_N=seq,
+        num_seqs=3, config=GrpoConfig(correction="seq_tis", tis_cap=2.0),
+    )  # fmt: skip
+    # completion ratios: 2 * 1.5 = 3, 3 * 0.5 = 1.5, 0.5 -> weights min(., 2) = 2, 1.5, 0.5,
+    # on every token of the completion: [2, 2, 1.5, 1.5, 0.5] (token tis: [2, 1.5, 2, 0.5, 0.5])
+    # loss = -(2 + 2 + 1.5 + 1.5 - 0.5) / 5 = -1.3; grad = -w A / 5
+    torch.testing.assert_close(loss, torch.tensor(-1.3), **TOL)
+    torch.testing.assert_close(grad, t(-0.4, -0.4, -0.3, -0.3, 0.1), **TOL)
+    torch.testing.assert_close(m["correction_frac"], torch.tensor(0.4), **TOL)  # completion 0
+    torch.testing.assert_close(m["is_weight_mean"], torch.tensor(7.5 / 5), **TOL)
+    torch.testing.assert_close(m["is_ratio_mean"], torch.tensor(7.5 / 5), **TOL)  # token rho
+
+
+def test_sequence_mask_drops_whole_completions_by_their_ratio():
+    logp = leaf(-1.0, -1.0, -1.0, -1.0, -1.0)
+    seq = torch.tensor([0, 0, 1, 1, 2])
+    rollout = -1 - t(3, 0.5, 1.5, 1.5, 0.8).log()
+    config = GrpoConfig(correction="seq_mask", mask_low=0.5, mask_high=2.0)
+    loss, grad, m = loss_and_grad(
+        logp, logp_rollout_N=rollout, advantages_N=t(1, 1, 1, 1, -1), seq_index_N=seq,
+        num_seqs=3, config=config,
+    )  # fmt: skip
+    # completion ratios: 1.5 (kept, though its first token's rho 3 is outside), 2.25 (both
+    # tokens dropped), 0.8 (kept) -> weights [1, 1, 0, 0, 1]
+    # loss = -(1 + 1 + 0 + 0 - 1) / 5 = -0.2; grad = -w A / 5
+    torch.testing.assert_close(loss, torch.tensor(-0.2), **TOL)
+    torch.testing.assert_close(grad, t(-0.2, -0.2, 0, 0, 0.2), **TOL)
+    torch.testing.assert_close(m["correction_frac"], torch.tensor(0.4), **TOL)
+    torch.testing.assert_close(m["is_weight_mean"], torch.tensor(0.6), **TOL)
+
+
+@pytest.mark.parametrize("correction, weight", [("seq_tis", 2.0), ("seq_mask", 0.0)])
+def test_sequence_ratio_past_fp32_caps_or_masks_without_nan(correction, weight):
+    logp = leaf(-1.0, -1.0, -1.0)
+    # log-ratios 50 + 50 = 100: exp(100) is past FP32's range (+inf)
+    rollout = t(-51.0, -51.0, -1.0)
+    loss, grad, m = loss_and_grad(
+        logp, logp_rollout_N=rollout, advantages_N=t(1, 1, 1), seq_index_N=torch.tensor([0, 0, 1]),
+        num_seqs=2, config=GrpoConfig(correction=correction),
+    )  # fmt: skip
+    # weights [weight, weight, 1]; loss = -(2 weight + 1) / 3
+    torch.testing.assert_close(loss, torch.tensor(-(2 * weight + 1) / 3), **TOL)
+    torch.testing.assert_close(grad, -t(weight, weight, 1) / 3, **TOL)
+    assert float(m["correction_frac"]) == pytest.approx(2 / 3)
+
+
+def test_sequence_correction_uses_the_proximal_policy_not_the_current_one():
+    prox = t(-1.0, -1.0)
+    logp = (prox + math.log(1.1)).requires_grad_(True)
+    rollout = prox - math.log(1.5)  # rho = exp(prox - rollout) = 1.5 a token
+    loss, _, _ = loss_and_grad(
+        logp, logp_prox_N=prox, logp_rollout_N=rollout, advantages_N=t(1, 1),
+        config=GrpoConfig(correction="seq_tis", tis_cap=3.0),
+    )  # fmt: skip
+    # completion ratio 1.5 * 1.5 = 2.25 (under the cap) on both tokens; r = 1.1 inside the clip:
+    # loss = -(2.25 * 1.1 + 2.25 * 1.1) / 2 = -2.475.
+    # From the current policy, exp(new - rollout) = 1.65 a token, the ratio would be 2.7225
+    # (loss -2.99475).
+    torch.testing.assert_close(loss, torch.tensor(-2.475), **TOL)
+
+
 # --- aggregation, KL, entropy ----------------------------------------------------------------
 
 SEQ_3_1 = torch.tensor([0, 0, 0, 1])  # completion 0 has three tokens, completion 1 one
@@ -207,15 +273,16 @@ def test_entropy_is_reported_only_when_given():
 # --- micro-batching --------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("correction", ["tis", "seq_tis", "seq_mask"])
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean"])
-def test_micro_batches_sum_to_the_whole_batch(aggregation):
+def test_micro_batches_sum_to_the_whole_batch(aggregation, correction):
     gen = torch.Generator().manual_seed(0)
     lengths = [3, 1, 4, 2, 5]
     seq_N = torch.repeat_interleave(torch.arange(5), torch.tensor(lengths))
     logp = -torch.rand(15, generator=gen)
     adv = torch.randn(5, generator=gen)[seq_N]
     rollout = logp - 0.3 * torch.randn(15, generator=gen)
-    config = GrpoConfig(aggregation=aggregation, kl_coef=0.05)
+    config = GrpoConfig(aggregation=aggregation, correction=correction, kl_coef=0.05)
     ref = logp - 0.1
 
     def run(token_slices, seq_ranges):
@@ -274,6 +341,6 @@ def test_config_rejects_naming_key_and_value(key, value):
 
 
 def test_config_names_allowed_modes():
-    with pytest.raises(ValueError, match=r"\('none', 'tis', 'mask'\)"):
+    with pytest.raises(ValueError, match=r"\('none', 'tis', 'mask', 'seq_tis', 'seq_mask'\)"):
         GrpoConfig(correction="is")
     assert GrpoConfig(clip_low=0, tis_cap=3).tis_cap == 3.0  # ints become floats
