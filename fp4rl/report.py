@@ -62,6 +62,8 @@ FIGURES = {
             ),
             ("KL (k3 estimate)", [r"observed_kl"]),
             ("max |Δlogp|", [r"observed_max_abs_dlogp"]),
+            ("a completion's |Σ Δlogp|, mean and max", [r"observed_seq_.*abs_dlogp"]),
+            ("completions past 2x", [r"observed_seq_past_2x"]),
         ],
     ),
     "agreement.png": (
@@ -195,6 +197,9 @@ GAP = (
     "observed_token_mult_prob_error",
     "observed_kl",
     "observed_max_abs_dlogp",
+    "observed_seq_abs_dlogp",
+    "observed_seq_max_abs_dlogp",
+    "observed_seq_past_2x",
 )
 # Within a few ulps of 1 when the sides agree: shown as their distance from 1.
 NEAR_ONE = ("token_mult_prob_error", "observed_token_mult_prob_error")

@@ -155,7 +155,7 @@ OBSERVED_EXACT = (
     r"observed_max_abs_dlogp",
     r".+_bytes_per_token",
 )
-OBSERVED_CLOSE = ("observed_token_mult_prob_error", "observed_kl")
+OBSERVED_CLOSE = ("observed_token_mult_prob_error", "observed_kl", "observed_seq_abs_dlogp")
 
 
 def assert_same_observed(got: dict, want: dict) -> None:

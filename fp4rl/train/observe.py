@@ -18,6 +18,10 @@ and routing, and compares them with the rollout's records in the batch:
   logp_rollout), and ``observed_max_abs_dlogp`` = max |d|. Prefixed, because the update
   reports its own ``token_mult_prob_error`` (over the tokens it trains on) and ``kl`` (to the
   reference policy) into the same step's metrics;
+- the same gap per completion, the sum D of its tokens' d (D = log of the ratio pi_train(y|x) /
+  mu(y|x) that `grpo.correction`'s sequence forms weight by): ``observed_seq_abs_dlogp`` =
+  mean |D| over the completions, ``observed_seq_max_abs_dlogp`` = max |D|, and
+  ``observed_seq_past_2x``, the share of completions whose ratio lies outside [1/2, 2];
 - without replay: per layer, the share of tokens whose trainer top-k expert set equals the
   rollout's.
 
@@ -31,6 +35,7 @@ It does not own the metrics of the update itself (`fp4rl.train.grpo`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -72,8 +77,9 @@ def observe(
     ``code_agreement``, ``code_agreement/<site>``, ``code_agreement/layer<i>``,
     ``adjacent_share``, ``block_scale_agreement``, ``mantissa_agreement``,
     ``sparse_bit_agreement``, ``sparse_recorded_share``, ``observed_token_mult_prob_error``,
-    ``observed_kl``, ``observed_max_abs_dlogp``, ``router_agreement/layer<i>``. ``forward``:
-    the trainer's attention, as the update runs it (`policy_logprobs`)."""
+    ``observed_kl``, ``observed_max_abs_dlogp``, ``observed_seq_abs_dlogp``,
+    ``observed_seq_max_abs_dlogp``, ``observed_seq_past_2x``, ``router_agreement/layer<i>``.
+    ``forward``: the trainer's attention, as the update runs it (`policy_logprobs`)."""
     counts = observe_counts(
         policy, batch, replay=replay, guided=guided, temperature=temperature, forward=forward
     )
@@ -110,6 +116,12 @@ def observe_counts(
         out.sums["gap exp_abs_sum"] = float(d_N.abs().exp().double().sum())
         out.sums["gap k3_sum"] = float((d_N.exp() - d_N - 1).double().sum())
         out.maxima["gap max_abs"] = float(d_N.abs().max())
+        seq_d = torch.zeros(batch.num_seqs, dtype=torch.float64)
+        seq_d = seq_d.index_add(0, batch.seq_index_N.cpu(), d_N.double()).abs()
+        out.sums["gap seqs"] = float(batch.num_seqs)
+        out.sums["gap seq_abs_sum"] = float(seq_d.sum())
+        out.sums["gap seq_past_2x"] = float((seq_d > math.log(2)).sum())
+        out.maxima["gap seq_max_abs"] = float(seq_d.max())
     out.sums.update(_codes(rec, batch))
     if not replay and batch.routing is not None:
         for i, layer in enumerate(policy.moe_layers):
@@ -128,6 +140,9 @@ def observed_metrics(counts: Observed) -> dict[str, float]:
         out["observed_token_mult_prob_error"] = s["gap exp_abs_sum"] / s["gap tokens"]
         out["observed_kl"] = s["gap k3_sum"] / s["gap tokens"]
         out["observed_max_abs_dlogp"] = counts.maxima["gap max_abs"]
+        out["observed_seq_abs_dlogp"] = s["gap seq_abs_sum"] / s["gap seqs"]
+        out["observed_seq_max_abs_dlogp"] = counts.maxima["gap seq_max_abs"]
+        out["observed_seq_past_2x"] = s["gap seq_past_2x"] / s["gap seqs"]
     for key, total in s.items():
         metric, part = key.rsplit(" ", 1)
         if part != "total" or not total:

@@ -2,6 +2,8 @@
 from the rollout's: guided rounding agrees everywhere, nearest rounding does not, and most of
 its disagreements are adjacent codewords."""
 
+import math
+
 import torch
 from tiny_models import engine_config, rollout_model
 
@@ -9,6 +11,7 @@ from fp4rl.records import collate
 from fp4rl.rollout import Engine, SamplingParams
 from fp4rl.train.grpo import GrpoConfig, grpo_loss
 from fp4rl.train.observe import observe, signed_index
+from fp4rl.train.policy import policy_logprobs
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [7] * 20, [90, 12, 55, 4, 4, 4, 100]]
 
@@ -38,6 +41,16 @@ def test_guided_agrees_everywhere_nearest_mostly_adjacent_and_live_routing_is_me
     assert nearest["adjacent_share"] > 0.9
     assert guided["observed_token_mult_prob_error"] < nearest["observed_token_mult_prob_error"]
     assert guided["observed_kl"] >= 0 and guided["observed_max_abs_dlogp"] < 0.1
+    # Per completion: the sum of its tokens' gaps, recomputed here from the same forward.
+    with torch.no_grad():
+        d_N = policy_logprobs(qat, batch, replay=True, guided=False) - batch.sampling_logprobs_N
+    seq_Q = torch.zeros(batch.num_seqs, dtype=torch.float64)
+    seq_Q = seq_Q.index_add(0, batch.seq_index_N, d_N.double()).abs()
+    assert nearest["observed_seq_abs_dlogp"] == float(seq_Q.sum()) / batch.num_seqs
+    assert nearest["observed_seq_max_abs_dlogp"] == float(seq_Q.max())
+    assert nearest["observed_seq_past_2x"] == float((seq_Q > math.log(2)).sum()) / batch.num_seqs
+    assert guided["observed_seq_abs_dlogp"] < nearest["observed_seq_abs_dlogp"]
+    assert nearest["observed_seq_max_abs_dlogp"] >= nearest["observed_max_abs_dlogp"] > 0
     assert set(live) >= {"router_agreement/layer1", "router_agreement/layer3"}
     assert all(0 <= live[f"router_agreement/layer{i}"] <= 1 for i in (1, 2, 3))
 
