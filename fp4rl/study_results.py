@@ -26,7 +26,13 @@ def run_dir(out: Path, variant: str, seed: int) -> Path:
 
 # The mismatch metrics of the table: FP4 codes (full records) or mantissa bits (compact
 # records) the trainer reproduced, and the logprob gap of the update's and observe's tokens.
-MISMATCH = ("code_agreement", "mantissa_agreement", "token_mult_prob_error", "observed_kl")
+MISMATCH = (
+    "code_agreement",
+    "mantissa_agreement",
+    "token_mult_prob_error",
+    "observed_kl",
+    "observed_seq_abs_dlogp",
+)
 # The figures: file -> (title, the keys drawn, one panel each).
 CURVES = {
     "accuracy.png": (
@@ -195,8 +201,8 @@ def markdown(table: dict[str, dict[str, float]], figures: list[Path]) -> str:
         "Accuracy in %, mean ± sample standard deviation over seeds.",
         "",
         "| variant | code agreement (%) | mantissa agreement (%) | token_mult_prob_error | "
-        "KL (k3) | rollout tokens/s | step time (s) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "KL (k3) | a completion's mean abs(Σ Δlogp) | rollout tokens/s | step time (s) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for variant, row in table.items():
         cells = [
@@ -204,14 +210,16 @@ def markdown(table: dict[str, dict[str, float]], figures: list[Path]) -> str:
             _pm(row, "mantissa_agreement", 3, 100),
             _pm(row, "token_mult_prob_error", 5),
             _pm(row, "observed_kl", 6),
+            _pm(row, "observed_seq_abs_dlogp", 4),
             _pm(row, "rollout_tokens_per_s", 0),
             _pm(row, "step_s", 2),
         ]
         lines.append(f"| {variant} | " + " | ".join(cells) + " |")
     lines += [
         "",
-        "Mismatch: agreement and KL (k3 estimate, sampled tokens) measured every "
-        "`align.observe_every` steps before the update, token_mult_prob_error (mean "
+        "Mismatch: agreement, KL (k3 estimate, sampled tokens) and a completion's summed gap "
+        "(nats) measured every `align.observe_every` steps before the update, "
+        "token_mult_prob_error (mean "
         "exp(|Δlogp|)) by every update over its tokens; each run's mean, then mean ± std over "
         "seeds. Throughput and step time (rollout + train + refit): each run's median step, "
         "then mean ± std.",
