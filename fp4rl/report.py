@@ -173,7 +173,7 @@ ESSENTIALS = {
     "engine": ("capture_routing", "guidance", "compact_fraction", "sparse_delta"),
     "align": ("replay", "rounding", "trainer_activations", "trainer_forward", "observe_every"),
     "rollout": ("prompts_per_step", "samples_per_prompt", "max_tokens", "temperature"),
-    "grpo": ("correction", "tis_cap", "mask_low", "mask_high"),
+    "grpo": ("correction", "tis_cap", "mask_low", "mask_high", "geo_mask_low", "geo_mask_high"),
     "optim": ("lr",),
     "task": ("kind",),
     "run": ("steps", "seed", "eval_every", "eval_precision", "micro_batch_seqs"),
@@ -185,6 +185,8 @@ ACTS_WHEN = {
     "grpo.tis_cap": ("grpo.correction", ("tis", "seq_tis")),
     "grpo.mask_low": ("grpo.correction", ("mask", "seq_mask")),
     "grpo.mask_high": ("grpo.correction", ("mask", "seq_mask")),
+    "grpo.geo_mask_low": ("grpo.correction", ("geo_mask",)),
+    "grpo.geo_mask_high": ("grpo.correction", ("geo_mask",)),
 }
 # config.toml leaves out a setting whose value is None (TOML has none); what that means.
 WHEN_UNSET = {

@@ -360,7 +360,12 @@ def configuration(config: run_config.RunConfig, tmp_path) -> dict[str, list[str]
         (
             ["grpo.correction=seq_mask"],
             {"grpo.mask_low": "`0.5`", "grpo.mask_high": "`2.0`"},
-            ("grpo.tis_cap",),
+            ("grpo.tis_cap", "grpo.geo_mask_low"),
+        ),
+        (
+            ["grpo.correction=geo_mask", "grpo.geo_mask_high=1.05"],
+            {"grpo.geo_mask_low": "`0.98`", "grpo.geo_mask_high": "`1.05`"},
+            ("grpo.tis_cap", "grpo.mask_low"),
         ),
         (
             [],  # no guidance: the table says so rather than leaving the row out

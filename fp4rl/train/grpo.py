@@ -22,7 +22,8 @@ Per token, with ``r = exp(logp_new - logp_prox)`` and ``rho = exp(logp_prox - lo
 The clip keeps several steps on one rollout near ``pi_prox``; ``w`` corrects for the sample
 having come from ``mu``, not ``pi_prox``: per token from its own ``rho`` ("tis", "mask"), or per
 completion from the completion's ratio ``pi_prox(y|x) / mu(y|x)``, the product of its tokens'
-``rho``, the same weight on each of its tokens ("seq_tis", "seq_mask"). With one step per
+``rho``, the same weight on each of its tokens ("seq_tis", "seq_mask"), or its geometric mean
+(the mean of its tokens' ``log rho``, exp'd: "geo_mask"). With one step per
 rollout ``logp_prox`` is left out and defaults to ``logp_new.detach()``: ``r`` is 1 in value and
 its gradient is that of ``logp_new``, so nothing is clipped and ``w`` alone handles the FP4
 rollout.
@@ -38,9 +39,10 @@ import torch
 from fp4rl import checks
 
 Aggregation = Literal["token_mean", "seq_mean"]
-Correction = Literal["none", "tis", "mask", "seq_tis", "seq_mask"]
-# The corrections weighting a completion by its own ratio (the product of its tokens' ratios).
-SEQUENCE_CORRECTIONS = ("seq_tis", "seq_mask")
+Correction = Literal["none", "tis", "mask", "seq_tis", "seq_mask", "geo_mask"]
+# The corrections weighting a completion by its own ratio (the product of its tokens' ratios)
+# or by that ratio's geometric mean over its tokens.
+SEQUENCE_CORRECTIONS = ("seq_tis", "seq_mask", "geo_mask")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -51,13 +53,18 @@ class GrpoConfig:
     clip_high: float = 0.28  # larger than clip_low ("clip higher") so rare tokens can rise
     aggregation: Aggregation = "token_mean"
     # Rollout/trainer mismatch: none | tis | mask (each token by its own ratio rho) | seq_tis |
-    # seq_mask (each completion by its ratio, the product of its tokens' rho).
+    # seq_mask (each completion by its ratio, the product of its tokens' rho) | geo_mask (each
+    # completion by that ratio's geometric mean, the same scale at any length).
     correction: Correction = "tis"
     tis_cap: float = 2.0  # "tis": weight = min(rho, tis_cap); "seq_tis": the completion's, capped
     # "mask": tokens with rho outside [mask_low, mask_high] get weight 0; "seq_mask": every token
     # of a completion whose ratio lies outside.
     mask_low: float = 0.5
     mask_high: float = 2.0
+    # "geo_mask": every token of a completion whose geometric-mean ratio lies outside
+    # [geo_mask_low, geo_mask_high] gets weight 0 (2 % a token on average, either way).
+    geo_mask_low: float = 0.98
+    geo_mask_high: float = 1.02
     kl_coef: float = 0.0  # > 0 needs logp_ref_N (a frozen reference policy)
     # Leave samples cut off by max_tokens out of the update (they are counted either way).
     mask_truncated: bool = False
@@ -79,9 +86,13 @@ class GrpoConfig:
         checks.number("grpo.tis_cap", self.tis_cap, ">= 1", lambda v: v >= 1)
         checks.number("grpo.mask_low", self.mask_low, "in (0, 1]", lambda v: 0 < v <= 1)
         checks.number("grpo.mask_high", self.mask_high, ">= 1", lambda v: v >= 1)
+        checks.number("grpo.geo_mask_low", self.geo_mask_low, "in (0, 1]", lambda v: 0 < v <= 1)
+        checks.number("grpo.geo_mask_high", self.geo_mask_high, ">= 1", lambda v: v >= 1)
         checks.number("grpo.kl_coef", self.kl_coef, ">= 0", lambda v: v >= 0)
         checks.integer("grpo.mini_batches", self.mini_batches, 1)
-        for key in ("clip_low", "clip_high", "tis_cap", "mask_low", "mask_high", "kl_coef"):
+        floats = ("clip_low", "clip_high", "tis_cap", "mask_low", "mask_high", "geo_mask_low",
+                  "geo_mask_high", "kl_coef")  # fmt: skip
+        for key in floats:
             object.__setattr__(self, key, float(getattr(self, key)))
 
 
@@ -189,12 +200,20 @@ def grpo_loss(
         if config.correction in SEQUENCE_CORRECTIONS:
             log_rho_Q = torch.zeros(num_seqs, dtype=f32, device=log_rho_N.device)
             log_rho_Q = log_rho_Q.index_add(0, seq_index_N, log_rho_N)
+            if config.correction == "geo_mask":  # the mean over the completion's tokens here
+                tokens_Q = torch.zeros_like(log_rho_Q).index_add(
+                    0, seq_index_N, torch.ones_like(log_rho_N)
+                )
+                log_rho_Q = log_rho_Q / tokens_Q.clamp(min=1.0)
             weighted_N = torch.exp(log_rho_Q)[seq_index_N]
         if config.correction in ("tis", "seq_tis"):
             weight_N = weighted_N.clamp(max=config.tis_cap)
             touched_N = weighted_N > config.tis_cap
-        elif config.correction in ("mask", "seq_mask"):
-            touched_N = (weighted_N < config.mask_low) | (weighted_N > config.mask_high)
+        elif config.correction in ("mask", "seq_mask", "geo_mask"):
+            low, high = (config.mask_low, config.mask_high)
+            if config.correction == "geo_mask":
+                low, high = (config.geo_mask_low, config.geo_mask_high)
+            touched_N = (weighted_N < low) | (weighted_N > high)
             weight_N = (~touched_N).to(f32)
         else:
             weight_N = torch.ones_like(rho_N)

@@ -188,6 +188,28 @@ def test_sequence_mask_drops_whole_completions_by_their_ratio():
     torch.testing.assert_close(m["is_weight_mean"], torch.tensor(0.6), **TOL)
 
 
+def test_geometric_mask_drops_completions_by_their_mean_ratio_a_token():
+    logp = leaf(-1.0, -1.0, -1.0, -1.0, -1.0)
+    seq = torch.tensor([0, 0, 1, 1, 2])
+    rollout = -1 - t(1.5, 1 / 1.5, 1.01, 1.05, 0.99).log()
+    loss, grad, m = loss_and_grad(
+        logp, logp_rollout_N=rollout, advantages_N=t(1, 1, 1, 1, -1), seq_index_N=seq,
+        num_seqs=3, config=GrpoConfig(correction="geo_mask"),
+    )  # fmt: skip
+    # geometric means: sqrt(1.5 / 1.5) = 1 (kept, though each token is 50 % off);
+    # sqrt(1.01 * 1.05) = 1.0298 > 1.02 (dropped, though its product 1.06 is inside seq_mask's
+    # [0.5, 2]); 0.99 (kept) -> weights [1, 1, 0, 0, 1]; loss = -(1 + 1 + 0 + 0 - 1) / 5
+    torch.testing.assert_close(loss, torch.tensor(-0.2), **TOL)
+    torch.testing.assert_close(grad, t(-0.2, -0.2, 0, 0, 0.2), **TOL)
+    torch.testing.assert_close(m["correction_frac"], torch.tensor(0.4), **TOL)
+    _, _, m = loss_and_grad(
+        leaf(-1.0, -1.0, -1.0, -1.0, -1.0), logp_rollout_N=rollout,
+        advantages_N=t(1, 1, 1, 1, -1), seq_index_N=seq, num_seqs=3,
+        config=GrpoConfig(correction="geo_mask", geo_mask_low=0.5, geo_mask_high=1.05),
+    )  # fmt: skip
+    assert float(m["correction_frac"]) == 0.0  # its own bounds, not mask_low / mask_high
+
+
 @pytest.mark.parametrize("correction, weight", [("seq_tis", 2.0), ("seq_mask", 0.0)])
 def test_sequence_ratio_past_fp32_caps_or_masks_without_nan(correction, weight):
     logp = leaf(-1.0, -1.0, -1.0)
@@ -273,7 +295,7 @@ def test_entropy_is_reported_only_when_given():
 # --- micro-batching --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("correction", ["tis", "seq_tis", "seq_mask"])
+@pytest.mark.parametrize("correction", ["tis", "seq_tis", "seq_mask", "geo_mask"])
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean"])
 def test_micro_batches_sum_to_the_whole_batch(aggregation, correction):
     gen = torch.Generator().manual_seed(0)
@@ -282,7 +304,12 @@ def test_micro_batches_sum_to_the_whole_batch(aggregation, correction):
     logp = -torch.rand(15, generator=gen)
     adv = torch.randn(5, generator=gen)[seq_N]
     rollout = logp - 0.3 * torch.randn(15, generator=gen)
-    config = GrpoConfig(aggregation=aggregation, correction=correction, kl_coef=0.05)
+    # The completions' geometric-mean ratios are 1.23, 0.84, 1.30, 0.84, 1.26: bounds that keep
+    # some and drop others.
+    config = GrpoConfig(
+        aggregation=aggregation, correction=correction, kl_coef=0.05, geo_mask_low=0.8,
+        geo_mask_high=1.25,
+    )  # fmt: skip
     ref = logp - 0.1
 
     def run(token_slices, seq_ranges):
@@ -328,6 +355,8 @@ def test_inputs_are_checked():
         ("tis_cap", 0.5),
         ("mask_low", 0.0),
         ("mask_high", 0.9),
+        ("geo_mask_low", 1.01),
+        ("geo_mask_high", 0.99),
         ("kl_coef", -1e-3),
         ("kl_coef", True),
         ("normalize_std", 1),
@@ -341,6 +370,7 @@ def test_config_rejects_naming_key_and_value(key, value):
 
 
 def test_config_names_allowed_modes():
-    with pytest.raises(ValueError, match=r"\('none', 'tis', 'mask', 'seq_tis', 'seq_mask'\)"):
+    modes = r"\('none', 'tis', 'mask', 'seq_tis', 'seq_mask', 'geo_mask'\)"
+    with pytest.raises(ValueError, match=modes):
         GrpoConfig(correction="is")
     assert GrpoConfig(clip_low=0, tis_cap=3).tis_cap == 3.0  # ints become floats
