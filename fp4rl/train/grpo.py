@@ -186,6 +186,10 @@ def grpo_loss(
     adv_N = advantages_N.to(f32)
     logp_prox_N = logp_new_N.detach() if logp_prox_N is None else logp_prox_N.to(f32)
 
+    def per_seq(x_N: torch.Tensor) -> torch.Tensor:
+        """The sum of ``x_N`` over each completion's tokens in this call, ``[num_seqs]``."""
+        return torch.zeros(num_seqs, dtype=f32, device=x_N.device).index_add(0, seq_index_N, x_N)
+
     ratio_N = torch.exp(logp_new_N - logp_prox_N)
     clipped_N = ratio_N.clamp(1.0 - config.clip_low, 1.0 + config.clip_high)
     surrogate_N = -torch.minimum(ratio_N * adv_N, clipped_N * adv_N)
@@ -198,21 +202,17 @@ def grpo_loss(
         # tis_cap and is masked like any ratio above mask_high).
         weighted_N = rho_N
         if config.correction in SEQUENCE_CORRECTIONS:
-            log_rho_Q = torch.zeros(num_seqs, dtype=f32, device=log_rho_N.device)
-            log_rho_Q = log_rho_Q.index_add(0, seq_index_N, log_rho_N)
+            log_rho_Q = per_seq(log_rho_N)
             if config.correction == "geo_mask":  # the mean over the completion's tokens here
-                tokens_Q = torch.zeros_like(log_rho_Q).index_add(
-                    0, seq_index_N, torch.ones_like(log_rho_N)
-                )
-                log_rho_Q = log_rho_Q / tokens_Q.clamp(min=1.0)
+                log_rho_Q = log_rho_Q / per_seq(torch.ones_like(log_rho_N)).clamp(min=1.0)
             weighted_N = torch.exp(log_rho_Q)[seq_index_N]
         if config.correction in ("tis", "seq_tis"):
             weight_N = weighted_N.clamp(max=config.tis_cap)
             touched_N = weighted_N > config.tis_cap
         elif config.correction in ("mask", "seq_mask", "geo_mask"):
-            low, high = (config.mask_low, config.mask_high)
-            if config.correction == "geo_mask":
-                low, high = (config.geo_mask_low, config.geo_mask_high)
+            geo = config.correction == "geo_mask"
+            low = config.geo_mask_low if geo else config.mask_low
+            high = config.geo_mask_high if geo else config.mask_high
             touched_N = (weighted_N < low) | (weighted_N > high)
             weight_N = (~touched_N).to(f32)
         else:
@@ -231,11 +231,8 @@ def grpo_loss(
     if config.aggregation == "token_mean":
         loss = loss_N.sum() / max(total_tokens, 1)
     else:
-        len_Q = torch.zeros(num_seqs, dtype=f32, device=loss_N.device)
-        len_Q = len_Q.index_add(0, seq_index_N, torch.ones_like(loss_N))
-        sum_Q = torch.zeros(num_seqs, dtype=f32, device=loss_N.device)
-        sum_Q = sum_Q.index_add(0, seq_index_N, loss_N)
-        loss = (sum_Q / len_Q.clamp(min=1.0)).sum() / max(total_seqs, 1)
+        len_Q = per_seq(torch.ones_like(loss_N))
+        loss = (per_seq(loss_N) / len_Q.clamp(min=1.0)).sum() / max(total_seqs, 1)
 
     with torch.no_grad():
 
